@@ -1,0 +1,267 @@
+"""Selective activation checkpointing (SAC) policies found in the field, and a layer checkpointer.
+
+A policy is a function ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy`` as
+``torch.utils.checkpoint.create_selective_checkpoint_contexts`` expects. These are the rules that real
+trainers use and that expose the FLA cache fault (see ``DESIGN.md`` section 1):
+
+* :func:`save_device_to_host_copies` - torchtitan's and prime-rl's rule: save every ``aten._to_copy``
+  from an accelerator to the CPU (MoE split sizes read on the host), so the recompute does not sync.
+* :func:`save_all_copies` - save every ``aten._to_copy`` (dtype casts included).
+* :func:`save_ops` - save a given list of ops, optionally only when the output has given dtypes.
+* :func:`torchtitan_selective` - torchtitan 0.3's op-level SAC: the D2H rule, its compute/communication
+  save list (``torchtitan.distributed.activation_checkpoint``), every second matmul recomputed.
+* :func:`any_of` - combine policies; the first one that says "save" wins.
+
+:func:`checkpoint_layers` wraps every ``freq``-th layer of a model in torch's non-reentrant checkpoint
+wrapper, full or selective, for users without a trainer framework; :func:`sac_context_fn` builds the
+``context_fn`` that transformers' ``gradient_checkpointing_enable`` and ``torch.utils.checkpoint`` take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+__all__ = [
+    "POLICIES",
+    "any_of",
+    "checkpoint_layers",
+    "sac_context_fn",
+    "save_all_copies",
+    "save_device_to_host_copies",
+    "save_ops",
+    "torchtitan_selective",
+]
+
+Policy = Callable[..., CheckpointPolicy]
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _is_device_to_host(args: tuple, kwargs: dict) -> bool:
+    src = args[0] if args else None
+    dst = kwargs.get("device")
+    return (
+        isinstance(src, torch.Tensor)
+        and src.device.type != "cpu"
+        and dst is not None
+        and torch.device(dst).type == "cpu"
+    )
+
+
+def save_device_to_host_copies() -> Policy:
+    """MUST_SAVE every ``aten._to_copy`` from an accelerator to the CPU; recompute everything else.
+
+    The rule torchtitan (``SelectiveAC``) and prime-rl apply so that an MoE dispatcher's host copy of
+    split sizes is not repeated (and does not sync) in the recompute. On a CPU-only run it saves nothing.
+    """
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op is _TO_COPY and _is_device_to_host(args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy.__name__ = "save_device_to_host_copies"
+    return policy
+
+
+def save_all_copies() -> Policy:
+    """MUST_SAVE every ``aten._to_copy`` (device moves and dtype casts); recompute everything else.
+
+    FLA's index helpers cast int32 ``cu_seqlens`` with ``_to_copy`` on a cache miss, so this policy
+    misaligns as soon as one layer misses in forward and hits in recompute.
+    """
+    return save_ops([_TO_COPY], name="save_all_copies")
+
+
+def save_ops(
+    ops: Iterable[Any],
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    name: str | None = None,
+) -> Policy:
+    """MUST_SAVE the outputs of ``ops`` (aten overloads or packets); recompute everything else.
+
+    Args:
+        ops: e.g. ``[torch.ops.aten.mm.default, torch.ops.aten.sub]``; a packet matches all overloads.
+        dtypes: when given, save only when the op's (first) output has one of these dtypes, e.g.
+            ``[torch.int64]`` for integer ``sub`` only or ``[torch.float32]`` for float-only ``sub``.
+        name: ``__name__`` given to the returned policy (shown in reports).
+
+    Raises:
+        TypeError: an entry of ``ops`` is not a torch op.
+    """
+    overloads: set = set()
+    packets: set = set()
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverload):
+            overloads.add(op)
+        elif isinstance(op, torch._ops.OpOverloadPacket):
+            packets.add(op)
+        else:
+            raise TypeError(f"ops must hold torch ops such as torch.ops.aten.sub.Tensor, got {op!r}")
+    wanted = tuple(dtypes) if dtypes is not None else None
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in overloads or getattr(op, "overloadpacket", None) in packets:
+            if wanted is None:
+                return CheckpointPolicy.MUST_SAVE
+            out = ctx.op_output if ctx.op_output is not None else None
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            if isinstance(first, torch.Tensor) and first.dtype in wanted:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy.__name__ = name or "save_ops"
+    return policy
+
+
+def any_of(*policies: Policy, name: str | None = None) -> Policy:
+    """Combine policies: MUST_SAVE if any of them says MUST_SAVE or PREFER_SAVE."""
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        for p in policies:
+            if p(ctx, op, *args, **kwargs) in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy.__name__ = name or "any_of(" + ", ".join(getattr(p, "__name__", "?") for p in policies) + ")"
+    return policy
+
+
+class torchtitan_selective:  # noqa: N801 - used like the other policy constructors
+    """torchtitan 0.3's op-level selective AC policy (``SelectiveAC``), rebuilt per checkpointed call.
+
+    Saves accelerator-to-CPU copies, torchtitan's default compute and communication save list
+    (``torchtitan.distributed.activation_checkpoint._get_default_save_ops``: SDPA, ``linear``, ``topk``,
+    ``max``, all-to-all, reduce-scatter, ...) and every other matmul. The matmul counter is per region,
+    so :func:`sac_context_fn` calls :meth:`fresh` for every checkpointed call, as torchtitan does.
+
+    Raises:
+        ImportError: torchtitan is not installed (``pip install 'fla-ac-isolation[ep]'``).
+    """
+
+    __name__ = "torchtitan_selective"
+
+    def __init__(self) -> None:
+        from torchtitan.distributed.activation_checkpoint import _get_default_save_ops
+
+        self._save_ops = _get_default_save_ops()
+        self._mm_ops = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
+        self._count = {False: 0, True: 0}
+
+    def fresh(self) -> torchtitan_selective:
+        new = object.__new__(torchtitan_selective)
+        new._save_ops, new._mm_ops, new._count = self._save_ops, self._mm_ops, {False: 0, True: 0}
+        return new
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op is _TO_COPY and _is_device_to_host(args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        if op in self._mm_ops:
+            self._count[ctx.is_recompute] += 1
+        if op in self._save_ops:
+            if op in self._mm_ops and self._count[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+#: Policies by the names the CLI accepts (``--policy``); each value builds a new policy.
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "save-d2h-copies": save_device_to_host_copies,
+    "save-all-copies": save_all_copies,
+    "torchtitan": torchtitan_selective,
+}
+
+
+def sac_context_fn(policy: Policy) -> Callable[[], tuple]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+    Works with transformers too:
+    ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+    "context_fn": sac_context_fn(save_all_copies())})``. A stateful policy (one with a ``fresh()``
+    method, e.g. :class:`torchtitan_selective`) is renewed for every checkpointed call.
+    """
+
+    def context_fn():
+        p = policy.fresh() if hasattr(policy, "fresh") else policy
+        return create_selective_checkpoint_contexts(p)
+
+    return context_fn
+
+
+def _find_layers(layers_or_model: nn.Module) -> nn.Module:
+    if isinstance(layers_or_model, (nn.ModuleList, nn.Sequential)):
+        return layers_or_model
+    for path in ("layers", "model.layers", "backbone.layers", "model.language_model.layers"):
+        obj: Any = layers_or_model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, (nn.ModuleList, nn.Sequential)):
+            return obj
+    for _, module in layers_or_model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            return module
+    raise ValueError(
+        "layers_or_model must be an nn.ModuleList/nn.Sequential of layers or a model with a `layers` "
+        f"ModuleList, got {type(layers_or_model).__name__}"
+    )
+
+
+def checkpoint_layers(
+    layers_or_model: nn.Module,
+    mode: Literal["full", "selective"] = "full",
+    policy: Policy | None = None,
+    freq: int = 1,
+    *,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
+) -> nn.Module:
+    """Wrap every ``freq``-th layer (indices 0, freq, 2*freq, ...) in a non-reentrant checkpoint.
+
+    Uses ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (as torchtitan does), so
+    ``state_dict()`` keys are unchanged. Layers already wrapped are left alone.
+
+    Args:
+        layers_or_model: an ``nn.ModuleList``/``nn.Sequential`` of layers, or a model holding one
+            (``model.layers``, ``model.model.layers``, ``backbone.layers`` or the first ModuleList).
+        mode: ``"full"`` recomputes everything; ``"selective"`` saves what ``policy`` says.
+        policy: SAC policy (required for ``"selective"``, forbidden for ``"full"``).
+        freq: checkpoint one layer in ``freq`` (1 = all; torchtitan's ``selective_ac_option`` ints).
+        early_stop: torch's ``early_stop`` (stop a recompute once every needed tensor exists).
+
+    Returns:
+        The layer container (modified in place).
+
+    Raises:
+        ValueError: unknown ``mode``, ``freq`` < 1, ``policy`` missing or superfluous, no layers found.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        CheckpointWrapper,
+        checkpoint_wrapper,
+    )
+
+    if mode not in ("full", "selective"):
+        raise ValueError(f"mode must be 'full' or 'selective', got {mode!r}")
+    if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+        raise ValueError(f"freq must be an int >= 1, got {freq!r}")
+    if mode == "selective" and policy is None:
+        raise ValueError("mode='selective' needs a policy, e.g. policies.save_device_to_host_copies()")
+    if mode == "full" and policy is not None:
+        raise ValueError("mode='full' takes no policy; use mode='selective' to apply one")
+    layers = _find_layers(layers_or_model)
+    kwargs: dict[str, Any] = {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop}
+    if mode == "selective":
+        kwargs["context_fn"] = sac_context_fn(policy)
+    for i, layer in enumerate(list(layers)):
+        if i % freq or isinstance(layer, CheckpointWrapper):
+            continue
+        layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+    return layers
+

@@ -1,0 +1,297 @@
+"""Per-layer ``cu_seqlens``: the isolation that makes FLA layers safe under activation checkpointing.
+
+FLA memoises metadata derived from ``cu_seqlens`` by argument *identity* (``fla.utils.tensor_cache``).
+When every layer receives the same ``cu_seqlens`` object, one checkpointed layer can miss that cache in
+its forward and hit it in its recompute (or the reverse), so the recompute runs a different sequence of
+aten ops and selective activation checkpointing replays saved tensors into the wrong ops.
+
+:class:`LayerLocalSeqlens` is built once per model forward (validated there, once) and handed to every
+layer. Each layer calls :meth:`LayerLocalSeqlens.local` *inside* its own forward, i.e. inside whatever
+region is checkpointed, and receives tensors that are new Python objects with the same values. Forward
+and recompute of a layer then both start with a cache miss, while FLA's reuse inside one layer (its
+forward, its recompute, its backward) is kept.
+
+Vocabulary (see ``DESIGN.md``): ``cu_seqlens`` ``[N + 1]`` integer offsets of ``N`` packed sequences
+(documents); ``cu_seqlens_cpu`` the same offsets on the host; ``max_seqlen`` the longest document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["LayerLocalSeqlens", "LocalSeqlens"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class LocalSeqlens(NamedTuple):
+    """What one layer sees: fresh tensors, equal in value to the model-level ones.
+
+    Attributes:
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets, on the activations' device; a new object per call.
+        cu_seqlens_cpu: ``[N + 1]`` host copy of the offsets (a new object per call), or ``None`` when the
+            model did not provide host offsets.
+        max_seqlen: length of the longest document, in tokens.
+    """
+
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor | None
+    max_seqlen: int
+
+
+@torch.compiler.disable
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """Return a copy of ``t`` that no dispatch mode (SAC, audit, ...) ever sees.
+
+    Hiding the copy from ``TorchDispatchMode`` stacks matters: a SAC policy that saves ``aten.clone`` (or
+    ``alias``/``_to_copy``) would otherwise hand the recompute the very tensor object that the forward
+    produced, and FLA's identity cache would hit in the recompute after missing in the forward. The copy
+    is also kept out of ``torch.compile`` graphs so that each call yields a new object. Integer offset
+    tensors never require grad, so nothing is lost for autograd.
+    """
+    with _disable_current_modes(), torch.no_grad():
+        return t.clone()
+
+
+def _device_matches(actual: torch.device, expected: torch.device) -> bool:
+    if actual.type != expected.type:
+        return False
+    if expected.index is None or actual.index is None:
+        return True
+    return actual.index == expected.index
+
+
+class LayerLocalSeqlens:
+    """Packed-sequence boundaries that hand each layer its own ``cu_seqlens`` object.
+
+    Build one per model forward (it validates its inputs once, here) and pass it to every layer. Inside
+    its forward, each FLA-backed layer calls :meth:`local` and passes the returned tensors to FLA.
+
+    Args:
+        cu_seqlens: ``[N + 1]`` int32 or int64 tensor of document offsets: starts at 0, non-decreasing
+            (zero-length documents are legal), last value = number of packed tokens ``T``. It must live on
+            the device of the activations.
+        max_seqlen: longest document in tokens. Computed when ``None``; when given, it must be an ``int``
+            at least as large as the longest document (an upper bound is accepted, as in flash-attn).
+        cu_seqlens_cpu: optional ``[N + 1]`` host (CPU) copy of ``cu_seqlens`` with equal values. FLA uses
+            host offsets to avoid device-to-host syncs; pass it when you have it.
+        device: optional device the activations live on; ``cu_seqlens`` must be on it.
+        num_tokens: optional packed token count ``T``; when given, the last offset must equal it.
+
+    Raises:
+        TypeError: ``cu_seqlens``/``cu_seqlens_cpu`` is not a tensor, or not int32/int64; ``max_seqlen``
+            is not an ``int``.
+        ValueError: ``cu_seqlens`` is not 1-D with at least 2 entries, does not start at 0, decreases,
+            sits on another device than ``device``, or its last value differs from ``num_tokens``;
+            ``cu_seqlens_cpu`` is not on the CPU or differs in shape or values; ``max_seqlen`` is smaller
+            than the longest document.
+
+    Cost: validation reads the offsets on the host once. With ``cu_seqlens`` on a GPU and no
+    ``cu_seqlens_cpu`` that is one device-to-host copy; with ``cu_seqlens_cpu`` it is one comparison.
+    :meth:`local` itself never synchronises.
+
+    Example::
+
+        seqlens = LayerLocalSeqlens(cu_seqlens, cu_seqlens_cpu=cu_seqlens_host)
+        for layer in model.layers:                 # checkpointed or not
+            hidden = layer(hidden, seqlens=seqlens)
+        # inside a layer's forward:
+        cu, cu_cpu, max_len = seqlens.local()      # fresh objects, same values
+    """
+
+    __slots__ = ("_cu_seqlens", "_cu_seqlens_cpu", "_host_given", "max_seqlen", "num_tokens", "num_seqs")
+
+    def __init__(
+        self,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None = None,
+        cu_seqlens_cpu: torch.Tensor | None = None,
+        *,
+        device: torch.device | str | None = None,
+        num_tokens: int | None = None,
+    ) -> None:
+        _check_index_tensor(cu_seqlens, "cu_seqlens")
+        if device is not None and not _device_matches(cu_seqlens.device, torch.device(device)):
+            raise ValueError(
+                f"cu_seqlens must be on the activations' device {torch.device(device)}, got {cu_seqlens.device}"
+            )
+        if cu_seqlens_cpu is not None:
+            _check_index_tensor(cu_seqlens_cpu, "cu_seqlens_cpu")
+            if cu_seqlens_cpu.device.type != "cpu":
+                raise ValueError(f"cu_seqlens_cpu must be a CPU tensor, got device {cu_seqlens_cpu.device}")
+            if cu_seqlens_cpu.shape != cu_seqlens.shape:
+                raise ValueError(
+                    f"cu_seqlens_cpu must have the shape of cu_seqlens {tuple(cu_seqlens.shape)}, "
+                    f"got {tuple(cu_seqlens_cpu.shape)}"
+                )
+            host = cu_seqlens_cpu
+            if not torch.equal(cu_seqlens.to(device="cpu", dtype=host.dtype), host):
+                raise ValueError("cu_seqlens_cpu must hold the same values as cu_seqlens")
+        else:
+            host = cu_seqlens.detach().cpu()
+        offsets = host.tolist()
+        if offsets[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
+        lens = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        bad = next((i for i, n in enumerate(lens) if n < 0), None)
+        if bad is not None:
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing, but cu_seqlens[{bad + 1}]={offsets[bad + 1]} < "
+                f"cu_seqlens[{bad}]={offsets[bad]}"
+            )
+        if num_tokens is not None and offsets[-1] != num_tokens:
+            raise ValueError(
+                f"cu_seqlens[-1] must equal the packed token count {num_tokens}, got {offsets[-1]}"
+            )
+        longest = max(lens)
+        if max_seqlen is None:
+            max_seqlen = longest
+        elif isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
+        elif max_seqlen < longest:
+            raise ValueError(f"max_seqlen={max_seqlen} is smaller than the longest document ({longest} tokens)")
+
+        self._cu_seqlens = cu_seqlens.detach()
+        self._cu_seqlens_cpu = cu_seqlens_cpu.detach() if cu_seqlens_cpu is not None else host
+        self._host_given = cu_seqlens_cpu is not None
+        self.max_seqlen: int = max_seqlen
+        self.num_tokens: int = offsets[-1]
+        self.num_seqs: int = len(lens)
+
+    # ----------------------------------------------------------------------------------------- builders
+    @classmethod
+    def from_seq_lens(
+        cls,
+        seq_lens: Sequence[int],
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.int32,
+        *,
+        with_cpu: bool = True,
+    ) -> LayerLocalSeqlens:
+        """Build from document lengths, e.g. ``[5, 0, 17]`` -> ``cu_seqlens = [0, 5, 5, 22]``.
+
+        Args:
+            seq_lens: non-negative document lengths in tokens (zero is legal).
+            device: device of the activations (``cu_seqlens`` is created there); CPU when ``None``.
+            dtype: ``torch.int32`` (FLA's and flash-attn's convention) or ``torch.int64``.
+            with_cpu: also keep the host offsets as ``cu_seqlens_cpu`` (no sync needed later).
+
+        Raises:
+            ValueError: ``seq_lens`` is empty or holds a negative length.
+            TypeError: ``dtype`` is not int32/int64 or a length is not an int.
+        """
+        lens = list(seq_lens)
+        if not lens:
+            raise ValueError("seq_lens must hold at least one document length")
+        for i, n in enumerate(lens):
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"seq_lens[{i}] must be an int, got {type(n).__name__}")
+            if n < 0:
+                raise ValueError(f"seq_lens[{i}] must be >= 0, got {n}")
+        if dtype not in _INDEX_DTYPES:
+            raise TypeError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        host = torch.tensor(offsets, dtype=dtype)
+        cu = host.to(device) if device is not None else host.clone()
+        return cls(cu, cu_seqlens_cpu=host if with_cpu else None)
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor, dtype: torch.dtype = torch.int32) -> LayerLocalSeqlens:
+        """Build from packed ``position_ids`` (the transformers convention).
+
+        A new document starts wherever ``position_ids`` is 0, as transformers' packing collator writes it
+        (``DataCollatorWithFlattening``). Zero-length documents cannot be expressed this way.
+
+        Args:
+            position_ids: ``[T]`` or ``[1, T]`` integer tensor whose first value is 0.
+            dtype: dtype of the resulting ``cu_seqlens`` (int32 or int64).
+
+        Raises:
+            TypeError: ``position_ids`` is not an integer tensor.
+            ValueError: batch size > 1, empty, or the first position is not 0.
+        """
+        if not isinstance(position_ids, torch.Tensor):
+            raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
+        if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+            raise TypeError(f"position_ids must be an integer tensor, got dtype {position_ids.dtype}")
+        if position_ids.dim() == 2:
+            if position_ids.shape[0] != 1:
+                raise ValueError(
+                    f"position_ids of packed sequences must have batch size 1, got shape {tuple(position_ids.shape)}"
+                )
+            position_ids = position_ids[0]
+        if position_ids.dim() != 1 or position_ids.numel() == 0:
+            raise ValueError(f"position_ids must be [T] or [1, T] with T > 0, got shape {tuple(position_ids.shape)}")
+        host = position_ids.detach().cpu()
+        if int(host[0]) != 0:
+            raise ValueError(f"position_ids must start at 0 (a document start), got {int(host[0])}")
+        starts = torch.nonzero(host == 0).flatten()
+        offsets = torch.cat([starts, torch.tensor([host.numel()])]).to(dtype)
+        return cls(offsets.to(position_ids.device), cu_seqlens_cpu=offsets)
+
+    # --------------------------------------------------------------------------------------------- use
+    def local(self) -> LocalSeqlens:
+        """Fresh ``cu_seqlens`` (and ``cu_seqlens_cpu``) objects for the calling layer.
+
+        Call it inside the layer's forward, so inside its checkpointed region. Every call returns new
+        tensor objects with the same values; the copies are invisible to dispatch modes (SAC replay,
+        :class:`~fla_ac_isolation.ReplayAudit`) and to ``torch.compile``, so a SAC policy can never hand
+        a recompute the forward's object back. No device-to-host synchronisation happens here.
+
+        Returns:
+            :class:`LocalSeqlens` ``(cu_seqlens, cu_seqlens_cpu, max_seqlen)``; ``cu_seqlens_cpu`` is
+            ``None`` unless host offsets were given at construction or built by a ``from_*`` constructor.
+        """
+        host = _fresh(self._cu_seqlens_cpu) if self._host_given else None
+        return LocalSeqlens(_fresh(self._cu_seqlens), host, self.max_seqlen)
+
+    def check_tokens(self, num_tokens: int, name: str = "hidden_states") -> None:
+        """Reject a batch whose packed token count differs from ``cu_seqlens[-1]``.
+
+        Raises:
+            ValueError: naming ``name`` and ``cu_seqlens`` when ``num_tokens != cu_seqlens[-1]``.
+        """
+        if num_tokens != self.num_tokens:
+            raise ValueError(
+                f"{name} has {num_tokens} packed tokens but cu_seqlens[-1] = {self.num_tokens}: "
+                "the offsets must describe exactly the tokens of this batch"
+            )
+
+    @property
+    def device(self) -> torch.device:
+        """Device of ``cu_seqlens``."""
+        return self._cu_seqlens.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Integer dtype of ``cu_seqlens`` (int32 or int64)."""
+        return self._cu_seqlens.dtype
+
+    def seq_lens(self) -> list[int]:
+        """Document lengths in tokens, from the host offsets (no sync)."""
+        offsets = self._cu_seqlens_cpu.tolist()
+        return [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+
+    def __repr__(self) -> str:
+        return (
+            f"LayerLocalSeqlens(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
+            f"max_seqlen={self.max_seqlen}, device={self.device}, dtype={self.dtype}, "
+            f"cu_seqlens_cpu={'given' if self._host_given else 'not given'})"
+        )
+
+
+def _check_index_tensor(t: object, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32/int64 offsets, got {type(t).__name__}")
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64 offsets, got dtype {t.dtype}")
+    if t.dim() != 1 or t.numel() < 2:
+        raise ValueError(
+            f"{name} must be 1-D with N + 1 >= 2 offsets for N documents, got shape {tuple(t.shape)}"
+        )

@@ -1,0 +1,1 @@
+"""Test support: fault reproductions and shims for running FLA Triton kernels on CPU (never used by library code)."""

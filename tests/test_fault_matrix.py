@@ -1,0 +1,110 @@
+"""The FLA cache fault, reproduced on CPU with FLA's real index helpers, and fixed by LayerLocalSeqlens.
+
+A stack of 4 checkpointed layers shares one ``cu_seqlens`` (``fla_ac_isolation.testing.fault_stack``).
+For every field policy the shared path must raise or give wrong gradients (or, where the policy cannot
+see FLA's ops, match: asserted too), while ``isolated`` and ``global-disable`` match the no-AC reference
+bit for bit. Cache size 4 gives "forward miss, recompute hit" (layer 0); cache size 1 with an evicting head
+gives "forward hit, recompute miss" (the last layer).
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from fla_ac_isolation.fla_cache import tensor_cache_size
+from fla_ac_isolation.policies import any_of, save_all_copies, save_ops
+from fla_ac_isolation.seqlens import LayerLocalSeqlens
+from fla_ac_isolation.testing.fault_stack import run_stack
+
+aten = torch.ops.aten
+
+POLICIES = {
+    "save-all-copies": save_all_copies,
+    "save-int-sub": lambda: save_ops([aten.sub.Tensor], dtypes=[torch.int32, torch.int64]),
+    "save-float-sub": lambda: save_ops([aten.sub.Tensor], dtypes=[torch.float32]),
+    "save-copies-and-clone": lambda: any_of(save_all_copies(), save_ops([aten.clone.default, aten.alias.default])),
+    "full-ac": lambda: None,
+}
+
+
+def expected_shared_outcome(policy: str, dtype: torch.dtype, cache_size: int) -> str:
+    """What the unsafe shared path does, worked out from which ops FLA's helpers run on a miss.
+
+    On a miss, prepare_position_ids/prepare_chunk_indices run three integer ``sub``s, and two ``_to_copy``
+    casts only when cu_seqlens is int32 (their results are int64). A recompute that skips them shifts
+    SAC's (op, index) replay of those ops; a recompute that adds them meets ops the forward never ran.
+    """
+    if policy == "full-ac":
+        return "match"  # plain AC replays nothing by op index: immune
+    if cache_size == 1:
+        return "raise:encountered during backward but not found in storage"  # recompute runs extra ops
+    if policy == "save-int-sub":
+        return "raise:Autograd not support dtype"  # an FLA int tensor replaces the layer's own int sub
+    if policy == "save-float-sub":
+        return "silent"  # 3 skipped int subs shift the 4 float subs: the 4th replays the 1st's value
+    if dtype == torch.int64:
+        return "match"  # no _to_copy on the miss path for int64 offsets: nothing to shift
+    return "raise:The size of tensor a"  # the layer's own int->float cast receives FLA's int32 positions
+
+
+MATRIX = [
+    pytest.param(policy, dtype, size, early_stop, freq, id=f"{policy}-{str(dtype)[6:]}-cache{size}-es{int(early_stop)}-freq{freq}")
+    for policy in POLICIES
+    for dtype in (torch.int32, torch.int64)
+    for size in (4, 1)
+    for early_stop in (True, False)
+    for freq in (1, 2)
+]
+
+
+def _run_all(policy_name, dtype, size, early_stop, freq):
+    ctx = tensor_cache_size(size) if size != 4 else contextlib.nullcontext()
+    kw = dict(dtype=dtype, evict=size == 1)
+    with ctx:
+        ref = run_stack("no-ac", None, **kw)
+        out = {
+            mode: run_stack(mode, POLICIES[policy_name](), early_stop=early_stop, freq=freq, **kw)
+            for mode in ("shared", "isolated", "global-disable")
+        }
+    return ref, out
+
+
+@pytest.mark.parametrize(("policy", "dtype", "size", "early_stop", "freq"), MATRIX)
+def test_isolation_and_global_disable_match_no_ac_while_shared_fails(policy, dtype, size, early_stop, freq):
+    ref, out = _run_all(policy, dtype, size, early_stop, freq)
+    assert ref.error is None
+    for mode in ("isolated", "global-disable"):
+        res = out[mode]
+        assert res.error is None, f"{mode}: {res.error}"
+        assert res.loss == ref.loss
+        for name, grad in ref.grads.items():
+            assert torch.equal(res.grads[name], grad), f"{mode}: gradient of {name} differs"
+
+    shared = out["shared"]
+    expected = expected_shared_outcome(policy, dtype, size)
+    if expected.startswith("raise:"):
+        assert shared.error is not None and expected[len("raise:"):] in shared.error, shared.error
+    elif expected == "silent":
+        assert shared.error is None
+        assert shared.loss == ref.loss, "the silent case keeps the loss"
+        assert shared.max_grad_diff(ref) > 1e-3, "...and corrupts the gradients"
+    else:
+        assert shared.error is None and shared.max_grad_diff(ref) == 0.0
+
+
+def test_isolation_fails_when_local_returns_the_shared_tensor(monkeypatch):
+    """The tests above are not vacuous: with .local() handing out one shared object, 'isolated' breaks."""
+    shared = {}
+
+    def shared_local(self):
+        from fla_ac_isolation.seqlens import LocalSeqlens
+
+        t = shared.setdefault(id(self), self._cu_seqlens)
+        return LocalSeqlens(t, None, self.max_seqlen)
+
+    monkeypatch.setattr(LayerLocalSeqlens, "local", shared_local)
+    ref, out = _run_all("save-float-sub", torch.int32, 4, True, 1)
+    assert out["isolated"].error is None and out["isolated"].max_grad_diff(ref) > 1e-3
+    ref, out = _run_all("save-all-copies", torch.int32, 4, True, 1)
+    assert "The size of tensor a" in out["isolated"].error

@@ -1,0 +1,100 @@
+"""fla_cache: the global switch, cache size, and the hit/miss probe against FLA's real helpers."""
+
+import pytest
+import torch
+from fla.ops.utils.index import prepare_chunk_indices, prepare_lens, prepare_position_ids
+
+import fla.utils
+from fla_ac_isolation.fla_cache import (
+    cache_enabled,
+    cache_size,
+    clear_tensor_cache,
+    probe_tensor_cache,
+    tensor_cache_disabled,
+    tensor_cache_size,
+)
+
+
+def offsets():
+    return torch.tensor([0, 5, 5, 22], dtype=torch.int32)
+
+
+def test_tensor_cache_disabled_restores_prior_value_also_on_error():
+    assert cache_enabled()
+    with pytest.raises(KeyError):
+        with tensor_cache_disabled():
+            assert fla.utils.FLA_DISABLE_TENSOR_CACHE is True and not cache_enabled()
+            raise KeyError("boom")
+    assert fla.utils.FLA_DISABLE_TENSOR_CACHE is False and cache_enabled()
+    fla.utils.FLA_DISABLE_TENSOR_CACHE = True  # a user who disabled it globally keeps it disabled
+    try:
+        with tensor_cache_disabled():
+            pass
+        assert fla.utils.FLA_DISABLE_TENSOR_CACHE is True
+    finally:
+        fla.utils.FLA_DISABLE_TENSOR_CACHE = False
+
+
+def test_probe_reports_miss_then_hit_then_bypass_in_call_order():
+    clear_tensor_cache()
+    cu = offsets()
+    with probe_tensor_cache() as probe:
+        a = prepare_chunk_indices(cu, 4)
+        b = prepare_chunk_indices(cu, 4)
+        with tensor_cache_disabled():
+            prepare_lens(cu)
+    assert a is b
+    assert [(e.helper, e.outcome) for e in probe.events] == [
+        ("prepare_chunk_indices", "miss"),
+        ("prepare_lens", "miss"),  # called by prepare_chunk_indices on its miss
+        ("prepare_chunk_indices", "hit"),
+        ("prepare_lens", "bypass"),
+    ]
+    assert (probe.hits, probe.misses, probe.bypasses) == (1, 2, 1)
+    assert probe.by_helper()["prepare_chunk_indices"] == {"hit": 1, "miss": 1, "bypass": 0}
+
+
+def test_probe_keeps_cache_contents_and_nests():
+    clear_tensor_cache()
+    cu = offsets()
+    first = prepare_position_ids(cu)
+    with probe_tensor_cache() as outer:
+        with probe_tensor_cache() as inner:
+            assert prepare_position_ids(cu) is first  # contents carried into the probe
+        prepare_position_ids(torch.tensor([0, 3]))
+    assert prepare_position_ids(cu) is first  # ... and back out of it
+    assert [e.outcome for e in inner.events] == ["hit"]
+    assert [e.helper for e in outer.events][:1] == ["prepare_position_ids"] and outer.misses == 2
+
+
+def test_fresh_objects_miss_where_a_shared_one_hits():
+    from fla_ac_isolation import LayerLocalSeqlens
+
+    clear_tensor_cache()
+    seqlens = LayerLocalSeqlens.from_seq_lens([5, 0, 17])
+    shared = seqlens.local().cu_seqlens
+    with probe_tensor_cache() as probe:
+        for _ in range(3):
+            prepare_chunk_indices(shared, 4)
+    assert [e.outcome for e in probe.events if e.helper == "prepare_chunk_indices"] == ["miss", "hit", "hit"]
+    with probe_tensor_cache() as probe:
+        for _ in range(3):
+            prepare_chunk_indices(seqlens.local().cu_seqlens, 4)
+    assert [e.outcome for e in probe.events if e.helper == "prepare_chunk_indices"] == ["miss"] * 3
+
+
+def test_tensor_cache_size_evicts_and_restores():
+    assert cache_size() == 4
+    cu1, cu2 = offsets(), offsets()
+    with tensor_cache_size(1):
+        assert cache_size() == 1
+        x = prepare_lens(cu1)
+        prepare_lens(cu2)  # evicts cu1
+        assert prepare_lens(cu1) is not x
+    assert cache_size() == 4
+    with pytest.raises(ValueError, match="size must be an int >= 1"):
+        with tensor_cache_size(0):
+            pass
+    with probe_tensor_cache(), pytest.raises(RuntimeError, match="outside probe_tensor_cache"):
+        with tensor_cache_size(2):
+            pass

@@ -1,0 +1,116 @@
+"""SAC policies from the field and checkpoint_layers."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+from fla_ac_isolation.policies import (
+    POLICIES,
+    any_of,
+    checkpoint_layers,
+    save_all_copies,
+    save_device_to_host_copies,
+    save_ops,
+    torchtitan_selective,
+)
+
+aten = torch.ops.aten
+SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def ctx(out=None, recompute=False):
+    return SelectiveCheckpointContext(is_recompute=recompute, op_output=out)
+
+
+def test_device_to_host_rule_saves_only_accelerator_to_cpu_copies():
+    policy = save_device_to_host_copies()
+    on_device = torch.empty(3, device="meta")  # stands for a CUDA tensor: any non-CPU source counts
+    assert policy(ctx(), aten._to_copy.default, on_device, device=torch.device("cpu")) is SAVE
+    assert policy(ctx(), aten._to_copy.default, on_device, device="cpu") is SAVE
+    assert policy(ctx(), aten._to_copy.default, torch.empty(3), device="cpu") is RECOMPUTE  # host to host
+    assert policy(ctx(), aten._to_copy.default, on_device, dtype=torch.int32) is RECOMPUTE  # a cast
+    assert policy(ctx(), aten.mm.default, on_device, on_device) is RECOMPUTE
+
+
+def test_save_all_copies_and_dtype_filtered_save_ops():
+    assert save_all_copies()(ctx(), aten._to_copy.default, torch.empty(2), dtype=torch.int32) is SAVE
+    int_sub = save_ops([aten.sub], dtypes=[torch.int64])
+    assert int_sub(ctx(torch.zeros(2, dtype=torch.int64)), aten.sub.Tensor) is SAVE
+    assert int_sub(ctx(torch.zeros(2)), aten.sub.Tensor) is RECOMPUTE
+    assert int_sub(ctx(torch.zeros(2, dtype=torch.int64)), aten.add.Tensor) is RECOMPUTE
+    with pytest.raises(TypeError, match="ops must hold torch ops"):
+        save_ops(["aten.sub"])
+
+
+def test_any_of_saves_when_one_policy_saves():
+    p = any_of(save_ops([aten.mm.default]), save_ops([aten.clone.default]))
+    assert p(ctx(), aten.clone.default) is SAVE and p(ctx(), aten.mm.default) is SAVE
+    assert p(ctx(), aten.add.Tensor) is RECOMPUTE
+
+
+def test_torchtitan_policy_recomputes_every_second_matmul_per_pass():
+    policy = torchtitan_selective().fresh()
+    w = torch.empty(4, 4)
+    forward = [policy(ctx(), aten.mm.default, w, w) for _ in range(4)]
+    recompute = [policy(ctx(recompute=True), aten.mm.default, w, w) for _ in range(4)]
+    assert forward == recompute == [SAVE, RECOMPUTE, SAVE, RECOMPUTE]
+    assert policy(ctx(), aten.topk.default, w, 2) is SAVE
+
+
+def test_policy_registry_builds_new_policies():
+    assert set(POLICIES) == {"save-d2h-copies", "save-all-copies", "torchtitan"}
+    for make in POLICIES.values():
+        assert callable(make())
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("freq", [1, 2, 4])
+def test_checkpoint_layers_wraps_every_freq_th_layer_and_keeps_state_dict(freq):
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList(Block() for _ in range(4))
+    keys = list(model.state_dict())
+    x = torch.randn(2, 4)
+    ref = x
+    for layer in model.layers:
+        ref = layer(ref)
+    checkpoint_layers(model, mode="selective", policy=save_all_copies(), freq=freq)
+    wrapped = [isinstance(layer, CheckpointWrapper) for layer in model.layers]
+    assert wrapped == [i % freq == 0 for i in range(4)]
+    assert list(model.state_dict()) == keys
+    out = x
+    for layer in model.layers:
+        out = layer(out)
+    assert torch.equal(out, ref)
+    checkpoint_layers(model.layers, freq=1)  # idempotent for wrapped layers
+    assert sum(isinstance(layer, CheckpointWrapper) for layer in model.layers) == 4
+    assert not any(isinstance(m._checkpoint_wrapped_module, CheckpointWrapper) for m in model.layers)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mode": "partial"}, "mode must be 'full' or 'selective'"),
+        ({"freq": 0}, "freq must be an int >= 1"),
+        ({"mode": "selective"}, "needs a policy"),
+        ({"mode": "full", "policy": save_all_copies()}, "takes no policy"),
+    ],
+)
+def test_checkpoint_layers_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        checkpoint_layers(nn.ModuleList([Block()]), **kwargs)
+
+
+def test_checkpoint_layers_needs_layers():
+    with pytest.raises(ValueError, match="ModuleList"):
+        checkpoint_layers(nn.Linear(2, 2))

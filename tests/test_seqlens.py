@@ -1,0 +1,166 @@
+"""LayerLocalSeqlens: validation of every rule, constructors, and freshness of .local()."""
+
+import pytest
+import torch
+
+from fla_ac_isolation import LayerLocalSeqlens
+
+
+def cu(*values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        pytest.param({"cu_seqlens": [0, 3, 5]}, TypeError, r"cu_seqlens must be a torch.Tensor", id="list"),
+        pytest.param({"cu_seqlens": cu(0.0, 3.0, dtype=torch.float32)}, TypeError, r"cu_seqlens must be int32 or int64.*float32", id="float"),
+        pytest.param({"cu_seqlens": cu(0, 1, dtype=torch.int16)}, TypeError, r"cu_seqlens must be int32 or int64", id="int16"),
+        pytest.param({"cu_seqlens": cu(0, 3, 5).reshape(1, 3)}, ValueError, r"cu_seqlens must be 1-D", id="2d"),
+        pytest.param({"cu_seqlens": cu(0)}, ValueError, r"cu_seqlens must be 1-D with N \+ 1 >= 2", id="single-offset"),
+        pytest.param({"cu_seqlens": cu(1, 3, 5)}, ValueError, r"cu_seqlens must start at 0, got 1", id="not-zero-start"),
+        pytest.param({"cu_seqlens": cu(0, 5, 3, 9)}, ValueError, r"non-decreasing, but cu_seqlens\[2\]=3 < cu_seqlens\[1\]=5", id="decreasing"),
+        pytest.param({"cu_seqlens": cu(0, 3, 5), "num_tokens": 6}, ValueError, r"cu_seqlens\[-1\] must equal the packed token count 6, got 5", id="token-count"),
+        pytest.param({"cu_seqlens": cu(0, 3, 5), "device": "meta"}, ValueError, r"cu_seqlens must be on the activations' device meta", id="device"),
+        pytest.param({"cu_seqlens": cu(0, 3, 5), "cu_seqlens_cpu": [0, 3, 5]}, TypeError, r"cu_seqlens_cpu must be a torch.Tensor", id="cpu-not-tensor"),
+        pytest.param({"cu_seqlens": cu(0, 3, 5), "cu_seqlens_cpu": cu(0, 3, 5, dtype=torch.float64)}, TypeError, r"cu_seqlens_cpu must be int32 or int64", id="cpu-float"),
+        pytest.param({"cu_seqlens": cu(0, 3, 5), "cu_seqlens_cpu": cu(0, 3)}, ValueError, r"cu_seqlens_cpu must have the shape of cu_seqlens \(3,\), got \(2,\)", id="cpu-shape"),
+        pytest.param({"cu_seqlens": cu(0, 3, 5), "cu_seqlens_cpu": cu(0, 2, 5)}, ValueError, r"cu_seqlens_cpu must hold the same values as cu_seqlens", id="cpu-values"),
+        pytest.param({"cu_seqlens": cu(0, 3, 5), "cu_seqlens_cpu": cu(0, 3, 5).to("meta")}, ValueError, r"cu_seqlens_cpu must be a CPU tensor, got device meta", id="cpu-device"),
+        pytest.param({"cu_seqlens": cu(0, 3, 9), "max_seqlen": 5}, ValueError, r"max_seqlen=5 is smaller than the longest document \(6 tokens\)", id="max-small"),
+        pytest.param({"cu_seqlens": cu(0, 3, 9), "max_seqlen": 6.0}, TypeError, r"max_seqlen must be an int, got float", id="max-float"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LayerLocalSeqlens(**kwargs)
+
+
+def test_valid_offsets_with_zero_length_documents():
+    s = LayerLocalSeqlens(cu(0, 5, 5, 22, 23, 64), num_tokens=64)
+    assert (s.num_seqs, s.num_tokens, s.max_seqlen) == (5, 64, 41)
+    assert s.seq_lens() == [5, 0, 17, 1, 41]
+    assert s.local().cu_seqlens_cpu is None  # no host offsets were given
+
+
+def test_max_seqlen_upper_bound_is_accepted_and_kept():
+    assert LayerLocalSeqlens(cu(0, 3, 9), max_seqlen=16).local().max_seqlen == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_from_seq_lens_matches_cumulative_sum(dtype):
+    lens = [5, 0, 17, 1, 41]
+    s = LayerLocalSeqlens.from_seq_lens(lens, dtype=dtype)
+    expected = torch.cumsum(torch.tensor([0] + lens), 0).to(dtype)
+    local = s.local()
+    assert local.cu_seqlens.dtype == dtype
+    assert torch.equal(local.cu_seqlens, expected)
+    assert torch.equal(local.cu_seqlens_cpu, expected)
+    assert local.max_seqlen == 41
+
+
+@pytest.mark.parametrize(
+    ("lens", "error", "match"),
+    [([], ValueError, "at least one"), ([3, -1], ValueError, r"seq_lens\[1\] must be >= 0"), ([2.5], TypeError, r"seq_lens\[0\] must be an int")],
+)
+def test_from_seq_lens_rejects_bad_lengths(lens, error, match):
+    with pytest.raises(error, match=match):
+        LayerLocalSeqlens.from_seq_lens(lens)
+
+
+def test_from_position_ids_starts_a_document_at_every_zero():
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])
+    s = LayerLocalSeqlens.from_position_ids(pos)
+    assert s.local().cu_seqlens.tolist() == [0, 3, 4, 8]
+    assert s.seq_lens() == [3, 1, 4]
+
+
+@pytest.mark.parametrize(
+    ("pos", "error", "match"),
+    [
+        (torch.tensor([[0, 1], [0, 1]]), ValueError, "batch size 1"),
+        (torch.tensor([1, 2, 0]), ValueError, "must start at 0"),
+        (torch.tensor([0.0, 1.0]), TypeError, "integer tensor"),
+        (torch.tensor([], dtype=torch.long), ValueError, r"T > 0"),
+    ],
+)
+def test_from_position_ids_rejects_bad_input(pos, error, match):
+    with pytest.raises(error, match=match):
+        LayerLocalSeqlens.from_position_ids(pos)
+
+
+def test_check_tokens_names_both_counts():
+    s = LayerLocalSeqlens.from_seq_lens([4, 4])
+    s.check_tokens(8)
+    with pytest.raises(ValueError, match=r"hidden_states has 7 packed tokens but cu_seqlens\[-1\] = 8"):
+        s.check_tokens(7)
+
+
+# --------------------------------------------------------------------------------------- freshness
+def test_local_returns_new_objects_with_equal_values():
+    s = LayerLocalSeqlens.from_seq_lens([3, 0, 4])
+    a, b = s.local(), s.local()
+    assert a.cu_seqlens is not b.cu_seqlens and a.cu_seqlens_cpu is not b.cu_seqlens_cpu
+    assert a.cu_seqlens.data_ptr() != b.cu_seqlens.data_ptr()  # not a view either
+    assert torch.equal(a.cu_seqlens, b.cu_seqlens) and torch.equal(a.cu_seqlens_cpu, b.cu_seqlens_cpu)
+
+
+def test_local_is_invisible_to_dispatch_modes():
+    """Hidden from TorchDispatchMode, so a SAC policy can never save and replay the copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    s = LayerLocalSeqlens.from_seq_lens([3, 4])
+    with Record():
+        s.local()
+        torch.ones(2).add(1)  # the mode works: this one is seen
+    assert seen == [torch.ops.aten.ones.default, torch.ops.aten.add.Tensor]
+
+
+def _all_ops_saved(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE
+
+
+@pytest.mark.parametrize(
+    "policy_name", ["save-clone-alias-copies", "save-everything", "full-ac"]
+)
+def test_local_stays_fresh_in_recompute_under_any_policy(policy_name):
+    from torch.utils.checkpoint import checkpoint
+
+    from fla_ac_isolation.policies import any_of, sac_context_fn, save_all_copies, save_ops
+
+    aten = torch.ops.aten
+    policy = {
+        "save-clone-alias-copies": any_of(
+            save_all_copies(), save_ops([aten.clone.default, aten.alias.default, aten.detach.default, aten.view])
+        ),
+        "save-everything": _all_ops_saved,
+        "full-ac": None,
+    }[policy_name]
+    s = LayerLocalSeqlens.from_seq_lens([3, 4])
+    received = []  # keep objects alive so ids cannot be reused
+
+    def region(x):
+        local = s.local()
+        received.append(local.cu_seqlens)
+        return x * local.cu_seqlens.to(x.dtype).sum()
+
+    x = torch.randn(3, requires_grad=True)
+    kwargs = {"use_reentrant": False}
+    if policy is not None:
+        kwargs["context_fn"] = sac_context_fn(policy)
+    y = checkpoint(region, x, **kwargs)
+    y.sum().backward()
+    assert len(received) == 2, "forward and recompute each call .local() once"
+    assert received[0] is not received[1]
+    assert torch.equal(received[0], received[1])
+    assert torch.equal(x.grad, torch.full((3,), 10.0))  # d/dx x * (0 + 3 + 7)
