@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["LayerLocalSeqlens", "LocalSeqlens"]
+__all__ = ["LayerLocalSeqlens", "LocalSeqlens", "SharedSeqlens"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -295,3 +295,25 @@ def _check_index_tensor(t: object, name: str) -> None:
         raise ValueError(
             f"{name} must be 1-D with N + 1 >= 2 offsets for N documents, got shape {tuple(t.shape)}"
         )
+
+
+class SharedSeqlens(LayerLocalSeqlens):
+    """The UNSAFE path, on purpose: :meth:`local` returns the same tensor objects on every call.
+
+    This is what a model does when it hands one ``cu_seqlens`` object to every layer. It exists so that
+    regressions and benchmarks can run the shared path through the very same mixers and compare it with
+    :class:`LayerLocalSeqlens`; never use it to train. Validation and attributes are those of
+    :class:`LayerLocalSeqlens`.
+    """
+
+    __slots__ = ("_shared",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._shared = LocalSeqlens(
+            self._cu_seqlens, self._cu_seqlens_cpu if self._host_given else None, self.max_seqlen
+        )
+
+    def local(self) -> LocalSeqlens:
+        """The same objects on every call (the shared, unsafe behaviour)."""
+        return self._shared

@@ -164,3 +164,13 @@ def test_local_stays_fresh_in_recompute_under_any_policy(policy_name):
     assert received[0] is not received[1]
     assert torch.equal(received[0], received[1])
     assert torch.equal(x.grad, torch.full((3,), 10.0))  # d/dx x * (0 + 3 + 7)
+
+
+def test_shared_seqlens_hands_out_one_object_for_the_unsafe_mode():
+    from fla_ac_isolation.seqlens import SharedSeqlens
+
+    s = SharedSeqlens.from_seq_lens([3, 4])
+    assert isinstance(s, LayerLocalSeqlens)
+    assert s.local().cu_seqlens is s.local().cu_seqlens
+    assert s.local().cu_seqlens_cpu is s.local().cu_seqlens_cpu
+    assert s.local().cu_seqlens.tolist() == [0, 3, 7]
