@@ -1,0 +1,155 @@
+"""Input handling shared by every mixer's ``forward``: checks, packed-sequence resolution, padding mask.
+
+Each function raises at the boundary with an error that names the offending argument, so a mixer's
+forward can call them first and then read as plain maths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens
+
+def check_hidden_states(hidden_states: Any, hidden_size: int) -> tuple[int, int]:
+    """Return ``(B, T)`` of ``hidden_states [B, T, hidden_size]``.
+
+    Raises:
+        TypeError: not a floating-point tensor.
+        ValueError: not 3-D, or the last dim is not ``hidden_size``.
+    """
+    if not isinstance(hidden_states, torch.Tensor):
+        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+    if not hidden_states.is_floating_point():
+        raise TypeError(f"hidden_states must be a floating-point tensor, got dtype {hidden_states.dtype}")
+    if hidden_states.dim() != 3 or hidden_states.shape[-1] != hidden_size:
+        raise ValueError(
+            f"hidden_states must be [B, T, hidden_size={hidden_size}], got shape {tuple(hidden_states.shape)}"
+        )
+    return hidden_states.shape[0], hidden_states.shape[1]
+
+
+def reject_cache(**caches: Any) -> None:
+    """These mixers train on full sequences; cached (incremental) decoding is left to transformers.
+
+    Raises:
+        NotImplementedError: naming the first non-``None`` cache argument.
+    """
+    for name, value in caches.items():
+        if value is not None:
+            raise NotImplementedError(
+                f"{name} is not supported: this mixer computes full (packed) sequences for training and "
+                "keeps no recurrent or conv state; use the transformers class for cached generation"
+            )
+
+
+def resolve_seqlens(
+    seqlens: LayerLocalSeqlens | None,
+    hidden_states: torch.Tensor,
+    *,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+) -> LocalSeqlens | None:
+    """This layer's own ``cu_seqlens``: call it inside the mixer's forward (so inside its AC region).
+
+    * ``seqlens`` given: check it against ``hidden_states`` and return ``seqlens.local()`` (fresh tensor
+      objects, the isolation that keeps FLA's identity cache consistent between forward and recompute).
+      A ``cu_seq_lens_q`` passed alongside (transformers forwards it to every layer) must describe the
+      same number of documents; ``seqlens`` is used.
+    * only ``cu_seq_lens_q`` given (transformers' packed keyword): it is validated and wrapped in a
+      :class:`LayerLocalSeqlens` here, then ``.local()`` is taken the same way. The validation reads the
+      offsets on the host once per layer call (a device-to-host copy on GPU); build one
+      ``LayerLocalSeqlens`` per model forward and pass it as ``seqlens`` to avoid that.
+    * neither: ``None`` (each batch row is one document). ``seq_idx`` (mamba_ssm's per-token document
+      index) is refused then, since ignoring it would let state flow across documents.
+
+    Raises:
+        TypeError: ``seqlens`` is not a LayerLocalSeqlens; ``cu_seq_lens_q`` is not an int32/int64 tensor.
+        ValueError: packed input with batch size > 1; token count differs from ``cu_seqlens[-1]``;
+            offsets on another device than ``hidden_states``; invalid ``cu_seq_lens_q`` offsets;
+            ``seq_idx`` without offsets.
+    """
+    if seqlens is None and cu_seq_lens_q is None:
+        if seq_idx is not None:
+            raise ValueError(
+                "seq_idx is not supported; describe packed documents with seqlens=LayerLocalSeqlens(...) "
+                "or cu_seq_lens_q= (otherwise state would flow across documents)"
+            )
+        return None
+    if seqlens is not None and not isinstance(seqlens, LayerLocalSeqlens):
+        raise TypeError(
+            f"seqlens must be a fla_ac_isolation.LayerLocalSeqlens or None, got {type(seqlens).__name__}; "
+            "pass raw offsets as cu_seq_lens_q="
+        )
+    if seqlens is None:
+        seqlens = _wrap_cu_seq_lens_q(cu_seq_lens_q, max_length_q)
+    elif isinstance(cu_seq_lens_q, torch.Tensor) and cu_seq_lens_q.numel() != seqlens.num_seqs + 1:
+        raise ValueError(
+            f"cu_seq_lens_q has {cu_seq_lens_q.numel()} offsets but seqlens describes {seqlens.num_seqs} "
+            "documents; pass one of them or make them agree"
+        )
+
+    batch, tokens = hidden_states.shape[0], hidden_states.shape[1]
+    if batch != 1:
+        raise ValueError(
+            f"packed input (cu_seqlens given) must have batch size 1, got hidden_states of shape "
+            f"{tuple(hidden_states.shape)}; flatten the batch into one row"
+        )
+    seqlens.check_tokens(tokens, name="hidden_states")
+    if seqlens.device.type != hidden_states.device.type or (
+        seqlens.device.index is not None
+        and hidden_states.device.index is not None
+        and seqlens.device.index != hidden_states.device.index
+    ):
+        raise ValueError(
+            f"cu_seqlens is on {seqlens.device} but hidden_states is on {hidden_states.device}; "
+            "build the LayerLocalSeqlens on the activations' device"
+        )
+    return seqlens.local()
+
+
+def _wrap_cu_seq_lens_q(cu_seq_lens_q: Any, max_length_q: Any) -> LayerLocalSeqlens:
+    if isinstance(max_length_q, torch.Tensor):
+        max_length_q = int(max_length_q)
+    try:
+        return LayerLocalSeqlens(cu_seq_lens_q, max_seqlen=max_length_q)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"cu_seq_lens_q is not valid packed-sequence offsets: {err}") from err
+
+
+def apply_padding_mask(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Zero padded positions, as transformers does before its linear-attention mixers.
+
+    ``attention_mask`` is transformers' 2-D ``[B, T]`` padding mask (1 = token, 0 = padding) or ``None``.
+    Other shapes (e.g. a 4-D attention bias) carry no padding information for a recurrent mixer.
+
+    Raises:
+        ValueError: a 2-D mask whose shape is not ``[B, T]``, or a mask of another rank.
+    """
+    if attention_mask is None:
+        return hidden_states
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(hidden_states.shape[:2]):
+        raise ValueError(
+            "attention_mask must be None or a 2-D [B, T] padding mask matching hidden_states "
+            f"{tuple(hidden_states.shape[:2])}, got shape {tuple(attention_mask.shape)}"
+        )
+    return (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+
+
+def text_config(config: Any) -> Any:
+    """The text part of a (possibly multimodal) transformers config; a text config is returned as is."""
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
+
+
+def config_field(config: Any, name: str) -> Any:
+    """``getattr(config, name)``, with an error that names the field and the config class.
+
+    Raises:
+        ValueError: the config has no such field.
+    """
+    if not hasattr(config, name):
+        raise ValueError(f"config ({type(config).__name__}) has no field {name!r}, which this mixer needs")
+    return getattr(config, name)

@@ -1,0 +1,255 @@
+"""Drop-in for transformers' ``NemotronHMamba2Mixer``, correct on packed sequences.
+
+Mamba2 (Dao and Gu, 2024, "Transformers are SSMs: Generalized Models and Efficient Algorithms Through
+Structured State Space Duality", arXiv:2405.21060) keeps a ``[N, P]`` state per head that decays by
+``exp(dt * A)`` each token and is written with ``B (x) (dt * x)``; the output reads it with ``C``. This
+class follows transformers' ``NemotronHMamba2Mixer`` (5.24) parameter for parameter:
+
+1. ``in_proj`` maps ``D`` to ``[gate | x B C | dt]`` (sizes ``I``, ``I + 2*G*N``, ``H``; ``I = H * P``);
+2. a depthwise causal conv with bias (``conv1d``) + SiLU over ``x B C``;
+3. the SSD scan: ``dt = clamp(softplus(dt + dt_bias), time_step_min)``, ``A = -exp(A_log)``, grouped
+   ``B``/``C`` shared by ``H // G`` heads each, plus the ``D`` skip;
+4. a grouped gated RMSNorm (``norm``): ``y * silu(gate)``, then RMS-normalised in ``G`` groups of
+   ``I // G`` channels and scaled, as transformers does it (gate before norm), then ``out_proj``.
+
+Why a replacement: without mamba_ssm, transformers' torch path ignores packed-document boundaries (its
+``cu_seq_lens_q``/``position_ids`` never reach the conv or the scan), so state leaks from one document into
+the next. Here the conv and the scan restart at every ``cu_seqlens`` offset, each call localises its
+``cu_seqlens`` (:meth:`~fla_ac_isolation.LayerLocalSeqlens.local`) inside ``forward``, and the backend is
+explicit (FLA's conv and ``chunk_simple_gla`` on CUDA, the pure-torch reference elsewhere; see
+:mod:`fla_ac_isolation.ops.fla` for why SSD runs on simple GLA). Cached generation is not implemented.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fla_ac_isolation import ops
+from fla_ac_isolation.mixers._common import (
+    apply_padding_mask,
+    check_hidden_states,
+    config_field,
+    reject_cache,
+    resolve_seqlens,
+    text_config,
+)
+from fla_ac_isolation.seqlens import LayerLocalSeqlens
+
+__all__ = ["GroupedGatedRMSNorm", "NemotronHMamba2Mixer"]
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """``y * silu(gate)``, RMS-normalised in groups of ``group_size`` channels, then scaled by ``weight``.
+
+    Numerically the same as transformers' ``NemotronHRMSNormGated``: gating and normalisation in float32,
+    the result cast to the input dtype before the weight is applied.
+
+    Args:
+        hidden_size: channels ``I`` (``weight`` is ``[I]``).
+        group_size: channels per normalisation group (``I // n_groups``).
+        eps: added to each group's mean square. Default ``1e-6``.
+
+    Raises:
+        ValueError: ``hidden_size`` not a multiple of ``group_size``.
+    """
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of group_size ({group_size})")
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+        self.group_size = group_size
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden_states [..., I]``, ``gate [..., I]`` or ``None`` -> ``[..., I]`` (dtype of the weight product)."""
+        input_dtype = hidden_states.dtype
+        x = hidden_states.float()
+        if gate is not None:
+            x = x * F.silu(gate.float())
+        grouped = x.unflatten(-1, (-1, self.group_size))
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * grouped.flatten(-2).to(input_dtype)
+
+
+class NemotronHMamba2Mixer(nn.Module):
+    """Mamba2 mixer of Nemotron-H, packed-sequence safe; drop-in for transformers' class of that name.
+
+    Args:
+        config: ``NemotronHConfig``.
+        layer_idx: index of the layer (``layer_type`` is read from ``config.layer_types`` when given).
+        initialize_mixer_weights: fill ``A_log = log(1..H)``, ``D = 1``, ``dt_bias = 1`` as transformers
+            does (its ``_init_weights`` may overwrite them later). Default ``True``.
+        backend: ``"auto"`` (default) | ``"fla"`` | ``"reference"``, keyword only.
+
+    Config fields read: ``hidden_size`` (``D``), ``mamba_num_heads`` (``H``), ``mamba_head_dim`` (``P``),
+    ``n_groups`` (``G``), ``ssm_state_size`` (``N``), ``conv_kernel`` (``W``), ``use_conv_bias``,
+    ``use_bias``, ``mamba_hidden_act`` (conv activation), ``chunk_size``, ``time_step_min`` (lower clamp
+    of ``dt``; the upper is infinite, as in transformers), ``layer_norm_epsilon``, ``layer_types``.
+    ``chunk_size`` is kept as an attribute; both backends chunk by 64 tokens, which changes nothing but
+    rounding.
+
+    Parameters (names and shapes as transformers; ``I = H * P``, ``E = I + 2*G*N``):
+    ``in_proj.weight [I + E + H, D]`` (+ bias if ``use_bias``), ``conv1d.weight [E, 1, W]``,
+    ``conv1d.bias [E]`` (if ``use_conv_bias``), ``dt_bias [H]``, ``A_log [H]``, ``D [H]``,
+    ``norm.weight [I]``, ``out_proj.weight [D, I]`` (+ bias if ``use_bias``).
+
+    Raises:
+        ValueError: unknown ``backend``; missing config field; ``H`` not a multiple of ``G``;
+            ``mamba_hidden_act`` other than SiLU.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int | None = None,
+        initialize_mixer_weights: bool = True,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        config = text_config(config)
+        self.config = config
+        self.backend = ops.check_backend(backend)
+        self.num_heads = config_field(config, "mamba_num_heads")
+        self.hidden_size = config_field(config, "hidden_size")
+        self.ssm_state_size = config_field(config, "ssm_state_size")
+        self.conv_kernel_size = config_field(config, "conv_kernel")
+        self.head_dim = config_field(config, "mamba_head_dim")
+        self.intermediate_size = self.num_heads * self.head_dim
+        self.layer_idx = layer_idx
+        self.use_conv_bias = config_field(config, "use_conv_bias")
+        self.activation = config_field(config, "mamba_hidden_act")
+        self.n_groups = config_field(config, "n_groups")
+        self.chunk_size = config_field(config, "chunk_size")
+        self.time_step_limit = (config_field(config, "time_step_min"), math.inf)
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"mamba_num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
+        if self.activation not in ("silu", "swish"):
+            raise ValueError(
+                f"mamba_hidden_act must be 'silu' (the conv activation FLA offers), got {self.activation!r}"
+            )
+
+        # Registration order follows transformers so that state_dict() lists the same keys in the same order.
+        self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.ssm_state_size
+        self.conv1d = nn.Conv1d(
+            in_channels=self.conv_dim,
+            out_channels=self.conv_dim,
+            bias=self.use_conv_bias,
+            kernel_size=self.conv_kernel_size,
+            groups=self.conv_dim,
+            padding=self.conv_kernel_size - 1,
+        )
+        use_bias = config_field(config, "use_bias")
+        self.in_proj = nn.Linear(self.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias=use_bias)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.norm = GroupedGatedRMSNorm(
+            self.intermediate_size,
+            group_size=self.intermediate_size // self.n_groups,
+            eps=config_field(config, "layer_norm_epsilon"),
+        )
+        self.D = nn.Parameter(torch.empty(self.num_heads))
+        if initialize_mixer_weights and self.dt_bias.device.type != "meta":
+            self.init_nemotron_h_weights()
+        self.out_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=use_bias)
+
+        layer_types = getattr(config, "layer_types", None)
+        self.layer_type = layer_types[layer_idx] if layer_types is not None and layer_idx is not None else None
+
+    @torch.no_grad()
+    def init_nemotron_h_weights(self) -> None:
+        """``A_log = log(1, 2, ..., H)``, ``D = 1``, ``dt_bias = 1`` (transformers' mixer initialisation)."""
+        self.A_log.copy_(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
+        self.D.fill_(1.0)
+        self.dt_bias.fill_(1.0)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        seqlens: LayerLocalSeqlens | None = None,
+        *,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any = None,
+        cache_params: Any = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Mix ``hidden_states [B, T, D]`` along time; returns ``[B, T, D]`` in the same dtype.
+
+        Args:
+            hidden_states: ``[B, T, D]``; ``B == 1`` when packed.
+            seqlens: packed-document offsets for the whole model forward; this layer calls
+                ``seqlens.local()`` here. ``None``: each batch row is one document.
+            cu_seq_lens_q: transformers' packed keyword (``[N + 1]`` int offsets), used when ``seqlens``
+                is ``None``; wrapped and localised the same way.
+            max_length_q: transformers' longest-document keyword, used with ``cu_seq_lens_q``.
+            attention_mask: ``None`` or a 2-D ``[B, T]`` padding mask (padded positions are zeroed before
+                the projection and after the conv, as transformers does).
+            cache, cache_params, past_key_values: must be ``None`` (no cached decoding).
+            **kwargs: other transformers keywords (``position_ids``, ...) are ignored; ``seq_idx`` is
+                refused unless offsets are given too.
+
+        Raises:
+            ValueError: wrong hidden size or rank; packed input with ``B > 1``; token count differs from
+                ``cu_seqlens[-1]``; offsets on another device; bad ``cu_seq_lens_q``, attention mask or
+                ``seq_idx`` without offsets.
+            TypeError: ``hidden_states`` not a float tensor; ``seqlens`` of the wrong type;
+                non-integer offsets.
+            NotImplementedError: a cache was passed.
+        """
+        reject_cache(cache=cache, cache_params=cache_params, past_key_values=past_key_values)
+        batch, tokens = check_hidden_states(hidden_states, self.hidden_size)
+        local = resolve_seqlens(
+            seqlens, hidden_states,
+            cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, seq_idx=kwargs.get("seq_idx"),
+        )
+        varlen = {
+            "cu_seqlens": local.cu_seqlens if local is not None else None,
+            "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
+            "backend": ops.resolve_backend(self.backend, hidden_states),
+        }
+        dtype = hidden_states.dtype
+        groups_n = self.n_groups * self.ssm_state_size
+
+        # 1. One projection, split into the output gate, the conv input (x, B, C) and the time step.
+        hidden_states = apply_padding_mask(hidden_states, attention_mask)
+        gate, xbc, dt = self.in_proj(hidden_states).split(
+            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
+        )                                                                   # [B,T,I], [B,T,I+2GN], [B,T,H]
+
+        # 2. Short causal conv (with bias) + SiLU, restarted at every document.
+        xbc = ops.causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation, **varlen)
+        xbc = apply_padding_mask(xbc, attention_mask)
+        x, B, C = xbc.split([self.intermediate_size, groups_n, groups_n], dim=-1)
+
+        # 3. SSD scan with per-document state reset; A < 0 in float32.
+        A = -torch.exp(self.A_log.float())                                  # [H]
+        y = ops.ssd(
+            x.reshape(batch, tokens, self.num_heads, self.head_dim),        # [B, T, H, P]
+            dt,                                                             # [B, T, H]
+            A,
+            B.reshape(batch, tokens, self.n_groups, self.ssm_state_size),   # [B, T, G, N]
+            C.reshape(batch, tokens, self.n_groups, self.ssm_state_size),   # [B, T, G, N]
+            D=self.D,
+            dt_bias=self.dt_bias,
+            dt_limit=self.time_step_limit,
+            **varlen,
+        )
+
+        # 4. Gated grouped RMSNorm, output projection.
+        y = self.norm(y.reshape(batch, tokens, self.intermediate_size), gate)
+        return self.out_proj(y.to(dtype))
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, head_dim={self.head_dim}, groups={self.n_groups}, "
+            f"state={self.ssm_state_size}, backend={self.backend!r}"
+        )

@@ -1,0 +1,139 @@
+"""Varlen operations behind the mixers, with a choice of backend.
+
+Three operations, each offered by two backends with identical signatures (``fla`` | ``reference``):
+
+* :func:`causal_conv1d`: FLA's ``fla.modules.causal_conv1d.causal_conv1d`` | per-document ``F.conv1d``;
+* :func:`chunk_gated_delta_rule`: FLA's ``chunk_gated_delta_rule`` | chunked WY form in torch;
+* :func:`ssd` (Mamba2): FLA's ``chunk_simple_gla`` | chunked SSD in torch.
+
+``backend`` is ``"auto"`` (``fla`` for CUDA tensors, ``reference`` otherwise), ``"fla"`` or
+``"reference"``. Packed documents are described by ``cu_seqlens`` (``[N + 1]`` int offsets, batch size 1)
+and optionally ``cu_seqlens_cpu`` (its host copy); both backends hand them to FLA's index helpers, so
+pass the per-layer tensors of :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from fla_ac_isolation.ops import fla as fla_backend
+from fla_ac_isolation.ops import reference as reference_backend
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "causal_conv1d",
+    "check_backend",
+    "chunk_gated_delta_rule",
+    "resolve_backend",
+    "ssd",
+]
+
+Backend = Literal["auto", "fla", "reference"]
+BACKENDS: tuple[str, ...] = ("auto", "fla", "reference")
+
+
+def check_backend(backend: str) -> str:
+    """Return ``backend`` if it is one of :data:`BACKENDS`.
+
+    Raises:
+        ValueError: naming ``backend`` and the accepted values.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def resolve_backend(backend: str, tensor: torch.Tensor) -> Literal["fla", "reference"]:
+    """The concrete backend for ``tensor``: ``auto`` picks ``fla`` on CUDA, ``reference`` elsewhere.
+
+    Raises:
+        ValueError: unknown ``backend``.
+    """
+    check_backend(backend)
+    if backend == "auto":
+        return "fla" if tensor.device.type == "cuda" else "reference"
+    return backend  # type: ignore[return-value]
+
+
+def _module(backend: str, tensor: torch.Tensor):
+    return fla_backend if resolve_backend(backend, tensor) == "fla" else reference_backend
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = "silu",
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Depthwise causal conv1d (+ SiLU) restarted at every document.
+
+    ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` -> ``[B, T, D]``. See
+    :func:`fla_ac_isolation.ops.reference.causal_conv1d` for the details.
+    """
+    return _module(backend, x).causal_conv1d(
+        x, weight, bias, activation=activation, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu
+    )
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Gated delta rule, zero state at every document start.
+
+    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]``. See
+    :func:`fla_ac_isolation.ops.reference.chunk_gated_delta_rule`.
+    """
+    return _module(backend, q).chunk_gated_delta_rule(
+        q, k, v, g, beta,
+        scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+
+
+def ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Mamba2 SSD scan, zero state at every document start.
+
+    ``x [B, T, H, P]``, ``dt [B, T, H]`` (raw), ``A [H]``, ``B, C [B, T, G, N]``, ``D [H]`` ->
+    ``[B, T, H, P]``. See :func:`fla_ac_isolation.ops.reference.ssd`.
+    """
+    return _module(backend, x).ssd(
+        x, dt, A, B, C,
+        D=D,
+        dt_bias=dt_bias,
+        dt_limit=dt_limit,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )

@@ -1,0 +1,149 @@
+"""FLA kernel backend: the three varlen operations of :mod:`fla_ac_isolation.ops` on FLA's Triton kernels.
+
+Each function has the signature and semantics of its twin in :mod:`~fla_ac_isolation.ops.reference`
+(the parity oracle); read that module for the maths. This one only maps our arguments onto FLA 0.6:
+
+* :func:`causal_conv1d` -> ``fla.modules.causal_conv1d.causal_conv1d`` (Triton backend, the functional
+  form behind ``fla.modules.ShortConvolution``); weight ``[D, W]``.
+* :func:`chunk_gated_delta_rule` -> ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` with
+  ``use_qk_l2norm_in_kernel`` and native GVA (``HV > H``).
+* :func:`ssd` -> ``fla.ops.simple_gla.chunk_simple_gla`` with ``q = C``, ``k = B``, ``v = dt * x``,
+  ``g = dt * A`` and ``scale = 1``, plus ``D * x`` added here. Simple GLA's recurrence
+  ``S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale * S_t^T q_t`` *is* the SSD recurrence under that
+  mapping, and it is reset at every document by ``cu_seqlens``. We use it rather than mamba_ssm's
+  ``mamba_chunk_scan_combined(seq_idx=...)`` because it ships with fla-core (pure Triton, nothing to
+  compile, available on the device image), takes ``cu_seqlens``/``cu_seqlens_cpu`` like the other two
+  operations, and goes through the same ``tensor_cache``'d index helpers, so one isolation mechanism
+  covers every mixer. Cost: ``B``/``C`` are expanded from ``G`` groups to ``H`` heads before the call.
+
+``cu_seqlens`` and ``cu_seqlens_cpu`` are passed to FLA wherever its API takes them; pass the tensors
+returned by :meth:`~fla_ac_isolation.LayerLocalSeqlens.local` so each layer gets its own objects.
+
+FLA is imported on first use, so importing this module costs nothing and works without a GPU. The
+kernels need CUDA tensors (or ``TRITON_INTERPRET=1`` with :mod:`fla_ac_isolation.testing` shims on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from fla_ac_isolation.ops.reference import discretize_dt
+
+__all__ = ["causal_conv1d", "chunk_gated_delta_rule", "ssd"]
+
+
+def _check_device(t: torch.Tensor) -> None:
+    """FLA's Triton kernels need a GPU; on CPU they only run under Triton's interpreter."""
+    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            "backend='fla' needs CUDA tensors (FLA's Triton kernels have no CPU backend); got CPU tensors. "
+            "Use backend='reference' (or 'auto') on CPU, or TRITON_INTERPRET=1 for kernel tests."
+        )
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = "silu",
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv1d reset at every document; see :func:`reference.causal_conv1d`.
+
+    ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` or ``None`` -> ``[B, T, D]`` (dtype of ``x``).
+    """
+    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+
+    _check_device(x)
+    y, _ = fla_causal_conv1d(
+        x=x,
+        weight=weight,
+        bias=bias,
+        activation=activation,
+        backend="triton",
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    return y
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gated delta rule on FLA's chunk kernel; see :func:`reference.chunk_gated_delta_rule`.
+
+    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]``.
+    """
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+
+    _check_device(q)
+    out, _ = fla_chunk_gated_delta_rule(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    return out
+
+
+def ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Mamba2 SSD scan on FLA's simple GLA chunk kernel; see :func:`reference.ssd`.
+
+    ``x [B, T, H, P]``, ``dt [B, T, H]``, ``A [H]``, ``B, C [B, T, G, N]``, ``D [H]`` -> ``[B, T, H, P]``.
+    ``dt`` is discretised in float32 here (bias, softplus, clamp); ``v = dt * x`` is rounded to the dtype
+    of ``x`` for the kernel, ``g = dt * A`` stays float32.
+    """
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    _check_device(x)
+    heads, groups = x.shape[2], B.shape[2]
+    if heads % groups or C.shape[2] != groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of the B/C groups ({groups}, {C.shape[2]})")
+    dt = discretize_dt(dt, dt_bias, dt_limit)
+    value = (x.float() * dt.unsqueeze(-1)).to(x.dtype)
+    log_decay = dt * A.float()
+    query = C.to(x.dtype).repeat_interleave(heads // groups, dim=2)
+    key = B.to(x.dtype).repeat_interleave(heads // groups, dim=2)
+    y, _ = chunk_simple_gla(
+        q=query,
+        k=key,
+        v=value,
+        g=log_decay,
+        scale=1.0,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    if D is not None:
+        y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
+    return y

@@ -1,0 +1,410 @@
+"""Pure-torch varlen operations: the CPU backend and the parity oracle for :mod:`fla_ac_isolation.ops.fla`.
+
+Three operations, each with the signature of its twin in ``ops/fla.py``:
+
+* :func:`causal_conv1d` - depthwise causal convolution over time (+ optional SiLU), reset at every
+  document start.
+* :func:`chunk_gated_delta_rule` - the gated delta rule of Gated Delta Networks (Yang, Kautz and
+  Hatamizadeh, 2024, arXiv:2412.06464), computed chunk by chunk with the WY/UT form, with optional
+  in-kernel L2 normalisation of q and k and grouped value attention (GVA).
+* :func:`ssd` - the state space duality scan of Mamba2 (Dao and Gu, 2024, arXiv:2405.21060), with the
+  ``dt`` discretisation (``dt_bias``, softplus, clamp), per-head ``A``, grouped ``B``/``C`` and the
+  ``D`` skip.
+
+How documents are found. With ``cu_seqlens`` the tensors are packed (``B == 1``) and every operation
+asks FLA's own index helpers (``fla.ops.utils.index.prepare_chunk_indices`` and, for the two recurrent
+operations, ``prepare_chunk_offsets``) for the chunk schedule, with the very arguments FLA's kernels
+pass. The helpers are memoised by argument identity (``fla.utils.tensor_cache``), so this backend hits
+and misses that cache exactly where the kernel path does: a ``cu_seqlens`` object shared between
+checkpointed layers misbehaves here the same way it does on a GPU, and a layer-local one
+(:meth:`~fla_ac_isolation.LayerLocalSeqlens.local`) is safe here for the same reason. The schedule is
+then *used*: each document is processed chunk by chunk as listed, with its recurrent state starting
+from zero. Without ``cu_seqlens`` every batch row is one document and no helper is called (as in FLA).
+
+Determinism. Everything runs as ordinary torch ops in a fixed order with fixed shapes, so repeated runs
+(and the forward and recompute of a checkpointed region) are bit-identical on a given machine.
+
+Shapes follow ``DESIGN.md``: ``x [B, T, D]``; q/k ``[B, T, H, K]``; v ``[B, T, HV, V]``; ``g``,
+``beta`` ``[B, T, HV]``; Mamba2 ``x [B, T, H, P]``, ``B``/``C`` ``[B, T, G, N]``, ``dt [B, T, H]``.
+The recurrences are computed in float32 (float64 inputs stay float64) and the outputs returned in the
+input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+
+__all__ = ["CHUNK_SIZE", "causal_conv1d", "chunk_gated_delta_rule", "ssd"]
+
+CHUNK_SIZE = 64
+"""Chunk length in tokens; the value FLA's conv, gated delta rule and simple GLA kernels use."""
+
+
+# ------------------------------------------------------------------------------------ chunk schedule
+class _Document(NamedTuple):
+    """One document of a packed batch: its token range and the token ranges of its chunks."""
+
+    start: int
+    end: int
+    chunks: list[tuple[int, int]]
+
+
+def _chunk_ranges(start: int, end: int, chunk_size: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk_size, end)) for s in range(start, end, chunk_size)]
+
+
+def _documents(
+    num_tokens: int,
+    cu_seqlens: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None,
+    chunk_size: int,
+    *,
+    recurrent: bool,
+) -> list[_Document]:
+    """The documents of a batch and their chunks, as FLA's kernels would see them.
+
+    Without ``cu_seqlens`` the whole time axis is one document (per batch row). With it, the schedule is
+    read from ``prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=...)`` (``[NT, 2]`` rows of
+    ``(document, chunk index within the document)``), grouped per document by
+    ``prepare_chunk_offsets(cu_seqlens, chunk_size)`` when ``recurrent`` (as FLA's state-passing kernels
+    do). Zero-length documents have no chunks and are left out.
+
+    Raises:
+        RuntimeError: the helpers' answers contradict the offsets. That cannot happen with consistent
+            inputs; it means a tensor other than the helper's own result reached this code, e.g. a SAC
+            replay misaligned by a ``cu_seqlens`` object shared across checkpointed layers.
+    """
+    if cu_seqlens is None:
+        return [_Document(0, num_tokens, _chunk_ranges(0, num_tokens, chunk_size))]
+
+    chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+    offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    rows = chunk_indices.tolist()
+    if recurrent:
+        chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size).tolist()
+        groups = [(n, rows[chunk_offsets[n]:chunk_offsets[n + 1]]) for n in range(len(offsets) - 1)]
+    else:
+        by_doc: dict[int, list] = {}
+        for row in rows:
+            by_doc.setdefault(int(row[0]), []).append(row)
+        groups = sorted(by_doc.items())
+
+    documents = []
+    for n, doc_rows in groups:
+        if not doc_rows:
+            continue
+        start, end = offsets[n], offsets[n + 1]
+        chunks = []
+        for seq, i in doc_rows:
+            lo = start + i * chunk_size
+            if seq != n or not start <= lo < end:
+                raise RuntimeError(
+                    "FLA's chunk metadata does not match cu_seqlens (document "
+                    f"{n}, chunk row {(seq, i)}); was one cu_seqlens object shared by checkpointed layers?"
+                )
+            chunks.append((lo, min(lo + chunk_size, end)))
+        documents.append(_Document(start, end, chunks))
+    covered = sum(hi - lo for doc in documents for lo, hi in doc.chunks)
+    if covered != num_tokens:
+        raise RuntimeError(
+            f"FLA's chunk metadata covers {covered} tokens but the input has {num_tokens}; "
+            "was one cu_seqlens object shared by checkpointed layers?"
+        )
+    return documents
+
+
+def _check_packed(name: str, t: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
+    if cu_seqlens is not None and t.shape[0] != 1:
+        raise ValueError(
+            f"{name} must have batch size 1 when cu_seqlens is given (packed input), got shape {tuple(t.shape)}"
+        )
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """float32 for half/bfloat16/float32 inputs; float64 stays float64 (handy as a test oracle)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _concat_time(pieces: list[torch.Tensor], like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Concatenate per-chunk outputs along time; an input with no tokens gives an empty output."""
+    if not pieces:
+        return like.new_zeros(shape)
+    return torch.cat(pieces, dim=1)
+
+
+# ------------------------------------------------------------------------------------ causal conv1d
+def _check_activation(activation: str | None) -> None:
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be 'silu', 'swish' or None (what FLA's conv offers), got {activation!r}")
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = "silu",
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Depthwise causal convolution along time, restarted at every document.
+
+    Token ``t`` of a document sees itself and the ``W - 1`` tokens before it *in the same document*;
+    positions before the document start count as zeros. Computed as ``F.conv1d`` with ``W - 1`` zeros
+    of left padding, one call per document (per batch when unpacked).
+
+    Args:
+        x: ``[B, T, D]`` input (``B == 1`` when ``cu_seqlens`` is given).
+        weight: ``[D, W]`` filter; ``weight[:, -1]`` multiplies the current token (the layout of
+            ``nn.Conv1d(D, D, W, groups=D).weight.squeeze(1)``).
+        bias: optional ``[D]``.
+        activation: ``"silu"``/``"swish"`` or ``None``.
+        cu_seqlens: optional ``[N + 1]`` int offsets of packed documents.
+        cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (handed to FLA's helper, as the kernel does).
+
+    Returns:
+        ``[B, T, D]`` in the dtype of ``x``.
+
+    Raises:
+        ValueError: bad ``activation``; ``B != 1`` with ``cu_seqlens``; ``weight`` not ``[D, W]``.
+    """
+    _check_activation(activation)
+    _check_packed("x", x, cu_seqlens)
+    if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must be [D, W] with D = {x.shape[-1]}, got shape {tuple(weight.shape)}")
+    width = weight.shape[1]
+    documents = _documents(x.shape[1], cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=False)
+    pieces = []
+    for doc in documents:
+        segment = x[:, doc.start:doc.end].transpose(1, 2).to(weight.dtype)  # [B, D, L]
+        y = F.conv1d(segment, weight.unsqueeze(1), bias, padding=width - 1, groups=weight.shape[0])
+        y = y[..., : doc.end - doc.start]
+        if activation is not None:
+            y = F.silu(y)
+        pieces.append(y.transpose(1, 2).to(x.dtype))
+    return _concat_time(pieces, x, tuple(x.shape))
+
+
+# ------------------------------------------------------------------------------ gated delta rule
+def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x**2) + eps)`` over the last dim, FLA's in-kernel L2 norm."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _pairwise_decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """``exp(sum_{j < r <= i} a_r)`` for ``j <= i`` and 0 above the diagonal; ``[..., C] -> [..., C, C]``.
+
+    Each entry is summed directly rather than taken as a difference of two cumulative sums, which keeps
+    it accurate when the decay over a chunk is large (differences of large cumulative sums lose digits).
+    """
+    size = log_decay.shape[-1]
+    lower = torch.ones(size, size, dtype=torch.bool, device=log_decay.device).tril()
+    lower_strict = lower.tril(-1)
+    terms = log_decay.unsqueeze(-1).expand(*log_decay.shape, size).masked_fill(~lower_strict, 0.0)
+    sums = terms.cumsum(-2)                                         # [..., i, j] = sum_{j < r <= i} a_r
+    return sums.masked_fill(~lower, float("-inf")).exp()
+
+
+def _gdn_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of the gated delta rule, state in, (output, state) out.
+
+    Layout ``[B, H, C, *]`` (heads before time), float32, ``q`` already scaled. The per-token recurrence
+
+        S_t = exp(g_t) * S_{t-1} + k_t (x) d_t,   d_t = beta_t * (v_t - exp(g_t) * S_{t-1}^T k_t),
+        o_t = S_t^T q_t
+
+    is solved for the whole chunk at once. With ``G_t`` the in-chunk cumulative log decay,
+    ``d = (I + A)^{-1} (beta * v - beta * exp(G) * k S_0)`` where ``A[i, j] = beta_i exp(G_i - G_j)
+    k_i . k_j`` for ``j < i`` (unit lower-triangular system), then
+    ``o_i = exp(G_i) q_i S_0 + sum_{j <= i} exp(G_i - G_j) (q_i . k_j) d_j`` and
+    ``S_C = exp(G_C) S_0 + sum_j exp(G_C - G_j) k_j (x) d_j``.
+    """
+    cum = g.cumsum(-1)                                              # G_i, [B, H, C]
+    decay = _pairwise_decay(g)                                      # exp(G_i - G_j), 0 for j > i
+    eye = torch.eye(q.shape[-2], dtype=q.dtype, device=q.device)
+
+    kk = k @ k.transpose(-1, -2)
+    system = eye + (beta.unsqueeze(-1) * kk * decay).tril(-1)      # I + A
+    rhs = beta.unsqueeze(-1) * (v - (cum.exp().unsqueeze(-1) * k) @ state)
+    delta = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+
+    out = (cum.exp().unsqueeze(-1) * q) @ state + ((q @ k.transpose(-1, -2)) * decay) @ delta
+    tail = decay[..., -1, :].unsqueeze(-1)                          # exp(G_C - G_j)
+    state = cum[..., -1:].exp().unsqueeze(-1) * state + (tail * k).transpose(-1, -2) @ delta
+    return out, state
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gated delta rule over packed documents, each starting from a zero state.
+
+    Args:
+        q: ``[B, T, H, K]`` queries.
+        k: ``[B, T, H, K]`` keys.
+        v: ``[B, T, HV, V]`` values; ``HV`` a multiple of ``H`` (GVA: value head ``j`` reads key head
+            ``j // (HV // H)``).
+        g: ``[B, T, HV]`` log decay (``<= 0``), float32 preferred.
+        beta: ``[B, T, HV]`` write strength in ``(0, 1)``.
+        scale: query scale; ``K ** -0.5`` when ``None``.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (in float32) first, as FLA's flag of that name.
+        cu_seqlens: optional ``[N + 1]`` offsets (then ``B == 1``).
+        cu_seqlens_cpu: optional host copy of ``cu_seqlens``.
+
+    Returns:
+        ``[B, T, HV, V]`` in the dtype of ``q``.
+
+    Raises:
+        ValueError: head counts that do not divide; ``B != 1`` with ``cu_seqlens``.
+    """
+    _check_packed("q", q, cu_seqlens)
+    heads, value_heads = q.shape[2], v.shape[2]
+    if k.shape[2] != heads or value_heads % heads:
+        raise ValueError(
+            f"q and k must share H heads and v's HV heads must be a multiple of H; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    out_dtype = q.dtype
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = _compute_dtype(q)
+    qf, kf = q.to(dtype), k.to(dtype)
+    if use_qk_l2norm_in_kernel:
+        qf, kf = _l2_normalize(qf), _l2_normalize(kf)
+    if value_heads != heads:
+        qf = qf.repeat_interleave(value_heads // heads, dim=2)
+        kf = kf.repeat_interleave(value_heads // heads, dim=2)
+    # [B, T, H, *] -> [B, H, T, *]
+    qf, kf, vf = (t.transpose(1, 2) for t in (qf * scale, kf, v.to(dtype)))
+    gf, bf = g.to(dtype).transpose(1, 2), beta.to(dtype).transpose(1, 2)
+
+    batch, _, time, key_dim = kf.shape
+    pieces = []
+    for doc in _documents(time, cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=True):
+        state = vf.new_zeros(batch, value_heads, key_dim, vf.shape[-1])
+        for lo, hi in doc.chunks:
+            out, state = _gdn_chunk(qf[:, :, lo:hi], kf[:, :, lo:hi], vf[:, :, lo:hi],
+                                    gf[:, :, lo:hi], bf[:, :, lo:hi], state)
+            pieces.append(out.transpose(1, 2))
+    result = _concat_time(pieces, vf, (batch, time, value_heads, vf.shape[-1]))
+    return result.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------ Mamba2 SSD
+def discretize_dt(
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> torch.Tensor:
+    """``clamp(softplus(dt + dt_bias), *dt_limit)``, the Mamba2 time step ``[B, T, H]``, in float32 (float64
+    stays float64)."""
+    dt = dt.to(_compute_dtype(dt))
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    dt = F.softplus(dt)
+    if tuple(dt_limit) != (0.0, math.inf):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def _ssd_chunk(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of the SSD scan, state in, (output, state) out.
+
+    Layout ``[B, H, C, *]``, float32; ``x`` is already ``dt * x`` and ``a`` is ``dt * A`` (log decay).
+    With ``G`` the in-chunk cumulative ``a``: ``y_i = exp(G_i) c_i S_0 + sum_{j <= i} exp(G_i - G_j)
+    (c_i . b_j) x_j`` and ``S_C = exp(G_C) S_0 + sum_j exp(G_C - G_j) b_j (x) x_j`` (state ``[N, P]``).
+    """
+    cum = a.cumsum(-1)
+    decay = _pairwise_decay(a)
+    out = (cum.exp().unsqueeze(-1) * c) @ state + ((c @ b.transpose(-1, -2)) * decay) @ x
+    tail = decay[..., -1, :].unsqueeze(-1)
+    state = cum[..., -1:].exp().unsqueeze(-1) * state + (tail * b).transpose(-1, -2) @ x
+    return out, state
+
+
+def ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Mamba2 SSD scan over packed documents, each starting from a zero state.
+
+    Per head ``h`` and token ``t`` (``dt`` discretised by :func:`discretize_dt`)::
+
+        S_t = exp(dt_t * A_h) * S_{t-1} + B_t (x) (dt_t * x_t)      # [N, P]
+        y_t = C_t . S_t + D_h * x_t
+
+    Args:
+        x: ``[B, T, H, P]`` inputs.
+        dt: ``[B, T, H]`` raw time steps (before bias and softplus).
+        A: ``[H]`` negative decay rates (``-exp(A_log)``).
+        B: ``[B, T, G, N]`` input projections; head ``h`` uses group ``h // (H // G)``.
+        C: ``[B, T, G, N]`` output projections.
+        D: optional ``[H]`` skip weights.
+        dt_bias: optional ``[H]``.
+        dt_limit: ``(min, max)`` clamp of the discretised ``dt``.
+        cu_seqlens: optional ``[N + 1]`` offsets (then ``B == 1``).
+        cu_seqlens_cpu: optional host copy of ``cu_seqlens``.
+
+    Returns:
+        ``[B, T, H, P]`` in the dtype of ``x``.
+
+    Raises:
+        ValueError: ``H`` not a multiple of ``G``; ``B != 1`` with ``cu_seqlens``.
+    """
+    _check_packed("x", x, cu_seqlens)
+    heads, groups = x.shape[2], B.shape[2]
+    if heads % groups or C.shape[2] != groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of the B/C groups ({groups}, {C.shape[2]})")
+    dtype = _compute_dtype(x)
+    dt = discretize_dt(dt, dt_bias, dt_limit).to(dtype)
+    xf = (x.to(dtype) * dt.unsqueeze(-1)).transpose(1, 2)                     # [B, H, T, P]
+    af = (dt * A.to(dtype)).transpose(1, 2)                                   # [B, H, T]
+    bf = B.to(dtype).repeat_interleave(heads // groups, dim=2).transpose(1, 2)  # [B, H, T, N]
+    cf = C.to(dtype).repeat_interleave(heads // groups, dim=2).transpose(1, 2)
+
+    batch, _, time, head_dim = xf.shape
+    pieces = []
+    for doc in _documents(time, cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=True):
+        state = xf.new_zeros(batch, heads, bf.shape[-1], head_dim)
+        for lo, hi in doc.chunks:
+            out, state = _ssd_chunk(xf[:, :, lo:hi], af[:, :, lo:hi], bf[:, :, lo:hi], cf[:, :, lo:hi], state)
+            pieces.append(out.transpose(1, 2))
+    y = _concat_time(pieces, xf, (batch, time, heads, head_dim))
+    if D is not None:
+        y = y + D.to(dtype)[:, None] * x.to(dtype)
+    return y.to(x.dtype)
