@@ -1,0 +1,300 @@
+"""``swap_mixers``: make an existing transformers model safe under activation checkpointing, in place.
+
+transformers hands the same ``cu_seq_lens_q`` object to every linear-attention layer of a packed batch,
+so FLA's identity-keyed index cache makes a checkpointed layer's recompute run other ops than its forward
+(``DESIGN.md`` section 1), and its Nemotron-H torch path lets state flow across packed documents.
+:func:`swap_mixers` replaces each supported transformers mixer with this package's drop-in
+(:mod:`fla_ac_isolation.mixers`), which isolates ``cu_seq_lens_q`` inside its own forward.
+
+Supported (exact classes; a subclass is not swapped, since it may change ``forward``):
+
+==================================================  ====================================================
+transformers class                                   replaced by (``fla_ac_isolation.mixers``)
+==================================================  ====================================================
+``qwen3_5_moe.Qwen3_5MoeGatedDeltaNet``               ``Qwen3_5MoeGatedDeltaNet``
+``qwen3_5.Qwen3_5GatedDeltaNet`` (dense Qwen3.5)      ``Qwen3_5MoeGatedDeltaNet``
+``qwen4_exp.Qwen4ExpTextGatedDeltaNet``               ``Qwen3_8FlashNextGatedDeltaNet``
+``nemotron_h.NemotronHMamba2Mixer``                   ``NemotronHMamba2Mixer``
+==================================================  ====================================================
+
+How a swap works. The replacement is constructed on the ``meta`` device (nothing is allocated or
+initialised), then every parameter and buffer slot of it is pointed at the *existing* tensor object of the
+same name in the transformers module. Nothing is copied: dtype, device, ``requires_grad``, ``state_dict()``
+keys and an optimizer's references (hence its state) stay as they were. The transformers module is kept,
+stripped of its tensors, on the replacement (outside the module tree, so it is neither saved, moved nor
+counted); :func:`restore_mixers` points it at the replacement's current tensors and puts it back.
+
+Order. Swap before or after ``gradient_checkpointing_enable`` (transformers checkpoints the decoder
+layer, which is left alone). A model built on ``meta`` can be swapped and materialised afterwards
+(``to_empty`` then ``load_state_dict``). transformers' ``init_weights`` only recognises its own mixer
+classes, so run it before swapping (or :func:`restore_mixers`, init, swap again). Swap before attaching
+module hooks (FSDP, accelerate dispatch): a mixer carrying hooks is refused.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SUPPORTED_MIXERS", "restore_mixers", "swap_mixers"]
+
+# Attribute (in the replacement's __dict__, so not a registered submodule) holding the stripped original.
+_ORIGINAL_ATTR = "_fla_ac_original"
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One supported transformers mixer class and the class of this package that replaces it."""
+
+    module: str  # transformers module defining the class
+    name: str  # class name there
+    ours: str  # class name in fla_ac_isolation.mixers
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+SUPPORTED_MIXERS: tuple[_Target, ...] = (
+    _Target("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
+    _Target("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
+    _Target(
+        "transformers.models.qwen4_exp.modeling_qwen4_exp", "Qwen4ExpTextGatedDeltaNet", "Qwen3_8FlashNextGatedDeltaNet"
+    ),
+    _Target("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer", "NemotronHMamba2Mixer"),
+)
+"""transformers mixer classes :func:`swap_mixers` replaces (matched by module and class name)."""
+
+
+def _target_of(module: nn.Module) -> _Target | None:
+    cls = type(module)
+    for target in SUPPORTED_MIXERS:
+        if cls.__module__ == target.module and cls.__qualname__ == target.name:
+            return target
+    return None
+
+
+def _looked_for() -> str:
+    return ", ".join(t.qualified for t in SUPPORTED_MIXERS)
+
+
+def _check_backend(backend: Any) -> str:
+    from fla_ac_isolation.ops import BACKENDS
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+# ------------------------------------------------------------------------------------------ discovery
+def _config_for(model: nn.Module, path: str, mixer: nn.Module, config: Any) -> Any:
+    """The (text) config a mixer was built from: ``config``, the mixer's own, or its nearest ancestor's."""
+    found = config if config is not None else getattr(mixer, "config", None)
+    if found is None:
+        parts = path.split(".")
+        for depth in range(len(parts) - 1, -1, -1):
+            ancestor = model.get_submodule(".".join(parts[:depth]))
+            found = getattr(ancestor, "config", None)
+            if found is not None:
+                break
+    if found is None:
+        raise ValueError(
+            f"swap_mixers found no config for {path!r} ({type(mixer).__name__}): neither it nor a module above it "
+            "has a `config`; pass swap_mixers(model, config=...) (the model's text config)"
+        )
+    get_text_config = getattr(found, "get_text_config", None)
+    return get_text_config(decoder=True) if callable(get_text_config) else found
+
+
+def _check_no_hooks(path: str, mixer: nn.Module) -> None:
+    for name, sub in mixer.named_modules():
+        hooked = [
+            attr
+            for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+            if getattr(sub, attr, None)
+        ]
+        if hasattr(sub, "_hf_hook"):
+            hooked.append("_hf_hook (accelerate)")
+        if hooked:
+            where = f"{path}.{name}" if name else path
+            raise ValueError(
+                f"swap_mixers cannot swap {path!r}: {where!r} carries module hooks ({', '.join(hooked)}); "
+                "call swap_mixers before wrapping or dispatching the model (FSDP, accelerate device_map, ...)"
+            )
+
+
+# --------------------------------------------------------------------------------------- tensor slots
+def _slots(module: nn.Module) -> dict[str, tuple[nn.Module, str, str]]:
+    """``{qualified name: (owning module, local name, kind)}`` for every tensor slot of ``module``.
+
+    ``kind`` is ``"param"``, ``"buffer"`` or ``"buffer (non-persistent)"``; slots holding ``None`` count.
+    """
+    slots: dict[str, tuple[nn.Module, str, str]] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for local in sub._parameters:
+            slots[f"{prefix}.{local}" if prefix else local] = (sub, local, "param")
+        for local in sub._buffers:
+            kind = "buffer (non-persistent)" if local in sub._non_persistent_buffers_set else "buffer"
+            slots[f"{prefix}.{local}" if prefix else local] = (sub, local, kind)
+    return slots
+
+
+def _table(owner: nn.Module, kind: str) -> dict[str, Any]:
+    return owner._parameters if kind == "param" else owner._buffers
+
+
+def _share_tensors(src: nn.Module, dst: nn.Module, what: str) -> None:
+    """Point every parameter/buffer slot of ``dst`` at the tensor object of the same name in ``src``.
+
+    Raises:
+        RuntimeError: the two modules do not declare the same parameters and buffers (names, kinds,
+            shapes), so the replacement would not be a drop-in: its ``state_dict()`` would differ.
+    """
+    src_slots, dst_slots = _slots(src), _slots(dst)
+    if set(src_slots) != set(dst_slots):
+        raise RuntimeError(
+            f"{what}: {type(dst).__name__} does not declare the tensors of {type(src).__name__} "
+            f"(missing {sorted(set(src_slots) - set(dst_slots))}, extra {sorted(set(dst_slots) - set(src_slots))}); "
+            "a drop-in must keep upstream names"
+        )
+    for name, (owner, local, kind) in dst_slots.items():
+        src_owner, src_local, src_kind = src_slots[name]
+        if kind != src_kind:
+            raise RuntimeError(f"{what}: {name!r} is a {src_kind} in {type(src).__name__} but a {kind} here")
+        tensor = _table(src_owner, src_kind)[src_local]
+        declared = _table(owner, kind)[local]
+        if tensor is not None and declared is not None and tuple(declared.shape) != tuple(tensor.shape):
+            raise RuntimeError(
+                f"{what}: {name!r} has shape {tuple(tensor.shape)} in {type(src).__name__} but "
+                f"{type(dst).__name__} expects {tuple(declared.shape)} (was it built from another config?)"
+            )
+        _table(owner, kind)[local] = tensor
+
+
+def _strip_tensors(module: nn.Module) -> None:
+    """Drop the module's references to its tensors (kept slots are filled again by a restore)."""
+    for owner, local, kind in _slots(module).values():
+        _table(owner, kind)[local] = None
+
+
+def _install(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, leaf = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, leaf, module)
+
+
+def _build(target: _Target, original: nn.Module, config: Any, backend: str, path: str) -> nn.Module:
+    mixers = importlib.import_module("fla_ac_isolation.mixers")
+    cls = getattr(mixers, target.ours)
+    layer_idx = getattr(original, "layer_idx", None)
+    kwargs: dict[str, Any] = {}
+    if "backend" in inspect.signature(cls.__init__).parameters:
+        kwargs["backend"] = backend
+    elif backend != "auto":
+        raise ValueError(f"{cls.__name__} takes no backend option, got backend={backend!r}")
+    with torch.device("meta"):
+        new = cls(config, layer_idx, **kwargs)
+    _share_tensors(original, new, f"swap_mixers({path!r})")
+    new.train(original.training)
+    return new
+
+
+# ---------------------------------------------------------------------------------------------- API
+def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) -> list[str]:
+    """Replace, in place, every supported transformers mixer of ``model`` with this package's drop-in.
+
+    The replacement shares the existing ``nn.Parameter`` (and buffer) objects: nothing is copied or
+    re-initialised, ``state_dict()`` keys are unchanged and an optimizer built before the swap keeps
+    training the same tensors. Either every supported mixer is swapped or, on an error, none is.
+
+    Args:
+        model: a transformers model (``Qwen3_5MoeForCausalLM``, ``Qwen3_5ForCausalLM``,
+            ``Qwen4ExpForCausalLM``/``Qwen4ExpForConditionalGeneration``, ``NemotronHForCausalLM``, their
+            base models, or any module containing their mixers), on any device including ``meta``.
+        backend: the mixers' kernels: ``"auto"`` (FLA on CUDA tensors, the pure-torch reference elsewhere),
+            ``"fla"`` or ``"reference"``.
+        config: the text config the mixers were built from; found on the mixer or the nearest module
+            above it when ``None``.
+
+    Returns:
+        The module paths swapped (e.g. ``["model.layers.0.linear_attn", ...]``). A second call finds only
+        swapped mixers, swaps nothing, warns and returns ``[]``.
+
+    Raises:
+        ValueError: ``model`` holds neither a supported mixer nor a swapped one (the message names the
+            classes looked for); unknown ``backend``; a mixer carries module hooks; no config found.
+        RuntimeError: a replacement does not declare the transformers module's tensors (names, shapes).
+
+    Example::
+
+        model = Qwen3_5MoeForCausalLM(config)
+        swap_mixers(model)              # ['model.layers.0.linear_attn', ...]
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": sac_context_fn(save_all_copies())})
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_backend(backend)
+    found: list[tuple[str, nn.Module, _Target]] = []
+    swapped_before: list[str] = []
+    for path, module in model.named_modules():
+        if _ORIGINAL_ATTR in vars(module):
+            swapped_before.append(path)
+            continue
+        target = _target_of(module)
+        if target is not None:
+            if not path:
+                raise ValueError("swap_mixers needs the model (or a module) containing the mixer, not the mixer itself")
+            found.append((path, module, target))
+    if not found:
+        if swapped_before:
+            warnings.warn(
+                f"swap_mixers: nothing to swap; {len(swapped_before)} mixer(s) of {type(model).__name__} are "
+                f"already swapped ({swapped_before[0]!r}, ...)",
+                stacklevel=2,
+            )
+            return []
+        raise ValueError(
+            f"swap_mixers found no supported mixer in {type(model).__name__}; looked for {_looked_for()}"
+        )
+
+    replacements = []
+    for path, original, target in found:  # build all first: an error leaves the model untouched
+        _check_no_hooks(path, original)
+        new = _build(target, original, _config_for(model, path, original, config), backend, path)
+        replacements.append((path, original, new))
+    for path, original, new in replacements:
+        _strip_tensors(original)
+        vars(new)[_ORIGINAL_ATTR] = original
+        _install(model, path, new)
+    return [path for path, _, _ in replacements]
+
+
+def restore_mixers(model: nn.Module) -> list[str]:
+    """Undo :func:`swap_mixers`: put the transformers mixers back, on the swapped modules' tensors.
+
+    The tensors are those the swapped mixers hold now (so a restore after training, ``to_empty`` or
+    ``load_state_dict`` keeps their values); nothing is copied.
+
+    Returns:
+        The module paths restored; ``[]`` (with a warning) when ``model`` holds no swapped mixer.
+    """
+    restored = []
+    for path, module in list(model.named_modules()):
+        original = vars(module).get(_ORIGINAL_ATTR)
+        if original is None:
+            continue
+        _share_tensors(module, original, f"restore_mixers({path!r})")
+        original.train(module.training)
+        del vars(module)[_ORIGINAL_ATTR]
+        _install(model, path, original)
+        restored.append(path)
+    if not restored:
+        warnings.warn(f"restore_mixers: {type(model).__name__} holds no swapped mixer; nothing to restore", stacklevel=2)
+    return restored
