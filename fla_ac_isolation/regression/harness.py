@@ -72,6 +72,8 @@ class RegressionSpec:
         modes: modes to run; ``no-ac`` is always run first (it is the reference).
         timeout_s: wall-clock limit per mode (also the process-group timeout).
         early_stop: torch's checkpoint early stop.
+        fail_on: testing hook, ``(mode, rank)``: that rank raises ``RuntimeError`` between the first
+            forward and backward of that mode, to show that one failing rank ends all ranks promptly.
     """
 
     model: str = "qwen3_5_moe"
@@ -93,6 +95,7 @@ class RegressionSpec:
     modes: tuple[str, ...] = MODES
     timeout_s: float = 300.0
     early_stop: bool = True
+    fail_on: tuple[str, int] | None = None
 
     def validate(self) -> RegressionSpec:
         """Return self after checking every field; errors name the field (``ValueError``)."""
@@ -278,6 +281,8 @@ def _run_mode_on_rank(
             logits = model(input_ids, seqlens)
             loss = F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
             loss = loss / batch.num_targets_global
+            if spec.fail_on is not None and tuple(spec.fail_on) == (mode, ctx.rank):
+                raise RuntimeError(f"injected failure on rank {ctx.rank} in mode {mode!r} (RegressionSpec.fail_on)")
             loss.backward()
         for name, counts in probe.by_helper().items():
             mine = result.cache_by_helper.setdefault(name, {"hit": 0, "miss": 0, "bypass": 0})

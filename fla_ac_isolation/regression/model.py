@@ -281,7 +281,7 @@ def _qwen3_8_config(size: ModelSize) -> Any:
 
     # the real model's "indexed_attention" layers; the tiny model runs plain gated attention there
     types = ["indexed_attention" if t == "full_attention" else t for t in _qwen_layer_types(size.num_layers)]
-    return Qwen4ExpTextConfig(**_qwen_kwargs(size), layer_types=types)
+    return Qwen4ExpTextConfig(**_qwen_kwargs(size), layer_types=types, output_gate_type="sigmoid")
 
 
 def _qwen_moe(config: Any, size: ModelSize, ep_enabled: bool) -> nn.Module:

@@ -1,0 +1,130 @@
+"""``fla-ac-isolation regress``: the EP regression from the command line.
+
+Example (the README's main job; about a minute on a 2-core CPU machine)::
+
+    fla-ac-isolation regress --model qwen3_5_moe --ep 2 --steps 3
+    fla-ac-isolation regress --model nemotron_h --ac full --json out.json --plot out.png
+    torchrun --nproc-per-node 2 -m fla_ac_isolation.cli regress --device cuda --ep 2   # ranks from torchrun
+
+Exit codes: 0 when ``isolated`` and ``global-disable`` match ``no-ac``; 1 when one of them (or
+``no-ac``) does not; 2 for invalid arguments. The unsafe ``shared`` mode never changes the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``regress`` options to ``parser``."""
+    from fla_ac_isolation.policies import POLICIES
+    from fla_ac_isolation.regression.harness import MODES
+
+    families = ("qwen3_5_moe", "qwen3_8", "nemotron_h")
+    parser.description = (
+        "Train a tiny MoE model of a family a few AdamW steps under expert parallelism (torchtitan's MoE and "
+        "all-to-all dispatcher) in four modes - no-ac (reference), shared (unsafe: one cu_seqlens object for "
+        "every layer), isolated (LayerLocalSeqlens), global-disable (FLA's cache off) - and compare losses and "
+        "gradients. Exit 0 when isolated and global-disable match no-ac."
+    )
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.add_argument("--model", choices=families, default="qwen3_5_moe", help="model family")
+    parser.add_argument("--ep", type=int, default=2, help="expert-parallel degree = number of ranks")
+    parser.add_argument("--steps", type=int, default=3, help="AdamW steps per mode")
+    parser.add_argument("--ac", choices=("full", "selective"), default="selective", help="activation checkpointing")
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="save-all-copies",
+                        help="SAC policy (with --ac selective)")
+    parser.add_argument("--freq", type=int, choices=(1, 2, 4), default=1, help="checkpoint every N-th block")
+    parser.add_argument("--backend", choices=("auto", "fla", "reference"), default="auto",
+                        help="mixer backend (auto: FLA kernels on CUDA, reference on CPU)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda when at least --ep GPUs are visible, else cpu")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="auto: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--hidden-size", type=int, default=None, help="model width (default 128 on cpu, 512 on cuda)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder blocks")
+    parser.add_argument("--experts", type=int, default=16, help="routed experts per MoE")
+    parser.add_argument("--top-k", type=int, default=4, help="experts per token")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated subset of " + ", ".join(MODES) + " (no-ac always runs)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--rtol", type=float, default=None,
+                        help="relative tolerance of 'matches' (default 0 = bit for bit on cpu/float32, 1e-2 otherwise)")
+    parser.add_argument("--no-early-stop", action="store_true", help="disable torch's checkpoint early stop")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mode before it is stopped")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of loss per step per mode")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print FLA cache hits/misses per mode and failure tracebacks")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _spec(args: argparse.Namespace):
+    import torch
+
+    from fla_ac_isolation.regression.harness import RegressionSpec
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ep else "cpu"
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    hidden = args.hidden_size or (512 if device == "cuda" else 128)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    return RegressionSpec(
+        model=args.model, ep=args.ep, steps=args.steps, ac=args.ac, policy=args.policy, freq=args.freq,
+        backend=args.backend, device=device, dtype=dtype, hidden_size=hidden, num_layers=args.layers,
+        num_experts=args.experts, top_k=args.top_k, seed=args.seed, lr=args.lr, modes=modes,
+        timeout_s=args.timeout, early_stop=not args.no_early_stop,
+    ).validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the regression for parsed ``args``; print the report (rank 0); return the exit code."""
+    from rich.console import Console
+
+    from fla_ac_isolation.regression import report
+    from fla_ac_isolation.regression.harness import run_regression, under_torchrun
+
+    # a wide console when writing to a pipe or CI log (rich would assume 80 columns)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    try:
+        spec = _spec(args)
+    except ValueError as err:
+        console.print(f"[red]fla-ac-isolation regress: error:[/red] {err}")
+        return 2
+    is_rank0 = not under_torchrun() or os.environ.get("RANK") == "0"
+    progress = None
+    if is_rank0 and not args.no_progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console, transient=True)
+    modes = spec.ordered_modes
+    total = len(modes) * spec.steps
+
+    if progress is None:
+        result = run_regression(spec)
+    else:
+        with progress:
+            task = progress.add_task(f"starting {spec.ep} rank(s)", total=total)
+
+            def on_step(mode: str, step: int) -> None:
+                done = modes.index(mode) * spec.steps + step + 1
+                progress.update(task, completed=done, description=f"{mode} step {step + 1}/{spec.steps}")
+
+            result = run_regression(spec, on_step=on_step)
+    code = report.exit_code(result, args.rtol)
+    if is_rank0:
+        report.print_report(result, rtol=args.rtol, verbose=args.verbose, console=console)
+        if args.json:
+            report.write_json(result, args.json, args.rtol)
+            console.print(f"wrote {args.json}")
+        if args.plot:
+            report.write_plot(result, args.plot, args.rtol)
+            console.print(f"wrote {args.plot}")
+    return code

@@ -1,0 +1,239 @@
+"""Verdicts, the table, the JSON document and the loss plot of a regression run.
+
+A mode's deviation from ``no-ac`` is the larger of the largest relative loss difference over the steps
+and the largest gradient difference divided by the largest reference gradient (both over all steps,
+ranks and parameters). A mode *matches* when it completed every step and its deviation is at most
+``rtol`` (0 by default on the CPU reference backend in float32: bit for bit). The run passes (exit code
+0) when ``no-ac`` completed and ``isolated`` and ``global-disable`` (those of them that ran) match;
+``shared`` is the unsafe mode and never changes the exit code: the table says whether it reproduced the
+fault (it failed or diverged).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fla_ac_isolation.regression.harness import ModeResult, RegressionResult
+
+__all__ = ["Verdict", "default_rtol", "exit_code", "print_report", "verdicts", "write_json", "write_plot"]
+
+#: modes whose mismatch fails the run
+REQUIRED = ("isolated", "global-disable")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One mode's verdict.
+
+    Attributes:
+        mode: the mode.
+        status: ``reference`` | ``matches`` | ``diverged`` | ``failed`` | ``no reference``.
+        text: what the table prints (``matches``, ``DIVERGED by X``, ``FAILED: <first line>``).
+        deviation: relative deviation from ``no-ac`` (``None`` when not computable).
+        ok: ``status`` is ``matches`` or ``reference``.
+    """
+
+    mode: str
+    status: str
+    text: str
+    deviation: float | None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("matches", "reference")
+
+
+def default_rtol(device: str, dtype: str) -> float:
+    """0 (bit for bit) for float32 on CPU; 1e-2 relative otherwise (FLA kernels, low precision)."""
+    return 0.0 if device == "cpu" and dtype == "float32" else 1e-2
+
+
+def _deviation(mode: ModeResult, ref: ModeResult) -> tuple[float, str]:
+    loss_dev = max(
+        (abs(a - b) / max(abs(b), 1e-30) for a, b in zip(mode.losses, ref.losses)), default=0.0
+    )
+    ref_scale = max((g for g in mode.ref_grad_max if g is not None), default=0.0)
+    diffs = [d for d in mode.grad_diffs if d is not None]
+    grad_dev = (max(diffs) / ref_scale if ref_scale > 0 else max(diffs)) if diffs else 0.0
+    if math.isnan(loss_dev) or math.isnan(grad_dev):
+        return math.inf, "nan"
+    return (loss_dev, "loss") if loss_dev >= grad_dev else (grad_dev, "grad")
+
+
+def verdicts(result: RegressionResult, rtol: float | None = None) -> dict[str, Verdict]:
+    """A :class:`Verdict` per mode of ``result`` (``rtol``: see the module docstring)."""
+    spec = result.spec
+    rtol = default_rtol(spec.device, spec.dtype) if rtol is None else rtol
+    ref = result.modes.get("no-ac")
+    out: dict[str, Verdict] = {}
+    for name, mode in result.modes.items():
+        if mode.error is not None:
+            out[name] = Verdict(name, "failed", f"FAILED: {mode.error}", None)
+        elif name == "no-ac":
+            out[name] = Verdict(name, "reference", "reference", 0.0)
+        elif ref is None or ref.error is not None or len(ref.losses) < spec.steps:
+            out[name] = Verdict(name, "no reference", "no reference (no-ac failed)", None)
+        else:
+            dev, what = _deviation(mode, ref)
+            if dev <= rtol and len(mode.losses) == len(ref.losses):
+                text = "matches (bit for bit)" if dev == 0 else f"matches (within {dev:.1e} <= rtol {rtol:g})"
+                out[name] = Verdict(name, "matches", text, dev)
+            else:
+                out[name] = Verdict(name, "diverged", f"DIVERGED by {dev:.2e} ({what})", dev)
+    return out
+
+
+def exit_code(result: RegressionResult, rtol: float | None = None) -> int:
+    """0 when ``no-ac`` ran and every required mode that ran matches it; 1 otherwise."""
+    found = verdicts(result, rtol)
+    if "no-ac" not in found or not found["no-ac"].ok:
+        return 1
+    return 0 if all(found[m].ok for m in REQUIRED if m in found) else 1
+
+
+def fault_reproduced(result: RegressionResult, rtol: float | None = None) -> bool | None:
+    """Whether the unsafe ``shared`` mode failed or diverged (``None`` if it did not run or no reference)."""
+    found = verdicts(result, rtol).get("shared")
+    if found is None or found.status == "no reference":
+        return None
+    return found.status in ("failed", "diverged")
+
+
+# ------------------------------------------------------------------------------------------- table
+def _fmt(x: float | None, spec: str = ".6g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_report(result: RegressionResult, *, rtol: float | None = None, verbose: bool = False, console=None) -> None:
+    """Print the header, the per-step table, the verdict summary and (``verbose``) FLA cache counts."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    spec = result.spec
+    found = verdicts(result, rtol)
+    ac = "full" if spec.ac == "full" else f"selective, policy {spec.policy}"
+    title = (
+        f"{spec.model}  EP={spec.ep}  AC {ac}, every {spec.freq} block(s)  backend={spec.backend}  "
+        f"{spec.device}/{spec.dtype}  hidden={spec.hidden_size}  {spec.num_experts} experts top-{spec.top_k}"
+    )
+    for note in result.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("mode", "left"), ("step", "right"), ("loss", "right"), ("grad norm", "right"),
+                         ("max |grad - ref|", "right"), ("idle experts", "right"), ("verdict", "left")):
+        table.add_column(col, justify=justify)
+    for name, mode in result.modes.items():
+        verdict = found[name]
+        style = {"matches": "green", "reference": "cyan", "failed": "red", "diverged": "red"}.get(verdict.status, "")
+        rows = max(len(mode.losses), 1)
+        for i in range(rows):
+            done = i < len(mode.losses)
+            table.add_row(
+                name if i == 0 else "",
+                str(i) if done else "-",
+                _fmt(mode.losses[i], ".8f") if done else "-",
+                _fmt(mode.grad_norms[i], ".6g") if done else "-",
+                _fmt(mode.grad_diffs[i], ".3e") if done and name != "no-ac" else "-",
+                str(mode.idle_experts[i]) if done else "-",
+                f"[{style}]{verdict.text}[/{style}]" if i == 0 and style else (verdict.text if i == 0 else ""),
+                end_section=i == rows - 1,
+            )
+    console.print(table)
+    for name in REQUIRED:
+        if name in found:
+            ok = found[name].ok
+            console.print(f"{name:>15}: {'[green]PASS[/green]' if ok else '[red]FAIL[/red]'}  {found[name].text}")
+    if "shared" in found:
+        reproduced = fault_reproduced(result, rtol)
+        what = {True: "[magenta]fault reproduced[/magenta]", False: "fault NOT reproduced under this policy",
+                None: "not judged"}[reproduced]
+        console.print(f"{'shared (unsafe)':>15}: {what}  {found['shared'].text}  (does not affect the exit code)")
+    if verbose:
+        _print_cache(result, console)
+        for name, mode in result.modes.items():
+            if mode.traceback:
+                console.print(f"[red]{name}[/red] traceback (rank {mode.failed_ranks[0] if mode.failed_ranks else '?'}):")
+                console.print(mode.traceback, markup=False, highlight=False)
+
+
+def _print_cache(result: RegressionResult, console) -> None:
+    from rich.table import Table
+
+    table = Table(title="FLA tensor-cache lookups per mode (summed over ranks and steps)", title_justify="left")
+    for col in ("mode", "helper", "hit", "miss", "bypass"):
+        table.add_column(col, justify="left" if col in ("mode", "helper") else "right")
+    for name, mode in result.modes.items():
+        helpers = sorted(mode.cache_by_helper.items())
+        for i, (helper, counts) in enumerate(helpers):
+            table.add_row(name if i == 0 else "", helper, *(str(counts.get(k, 0)) for k in ("hit", "miss", "bypass")))
+        table.add_row(
+            name if not helpers else "", "[bold]total[/bold]",
+            *(str(mode.cache.get(k, 0)) for k in ("hit", "miss", "bypass")), end_section=True,
+        )
+    console.print(table)
+
+
+# --------------------------------------------------------------------------------------- artefacts
+def to_document(result: RegressionResult, rtol: float | None = None) -> dict[str, Any]:
+    """The JSON document: spec, per-mode results, verdicts, exit code, notes, versions."""
+    doc = result.to_dict()
+    doc["verdicts"] = {name: {**asdict(v), "ok": v.ok} for name, v in verdicts(result, rtol).items()}
+    doc["fault_reproduced"] = fault_reproduced(result, rtol)
+    doc["exit_code"] = exit_code(result, rtol)
+    return doc
+
+
+def write_json(result: RegressionResult, path: str, rtol: float | None = None) -> None:
+    """Write :func:`to_document` to ``path`` (infinities as strings)."""
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    with open(path, "w") as f:
+        json.dump(clean(to_document(result, rtol)), f, indent=2)
+        f.write("\n")
+
+
+def write_plot(result: RegressionResult, path: str, rtol: float | None = None) -> None:
+    """Write a PNG of the loss per step per mode; a failed mode ends with an ``x`` at its last step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = verdicts(result, rtol)
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    styles = {"no-ac": ("black", "-", 3.0), "shared": ("tab:red", "--", 1.5),
+              "isolated": ("tab:green", "-", 1.5), "global-disable": ("tab:blue", ":", 2.0)}
+    for name, mode in result.modes.items():
+        color, line, width = styles.get(name, ("gray", "-", 1.0))
+        label = f"{name}: {found[name].text}"
+        if len(label) > 70:
+            label = label[:67] + "..."
+        steps = list(range(len(mode.losses)))
+        if steps:
+            ax.plot(steps, mode.losses, line, color=color, linewidth=width, marker="o", markersize=4, label=label)
+        else:
+            ax.plot([], [], line, color=color, label=label)
+        if mode.error is not None and steps:
+            ax.plot([steps[-1] + 0.5], [mode.losses[-1]], "x", color=color, markersize=10)
+    spec = result.spec
+    ax.set_title(f"{spec.model}, EP={spec.ep}, AC {spec.ac}" + (f" ({spec.policy})" if spec.ac == "selective" else ""))
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_xticks(range(spec.steps))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,223 @@
+"""The regression's pieces without launching ranks: data schedule, models, spec checks, verdicts, report, CLI."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from fla_ac_isolation.regression import report
+from fla_ac_isolation.regression.data import global_batch, rank_batch
+from fla_ac_isolation.regression.harness import ModeResult, RegressionResult, RegressionSpec
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def test_rank_batches_are_deterministic_and_differ_between_ranks():
+    a0, a1 = rank_batch(0, 0, 2), rank_batch(0, 1, 2)
+    assert torch.equal(a0.input_ids, rank_batch(0, 0, 2).input_ids)
+    assert a0.seq_lens != a1.seq_lens and a0.num_tokens != a1.num_tokens
+    for b in (a0, a1):
+        assert 0 in b.seq_lens, "every ordinary step packs a zero-length document"
+        assert max(b.seq_lens) > 64, "and one document spanning several FLA chunks"
+        assert sum(b.seq_lens) == b.num_tokens == b.labels.shape[1]
+
+
+def test_sparse_step_routes_fewer_tokens_than_experts():
+    tokens = sum(rank_batch(1, r, 2).num_tokens for r in range(2))
+    assert tokens * 4 < 16, "step 1 leaves experts without tokens at top-4 of 16"
+
+
+def test_labels_are_next_tokens_within_documents():
+    b = rank_batch(0, 0, 2)
+    ids, labels = b.input_ids[0], b.labels[0]
+    start = 0
+    for n in b.seq_lens:
+        if n:
+            assert torch.equal(labels[start:start + n - 1], ids[start + 1:start + n])
+            assert labels[start + n - 1] == -100
+        start += n
+    assert int((labels != -100).sum()) == sum(max(n - 1, 0) for n in b.seq_lens)
+
+
+def test_global_batch_packs_every_rank_in_order():
+    g = global_batch(2, 2)
+    parts = [rank_batch(2, r, 2) for r in range(2)]
+    assert g.seq_lens == parts[0].seq_lens + parts[1].seq_lens
+    assert torch.equal(g.input_ids, torch.cat([p.input_ids for p in parts], 1))
+    assert g.num_targets_global == sum(int((p.labels != -100).sum()) for p in parts)
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_8", "nemotron_h"])
+def test_tiny_family_trains_on_packed_batch_with_one_seqlens_for_all_layers(family):
+    from fla_ac_isolation.regression.expert_parallel import setup_torchtitan
+    from fla_ac_isolation.regression.model import ModelSize, build_model
+    from fla_ac_isolation.seqlens import LayerLocalSeqlens
+
+    setup_torchtitan("cpu")
+    torch.manual_seed(0)
+    model = build_model(family, ModelSize(hidden_size=64, num_experts=4, top_k=2), backend="reference")
+    kinds = [b.kind for b in model.layers]
+    expected = {"qwen3_5_moe": ["gdn+moe"] * 3 + ["attention+moe"], "qwen3_8": ["gdn+moe"] * 3 + ["attention+moe"],
+                "nemotron_h": ["mamba2", "moe", "attention", "moe"]}[family]
+    assert kinds == expected
+    batch = rank_batch(0, 0, 2, vocab_size=256)
+    seqlens = LayerLocalSeqlens.from_seq_lens(batch.seq_lens)
+    seen = []
+    orig = type(seqlens).local
+
+    def spy(self):
+        seen.append(self)
+        return orig(self)
+
+    type(seqlens).local = spy
+    try:
+        logits = model(batch.input_ids, seqlens)
+    finally:
+        type(seqlens).local = orig
+    assert logits.shape == (1, batch.num_tokens, 256)
+    assert seen and all(s is seqlens for s in seen), "every mixer receives the one model-level object"
+    torch.nn.functional.cross_entropy(logits[0], batch.labels[0], ignore_index=-100).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_attention_is_causal_within_each_document_only():
+    from fla_ac_isolation.regression.model import AttentionLayout
+    from fla_ac_isolation.seqlens import LayerLocalSeqlens
+
+    layout = AttentionLayout.from_seqlens(LayerLocalSeqlens.from_seq_lens([2, 0, 3]), torch.device("cpu"))
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 1, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(layout.mask, expected)
+    assert layout.positions.tolist() == [0, 1, 0, 1, 2]
+
+
+def test_unknown_family_is_refused():
+    from fla_ac_isolation.regression.model import build_model
+
+    with pytest.raises(ValueError, match="model must be one of"):
+        build_model("llama")
+
+
+# ------------------------------------------------------------------------------------------------ spec
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model": "gpt"}, "model must be one of"),
+        ({"ep": 0}, "ep must be an int >= 1"),
+        ({"ac": "none"}, "ac must be 'full' or 'selective'"),
+        ({"policy": "save-everything"}, "policy must be one of"),
+        ({"num_experts": 15}, r"num_experts \(15\) must be a multiple of ep \(2\)"),
+        ({"top_k": 32}, "top_k"),
+        ({"modes": ("isolated", "bogus")}, "modes must be"),
+        ({"backend": "triton"}, "backend must be"),
+        ({"ep": 2, "device": "cuda"}, "CUDA devices") if not torch.cuda.is_available() else ({"ep": 64, "device": "cuda"}, "CUDA devices"),
+    ],
+)
+def test_spec_errors_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        RegressionSpec(**change).validate()
+
+
+def test_no_ac_always_runs_first():
+    assert RegressionSpec(modes=("isolated", "shared")).ordered_modes == ("no-ac", "shared", "isolated")
+
+
+def test_missing_torch_attribute_is_shimmed_and_said(monkeypatch):
+    from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat
+
+    monkeypatch.delattr(torch.compiler, "_is_non_strict_tracing", raising=False)
+    notes = ensure_torch_compat()
+    assert torch.compiler._is_non_strict_tracing() is False
+    assert len(notes) == 1 and "_is_non_strict_tracing" in notes[0]
+    assert ensure_torch_compat() == [], "nothing to do (and nothing said) once present"
+
+
+# -------------------------------------------------------------------------------------- verdicts, report
+
+
+def _result(**modes) -> RegressionResult:
+    base = {"losses": [2.0, 1.5], "grad_norms": [1.0, 0.9], "grad_diffs": [0.0, 0.0], "ref_grad_max": [0.5, 0.5],
+            "idle_experts": [0, 4]}
+    out = {"no-ac": ModeResult("no-ac", **{**base, "grad_diffs": [None, None], "ref_grad_max": [None, None]})}
+    for name, change in modes.items():
+        out[name.replace("_", "-")] = ModeResult(name.replace("_", "-"), **{**base, **change})
+    return RegressionResult(RegressionSpec(steps=2), out)
+
+
+def test_exact_modes_match_and_pass():
+    result = _result(shared={"error": "rank 0: RuntimeError: Autograd not support dtype: Int", "losses": []},
+                     isolated={}, global_disable={})
+    found = report.verdicts(result)
+    assert found["isolated"].text == "matches (bit for bit)"
+    assert found["shared"].text == "FAILED: rank 0: RuntimeError: Autograd not support dtype: Int"
+    assert report.fault_reproduced(result) is True
+    assert report.exit_code(result) == 0, "the unsafe mode never changes the exit code"
+
+
+def test_a_diverged_isolated_mode_fails_the_run_and_says_by_how_much():
+    result = _result(isolated={"grad_diffs": [0.0, 0.05]}, global_disable={})
+    found = report.verdicts(result)
+    assert found["isolated"].status == "diverged"
+    assert found["isolated"].text == "DIVERGED by 1.00e-01 (grad)"
+    assert report.exit_code(result) == 1
+    assert report.verdicts(result, rtol=0.2)["isolated"].ok, "within an explicit tolerance it matches"
+
+
+def test_a_failed_reference_fails_the_run():
+    result = _result(isolated={})
+    result.modes["no-ac"].error = "RuntimeError: boom"
+    assert report.verdicts(result)["isolated"].status == "no reference"
+    assert report.exit_code(result) == 1
+
+
+def test_report_table_json_and_plot(tmp_path):
+    from rich.console import Console
+
+    result = _result(shared={"losses": [2.0, 1.7]}, isolated={}, global_disable={})
+    console = Console(width=200, record=True)
+    report.print_report(result, console=console, verbose=True)
+    text = console.export_text()
+    assert "DIVERGED by 1.33e-01 (loss)" in text and "fault reproduced" in text
+    assert "FLA tensor-cache lookups" in text
+    report.write_json(result, tmp_path / "r.json")
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["exit_code"] == 0 and doc["fault_reproduced"] is True
+    assert doc["modes"]["isolated"]["losses"] == [2.0, 1.5]
+    report.write_plot(result, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def _parse(*argv):
+    from fla_ac_isolation.regression import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli, parser.parse_args(list(argv))
+
+
+def test_cli_defaults_are_the_readme_command():
+    cli, args = _parse()
+    spec = cli._spec(args)
+    assert (spec.model, spec.ep, spec.steps) == ("qwen3_5_moe", 2, 3)
+    if not torch.cuda.is_available():
+        assert (spec.device, spec.dtype, spec.hidden_size) == ("cpu", "float32", 128)
+
+
+def test_cli_invalid_arguments_exit_2(capsys):
+    cli, args = _parse("--experts", "15")
+    assert cli.run(args) == 2
+    assert "num_experts (15) must be a multiple of ep (2)" in capsys.readouterr().out
