@@ -1,0 +1,46 @@
+"""examples/hf_swap.py runs on CPU and shows the fault without swap_mixers and the exact match with it."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_swap.py"
+
+
+@pytest.fixture(scope="module")
+def hf_swap():
+    spec = importlib.util.spec_from_file_location("hf_swap_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: threads only add contention on a 2-core CI machine
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_example_fails_without_swap_and_matches_with_it(hf_swap, capsys):
+    result = hf_swap.main([])
+
+    unswapped, swapped = result["unswapped"], result["swapped"]
+    assert "loss" in unswapped["no_ac"]
+    assert "error" in unswapped["sac"] or unswapped["max_grad_diff"] > 1e-4
+    assert result["swapped_paths"] == [f"model.layers.{i}.linear_attn" for i in range(3)]
+    assert swapped["sac"]["loss"] == swapped["no_ac"]["loss"]
+    assert swapped["max_grad_diff"] == 0.0
+    out = capsys.readouterr().out
+    assert "without swap_mixers" in out and "SAC == no AC, bit for bit" in out
+
+
+def test_example_size_flags(hf_swap):
+    result = hf_swap.main(["--hidden", "96", "--layers", "2", "--experts", "2", "--doc-lens", "65,9", "--seed", "3"])
+    assert result["swapped_paths"] == ["model.layers.0.linear_attn", "model.layers.1.linear_attn"]
+    assert result["swapped"]["max_grad_diff"] == 0.0
