@@ -224,7 +224,7 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
 
     Returns:
         The module paths swapped (e.g. ``["model.layers.0.linear_attn", ...]``). A second call finds only
-        swapped mixers, swaps nothing, warns and returns ``[]``.
+        this package's mixers, swaps nothing, warns (``UserWarning``) and returns ``[]``.
 
     Raises:
         ValueError: ``model`` holds neither a supported mixer nor a swapped one (the message names the
@@ -241,10 +241,11 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_backend(backend)
+    ours = tuple({getattr(importlib.import_module("fla_ac_isolation.mixers"), t.ours) for t in SUPPORTED_MIXERS})
     found: list[tuple[str, nn.Module, _Target]] = []
-    swapped_before: list[str] = []
+    swapped_before: list[str] = []  # swapped earlier, or built from fla_ac_isolation.mixers directly
     for path, module in model.named_modules():
-        if _ORIGINAL_ATTR in vars(module):
+        if _ORIGINAL_ATTR in vars(module) or isinstance(module, ours):
             swapped_before.append(path)
             continue
         target = _target_of(module)
@@ -255,8 +256,8 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
     if not found:
         if swapped_before:
             warnings.warn(
-                f"swap_mixers: nothing to swap; {len(swapped_before)} mixer(s) of {type(model).__name__} are "
-                f"already swapped ({swapped_before[0]!r}, ...)",
+                f"swap_mixers: nothing to swap; the {len(swapped_before)} mixer(s) of {type(model).__name__} are "
+                f"already fla_ac_isolation's ({swapped_before[0]!r}, ...)",
                 stacklevel=2,
             )
             return []

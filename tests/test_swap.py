@@ -57,7 +57,7 @@ from transformers.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextConfi
 
 from fla_ac_isolation import mixers, restore_mixers, swap_mixers  # noqa: E402
 from fla_ac_isolation.ops import reference  # noqa: E402
-from fla_ac_isolation.policies import sac_context_fn, save_all_copies, save_ops  # noqa: E402
+from fla_ac_isolation.policies import checkpoint_layers, sac_context_fn, save_all_copies, save_ops  # noqa: E402
 
 aten = torch.ops.aten
 VOCAB = 128
@@ -242,7 +242,9 @@ def _train_step(model: nn.Module, batch: dict) -> Step:
         out.loss.backward()
     except Exception as err:  # noqa: BLE001 - the unsafe path is expected to fail in several ways
         return Step(error=err)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {  # named as in state_dict(), also under torch's checkpoint_wrapper
+        n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
     return Step(out.loss.detach().clone(), grads)
 
 
@@ -297,12 +299,48 @@ def test_second_swap_swaps_nothing_and_warns():
         assert swap_mixers(model) == []
 
 
+def test_model_built_from_our_mixers_needs_no_swap():
+    config = FAMILIES["nemotron_h"].model().config
+    model = nn.ModuleList([mixers.NemotronHMamba2Mixer(config, layer_idx=0)])
+    with pytest.warns(UserWarning, match="nothing to swap"):
+        assert swap_mixers(model) == []
+
+
 def test_model_without_supported_mixer_raises_naming_the_classes():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with pytest.raises(ValueError, match="no supported mixer") as err:
         swap_mixers(model)
     for cls in ("Qwen3_5MoeGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen4ExpTextGatedDeltaNet", "NemotronHMamba2Mixer"):
         assert cls in str(err.value)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fla"])
+def test_backend_reaches_every_swapped_mixer(backend):
+    model = FAMILIES["nemotron_h"].model()
+    swap_mixers(model, backend=backend)
+    assert [m.backend for m in model.modules() if isinstance(m, mixers.NemotronHMamba2Mixer)] == [backend] * 2
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_8_flash_next"])
+def test_swap_finds_the_language_model_mixers_of_multimodal_models(kind):
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    from transformers.models.qwen4_exp import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
+
+    config_cls, model_cls = {
+        "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration),
+        "qwen3_8_flash_next": (Qwen4ExpConfig, Qwen4ExpForConditionalGeneration),
+    }[kind]
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+    text = FAMILIES[kind].model().config.to_dict()
+    torch.manual_seed(0)
+    model = model_cls(config_cls(text_config=text, vision_config=vision)).train()
+
+    paths = swap_mixers(model)  # the mixers' config is the language model's text config
+
+    assert paths == [f"model.language_model.layers.{i}.linear_attn" for i in range(3)]
+    _set_checkpointing(model, save_all_copies())
+    step = _train_step(model, _packed_batch())
+    assert step.error is None, step.error
 
 
 def test_unknown_backend_is_refused_before_anything_changes():
@@ -362,7 +400,7 @@ def test_optimizer_built_before_the_swap_keeps_training_the_same_tensors():
     assert all(opt.state[p]["step"] == 2 for p in model.parameters())
 
 
-@pytest.mark.parametrize("order", ["swap-then-checkpointing", "checkpointing-then-swap"])
+@pytest.mark.parametrize("order", ["swap-then-checkpointing", "checkpointing-then-swap", "checkpoint_layers-then-swap"])
 def test_swap_works_before_or_after_gradient_checkpointing_enable(order):
     family = FAMILIES["qwen3_5_moe"]
     ref = family.model()
@@ -373,9 +411,12 @@ def test_swap_works_before_or_after_gradient_checkpointing_enable(order):
     if order == "swap-then-checkpointing":
         swap_mixers(model)
         _set_checkpointing(model, save_all_copies())
-    else:
+    elif order == "checkpointing-then-swap":
         _set_checkpointing(model, save_all_copies())
         swap_mixers(model)
+    else:  # torch's checkpoint_wrapper around each decoder layer, as torchtitan applies it
+        checkpoint_layers(model, "selective", save_all_copies())
+        assert swap_mixers(model) == [p.replace("linear_attn", "_checkpoint_wrapped_module.linear_attn") for p in family.paths]
     got = _train_step(model, _packed_batch())
 
     assert got.error is None, got.error
