@@ -30,7 +30,8 @@ How regions are found:
   "context_fn": audit.context_fn(sac_context_fn(policy))})``; it works inside and outside the ``with``
   block (outside it, without FLA telemetry).
 
-Labels: a user ``label``, else the module path of the checkpointed module (``layers.0``, with
+Labels: a user ``label``, else the module path of the checkpointed module, or when the checkpointed
+callable is not a module, of the module calling checkpoint (``layers.0``, with
 ``_checkpoint_wrapped_module`` and ``_orig_mod`` dropped) inside ``model`` or, when no model was given,
 inside the outermost module whose forward is running when the region starts; else ``region #i (ClassName)``
 or ``region #i``.
@@ -40,29 +41,37 @@ What it sees and does not see:
 * Eager regions: every aten op. Early-stopped recomputes (torch's default ``early_stop=True``) are
   compared as prefixes of their forward; regions never recomputed (no backward, or backward stopped by an
   error) are reported as such; a second recompute (``retain_graph=True``) is compared too.
-* Compiled code inside a region (``torch.compile(fullgraph=False)`` of a layer that is then
-  checkpointed): like SAC, the recorder lets compiled graphs run whole, so each compiled graph is one op,
-  ``inductor_compiled_code``; ops between graphs (graph breaks: FLA's helpers, ``LayerLocalSeqlens``)
-  run eagerly and are recorded. A divergence inside one graph is invisible; a divergence that makes the
-  recompute run other graphs, or other eager ops between them, is seen.
+* Compiled code inside a region (``torch.compile(layer, fullgraph=False)``, then checkpointed): the
+  recorder, like SAC's modes, lets compiled graphs run whole (``ignore_compile_internals``), so it sees
+  exactly the ops SAC sees there: the aten ops inductor's generated code still sends through the
+  dispatcher (extern kernels such as ``aten.addmm.out``, fallbacks such as FLA's ``repeat_interleave``)
+  and the eager ops between graphs. Ops fused into generated kernels are invisible (a layer of 54 eager
+  ops records 8). FLA's ``tensor_cache`` lookup breaks the graph and runs eagerly, so the probe still
+  attributes a divergence; a divergence that stays inside one fused kernel cannot be seen (nor can SAC
+  misreplay it). See ``tests/test_audit_compile.py``.
+* torch 2.11 (SAC replays from one FIFO queue per op) and torch >= 2.13 (by op and invocation index):
+  the recorder does not depend on how SAC replays; any divergence it reports shifts both.
 * Checkpoint calls traced *into* a compiled graph (``torch.compile`` around the checkpoint call) do not
   reach torch's eager checkpoint and are not audited (nor are reentrant checkpoints).
 
 Modes (``on_divergence``):
 
-* ``"raise"`` (default): raise :class:`ReplayDivergenceError` at the first divergent op of a recompute,
-  before the op runs (so before SAC replays a wrong tensor or fails with its own error); the message
-  names the region, the op index, both ops, the FLA helpers whose cache state differed and the fix.
+* ``"raise"`` (default): raise :class:`ReplayDivergenceError` (from ``backward()``) at the first
+  divergent op of a recompute; when the op itself differs, before it runs, so before SAC replays a wrong
+  tensor or fails with its own error. The message names the region, the op index, the innermost module
+  running there (``layers.0.mixer``), both ops, the FLA helpers whose cache state differed and the fix.
 * ``"warn"``: emit a :class:`ReplayDivergenceWarning` with the same text once per divergent recompute
   and carry on (SAC may still fail afterwards, or silently replay wrong tensors).
 * ``"record"``: stay silent; read :attr:`ReplayAudit.regions` / :meth:`ReplayAudit.summary` afterwards.
   Recording never changes results: the recorder only observes (results are bit-equal to no audit).
 
-Overhead (measured on this project's 2-core CPU machines, torch 2.13): about 6 to 10 microseconds per
-recorded aten op (one Python ``__torch_dispatch__`` call plus a tuple of output metadata), i.e. a fault
-stack step of 4 small layers took ~2.3x its unaudited time, and a step of 4 checkpointed
-``[512, 1024]`` MLP layers ~1.1x; memory is ~200 bytes per recorded op. Outside checkpointed regions
-nothing is recorded. It is a debugging tool: wrap one step, not a training run.
+Overhead (measured on this project's 2-core CPU machines, torch 2.13, under load, so +-30%): about
+8 to 13 microseconds per recorded aten op (one Python ``__torch_dispatch__`` call plus a tuple of output
+metadata; 1000 tiny ``add`` s checkpointed: 10-24 ms -> 37-41 ms per step); on realistic steps little:
+the fault stack (4 small layers, 416 recorded ops) 231 -> 242 ms (1.05x), 4 checkpointed
+``[512, 1024] -> 1024 -> 1024`` MLP layers 637 -> 663 ms (1.04x), one step of the tiny ``qwen3_5_moe``
+regression model (~6,300 recorded ops) about 1.03x. Memory: roughly 200 bytes per recorded op, freed
+with the audit. Outside checkpointed regions nothing is recorded. A debugging tool: wrap one step.
 """
 
 from __future__ import annotations
@@ -172,6 +181,7 @@ class _Pass:
     stopped_early: bool = False
     error: str | None = None
     first_diff: int | None = None  # recompute only
+    where: str | None = None  # innermost module running at the first divergent op
     message: str | None = None
 
 
@@ -196,6 +206,8 @@ class RegionReport:
         prefix: the recompute stopped early (torch ``early_stop``) or was aborted by an error; it was
             compared as a prefix of the forward.
         first_diff: index of the first differing op, or ``None``.
+        where: path of the innermost module that was running at ``first_diff`` in the recompute
+            (e.g. ``layers.0.linear_attn``), or ``None``.
         forward_op / recompute_op: the two ops at ``first_diff`` (``"aten.sub.Tensor -> [23] int64 cpu"``).
         fla: FLA helpers whose cache state differed (empty when FLA is not involved).
         forward_cache / recompute_cache: ``{helper: {"hit": n, "miss": n, "bypass": n}}`` per pass.
@@ -210,6 +222,7 @@ class RegionReport:
     recompute_ops: int | None
     prefix: bool
     first_diff: int | None
+    where: str | None
     forward_op: str | None
     recompute_op: str | None
     fla: tuple[CacheDifference, ...]
@@ -255,8 +268,9 @@ def _cache_differences(fwd: list[CacheEvent], rec: list[CacheEvent], rec_complet
 _VERBS = {"miss": "missed", "hit": "hit", "bypass": "bypassed the cache", "not called": "was not called"}
 
 
-def _explain(label: str, idx: int, fwd_op: str, rec_op: str, diffs: list[CacheDifference]) -> str:
-    lines = [f"ReplayAudit: region {label}: recompute op #{idx} is {rec_op}, forward had {fwd_op}."]
+def _explain(label: str, where: str | None, idx: int, fwd_op: str, rec_op: str, diffs: list[CacheDifference]) -> str:
+    inside = f" (in {where})" if where and where != label else ""
+    lines = [f"ReplayAudit: region {label}: recompute op #{idx}{inside} is {rec_op}, forward had {fwd_op}."]
     main = [d for d in diffs if "not called" not in (d.forward, d.recompute)] or diffs
     if main:
         groups: dict[tuple[str, str], list[str]] = {}
@@ -419,8 +433,10 @@ class _PassRecorder(TorchDispatchMode):
         else:
             rec_op = _format_op(rec, f"<end of recompute after {i} ops>")
         self._collect_events()
+        if rec is not None:
+            p.where = self._audit._where(self._region.label)
         diffs = _cache_differences(self._region.forward.events, p.events, rec_complete=rec is None)
-        p.message = _explain(self._region.label, i, fwd_op, rec_op, diffs)
+        p.message = _explain(self._region.label, p.where, i, fwd_op, rec_op, diffs)
         mode = self._audit.on_divergence
         if mode == "raise":
             raise ReplayDivergenceError(p.message)
@@ -435,6 +451,8 @@ def _module_of(fn: Any) -> nn.Module | None:
         if isinstance(fn, nn.Module):
             return fn
         if isinstance(fn, functools.partial):
+            if fn.args and isinstance(fn.args[0], nn.Module):  # partial(forward, module) (transformers)
+                return fn.args[0]
             fn = fn.func
         elif hasattr(fn, "__self__"):
             fn = fn.__self__
@@ -443,14 +461,14 @@ def _module_of(fn: Any) -> nn.Module | None:
     return None
 
 
-def _outermost_running_module() -> nn.Module | None:
-    """The outermost module whose ``forward`` (or ``__call__``) is on the Python stack right now."""
+def _running_modules() -> list[nn.Module]:
+    """Modules whose ``forward`` is on the Python stack right now, innermost first."""
     frame = sys._getframe(1)
-    found = None
+    found: list[nn.Module] = []
     while frame is not None:
         obj = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames[:1] else None
-        if isinstance(obj, nn.Module):
-            found = obj
+        if isinstance(obj, nn.Module) and (not found or found[-1] is not obj):
+            found.append(obj)
         frame = frame.f_back
     return found
 
@@ -484,7 +502,7 @@ class ReplayAudit:
         TypeError: ``model`` is not an ``nn.Module``.
         ReplayDivergenceError: (``"raise"``) at the first divergent op of a recompute, from backward.
 
-    Overhead: ~6-10 us per recorded op (see the module docstring for measured step times).
+    Overhead: ~8-13 us per recorded op, ~1.05x on a realistic step (measured: see the module docstring).
     """
 
     def __init__(
@@ -607,15 +625,33 @@ class ReplayAudit:
         self._regions.append(region)
 
     def _label_for(self, fn: Any) -> str:
+        """Module path of the checkpointed module (or, when ``fn`` names none, of the module calling
+        checkpoint), inside ``model`` or the outermost running module; else ``region #i``."""
         number = f"region #{self._next_index}"
+        running = _running_modules()
         module = _module_of(fn)
+        if module is None:
+            module = running[0] if running else None
         if module is None:
             return number
         root = self._model_ref() if self._model_ref is not None else None
         if root is None:
-            root = _outermost_running_module()
+            root = running[-1] if running else None
         path = self._path_in(root, module) if root is not None else None
         return path or f"{number} ({type(module).__name__})"
+
+    def _where(self, label: str) -> str | None:
+        """Path of the innermost module running now (inside a recompute), for messages."""
+        running = _running_modules()
+        if not running:
+            return None
+        root = self._model_ref() if self._model_ref is not None else None
+        if root is not None:
+            path = self._path_in(root, running[0])
+            if path:
+                return path
+        sub = self._path_in(running[-1], running[0])  # inside the region's own module
+        return f"{label}.{sub}" if sub else label
 
     def _path_in(self, root: nn.Module, module: nn.Module) -> str | None:
         cached = self._paths.get(id(root))
@@ -653,7 +689,7 @@ class ReplayAudit:
         if rec is None:
             return RegionReport(
                 region.index, region.label or f"region #{region.index}", "not recomputed", len(fwd.ops), None,
-                False, None, None, None, (), fwd_cache, {}, None, None,
+                False, None, None, None, None, (), fwd_cache, {}, None, None,
             )
         i = rec.first_diff
         diffs: tuple[CacheDifference, ...] = ()
@@ -664,7 +700,8 @@ class ReplayAudit:
             fwd_op = _format_op(fwd.ops[i] if i < len(fwd.ops) else None, f"<end of forward after {len(fwd.ops)} ops>")
             rec_op = _format_op(rec.ops[i] if i < len(rec.ops) else None, f"<end of recompute after {i} ops>")
             if rec.done:  # rebuilt with every helper call of the pass (raise/warn saw those up to the op)
-                message = _explain(region.label or f"region #{region.index}", i, fwd_op, rec_op, list(diffs))
+                message = _explain(region.label or f"region #{region.index}", rec.where, i, fwd_op, rec_op,
+                                   list(diffs))
         return RegionReport(
             index=region.index,
             label=region.label or f"region #{region.index}",
@@ -673,6 +710,7 @@ class ReplayAudit:
             recompute_ops=len(rec.ops),
             prefix=not rec.complete,
             first_diff=i,
+            where=rec.where if i is not None else None,
             forward_op=fwd_op,
             recompute_op=rec_op,
             fla=diffs,

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from fla_ac_isolation.audit import ReplayAudit, ReplayDivergenceError, ReplayDivergenceWarning
 from fla_ac_isolation.fla_cache import clear_tensor_cache, tensor_cache_size

@@ -1,0 +1,33 @@
+"""``fla-ac-isolation audit``: one step per mode, each region's verdict printed, exit code from the safe modes."""
+
+import pytest
+
+from fla_ac_isolation.cli import main
+
+
+def test_audit_cli_fault_stack_flags_shared_and_passes_isolated(capsys):
+    code = main(["audit", "--model", "fault-stack", "--ac", "full", "--modes", "shared,isolated,global-disable"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "== fault-stack | shared | full AC | freq 1: 1 divergent region(s)" in out
+    assert "== fault-stack | isolated | full AC | freq 1: aligned" in out
+    assert "== fault-stack | global-disable | full AC | freq 1: aligned" in out
+    assert "layers.0  54       24       DIVERGENT at op #0  1/3               2/0" in out
+    assert "FLA prepare_position_ids, prepare_chunk_indices missed in forward and hit in recompute." in out
+
+
+def test_audit_cli_rejects_bad_modes(capsys):
+    assert main(["audit", "--model", "fault-stack", "--modes", "no-ac"]) == 2
+    assert "--modes must be a non-empty subset" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_audit_cli_regression_family_names_the_mixer(capsys):
+    pytest.importorskip("torchtitan")
+    code = main(["audit", "--model", "qwen3_5_moe", "--layers", "1", "--experts", "4", "--top-k", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "== qwen3_5_moe | shared | SAC policy save-all-copies | freq 1: 1 divergent region(s)" in out
+    assert "recompute op #24 (in layers.0.mixer)" in out
+    assert "FLA prepare_chunk_indices, prepare_chunk_offsets missed in forward and hit in recompute." in out
+    assert "== qwen3_5_moe | isolated | SAC policy save-all-copies | freq 1: aligned" in out
