@@ -114,7 +114,8 @@ def train_step(model, batch: dict) -> dict:
         loss.backward()
     except Exception as err:  # noqa: BLE001 - the unswapped SAC step is expected to fail in several ways
         return {"error": f"{type(err).__name__}: {err}".splitlines()[0][:160]}
-    return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.item(), "grads": grads}
 
 
 def compare(model, args: argparse.Namespace) -> dict:

@@ -62,7 +62,9 @@ class _Target:
 
 
 SUPPORTED_MIXERS: tuple[_Target, ...] = (
-    _Target("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
+    _Target(
+        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"
+    ),
     _Target("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
     _Target(
         "transformers.models.qwen4_exp.modeling_qwen4_exp", "Qwen4ExpTextGatedDeltaNet", "Qwen3_8FlashNextGatedDeltaNet"
@@ -112,7 +114,12 @@ def _config_for(model: nn.Module, path: str, mixer: nn.Module, config: Any) -> A
     return get_text_config(decoder=True) if callable(get_text_config) else found
 
 
-def _check_no_hooks(path: str, mixer: nn.Module) -> None:
+def _check_swappable(path: str, mixer: nn.Module) -> None:
+    """Refuse mixers that something else already holds by reference (hooks) or has sharded (DTensor).
+
+    FSDP2, tensor parallelism and accelerate's dispatch keep references to the mixer and its submodules
+    and swap tensors into them; a replacement would not see those tensors.
+    """
     for name, sub in mixer.named_modules():
         hooked = [
             attr
@@ -127,6 +134,16 @@ def _check_no_hooks(path: str, mixer: nn.Module) -> None:
                 f"swap_mixers cannot swap {path!r}: {where!r} carries module hooks ({', '.join(hooked)}); "
                 "call swap_mixers before wrapping or dispatching the model (FSDP, accelerate device_map, ...)"
             )
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed: nothing can be sharded
+        return
+    sharded = [n for n, p in mixer.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        raise ValueError(
+            f"swap_mixers cannot swap {path!r}: its parameters are already distributed ({sharded[0]!r} is a "
+            "DTensor); call swap_mixers before fully_shard / parallelize_module"
+        )
 
 
 # --------------------------------------------------------------------------------------- tensor slots
@@ -228,7 +245,8 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
 
     Raises:
         ValueError: ``model`` holds neither a supported mixer nor a swapped one (the message names the
-            classes looked for); unknown ``backend``; a mixer carries module hooks; no config found.
+            classes looked for); unknown ``backend``; a mixer carries module hooks or DTensor parameters
+            (swap before FSDP/TP/accelerate dispatch); no config found.
         RuntimeError: a replacement does not declare the transformers module's tensors (names, shapes).
 
     Example::
@@ -267,7 +285,7 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
 
     replacements = []
     for path, original, target in found:  # build all first: an error leaves the model untouched
-        _check_no_hooks(path, original)
+        _check_swappable(path, original)
         new = _build(target, original, _config_for(model, path, original, config), backend, path)
         replacements.append((path, original, new))
     for path, original, new in replacements:
@@ -297,5 +315,7 @@ def restore_mixers(model: nn.Module) -> list[str]:
         _install(model, path, original)
         restored.append(path)
     if not restored:
-        warnings.warn(f"restore_mixers: {type(model).__name__} holds no swapped mixer; nothing to restore", stacklevel=2)
+        warnings.warn(
+            f"restore_mixers: {type(model).__name__} holds no swapped mixer; nothing to restore", stacklevel=2
+        )
     return restored

@@ -99,7 +99,8 @@ def _qwen3_8_flash_next() -> nn.Module:
 
 def _nemotron_h() -> nn.Module:
     config = NemotronHConfig(
-        vocab_size=VOCAB, hidden_size=64, layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention"],
+        vocab_size=VOCAB, hidden_size=64,
+        layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, ssm_state_size=16,
         mamba_num_heads=4, mamba_head_dim=16, n_groups=2, chunk_size=16, attn_implementation="sdpa",
     )
@@ -243,7 +244,9 @@ def _train_step(model: nn.Module, batch: dict) -> Step:
     except Exception as err:  # noqa: BLE001 - the unsafe path is expected to fail in several ways
         return Step(error=err)
     grads = {  # named as in state_dict(), also under torch's checkpoint_wrapper
-        n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
     }
     return Step(out.loss.detach().clone(), grads)
 
@@ -416,7 +419,8 @@ def test_swap_works_before_or_after_gradient_checkpointing_enable(order):
         swap_mixers(model)
     else:  # torch's checkpoint_wrapper around each decoder layer, as torchtitan applies it
         checkpoint_layers(model, "selective", save_all_copies())
-        assert swap_mixers(model) == [p.replace("linear_attn", "_checkpoint_wrapped_module.linear_attn") for p in family.paths]
+        wrapped = [p.replace("linear_attn", "_checkpoint_wrapped_module.linear_attn") for p in family.paths]
+        assert swap_mixers(model) == wrapped
     got = _train_step(model, _packed_batch())
 
     assert got.error is None, got.error
