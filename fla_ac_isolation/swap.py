@@ -27,8 +27,9 @@ counted); :func:`restore_mixers` points it at the replacement's current tensors 
 Order. Swap before or after ``gradient_checkpointing_enable`` (transformers checkpoints the decoder
 layer, which is left alone). A model built on ``meta`` can be swapped and materialised afterwards
 (``to_empty`` then ``load_state_dict``). transformers' ``init_weights`` only recognises its own mixer
-classes, so run it before swapping (or :func:`restore_mixers`, init, swap again). Swap before attaching
-module hooks (FSDP, accelerate dispatch): a mixer carrying hooks is refused.
+classes, so run it before swapping (or :func:`restore_mixers`, init, swap again). Swap before FSDP, tensor
+parallelism, PEFT or accelerate dispatch: a mixer carrying module hooks or DTensor parameters is refused,
+and one whose parameters were renamed (e.g. LoRA's ``base_layer``) no longer matches the replacement.
 """
 
 from __future__ import annotations
