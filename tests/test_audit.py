@@ -213,3 +213,27 @@ def test_checkpoint_is_unpatched_after_the_block():
         assert cp._checkpoint_without_reentrant_generator is not original
         raise KeyError
     assert cp._checkpoint_without_reentrant_generator is original
+
+
+def _leaves(obj):
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _leaves(o)
+    else:
+        yield obj
+
+
+def test_a_second_recompute_is_compared_and_records_hold_no_tensors():
+    torch.manual_seed(0)
+    model = HelperStack(num_layers=2)
+    checkpoint_layers(model, mode="full")
+    seqlens = LayerLocalSeqlens.from_seq_lens([5, 3], with_cpu=False)
+    with ReplayAudit(model) as audit:
+        loss = model(torch.randn(8, 16), seqlens).pow(2).mean()
+        loss.backward(retain_graph=True)
+        loss.backward()  # full AC recomputes every region again
+    assert [len(r.recomputes) for r in audit._regions] == [2, 2]
+    assert audit.ok and all(r.verdict == "aligned" for r in audit.regions)
+    for region in audit._regions:
+        for p in (region.forward, *region.recomputes):
+            assert not any(isinstance(leaf, torch.Tensor) for leaf in _leaves(p.ops))
