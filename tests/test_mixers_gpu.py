@@ -91,7 +91,8 @@ def test_fla_backend_under_selective_ac_matches_no_ac(name):
             return h + self.mixer(h, seqlens)
 
     def run(checkpointed: bool):
-        layers = nn.ModuleList(Block(family.build(i, seed=i, backend="fla")) for i in range(3)).to(device, torch.bfloat16)
+        layers = nn.ModuleList(Block(family.build(i, seed=i, backend="fla")) for i in range(3))
+        layers = layers.to(device, torch.bfloat16)
         if checkpointed:
             checkpoint_layers(layers, mode="selective", policy=save_all_copies())
         h = x.clone().requires_grad_()

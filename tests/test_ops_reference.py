@@ -109,9 +109,9 @@ def test_causal_conv1d_restarts_at_every_document():
     g = _gen()
     x, weight, bias = torch.randn(1, T, 12, generator=g), torch.randn(12, 4, generator=g), torch.randn(12, generator=g)
     out = reference.causal_conv1d(x, weight, bias, cu_seqlens=_cu().cu_seqlens)
-    expected = torch.cat([
-        F.silu(F.conv1d(d.transpose(1, 2), weight[:, None], bias, padding=3, groups=12)[..., :d.shape[1]]).transpose(1, 2)
-        for d in split_documents(x, LENS)], 1)
+    per_doc = [F.conv1d(d.transpose(1, 2), weight[:, None], bias, padding=3, groups=12)[..., :d.shape[1]]
+               for d in split_documents(x, LENS)]
+    expected = torch.cat([F.silu(y).transpose(1, 2) for y in per_doc], 1)
     assert torch.equal(out, expected)
 
 

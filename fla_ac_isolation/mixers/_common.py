@@ -12,6 +12,7 @@ import torch
 
 from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens
 
+
 def check_hidden_states(hidden_states: Any, hidden_size: int) -> tuple[int, int]:
     """Return ``(B, T)`` of ``hidden_states [B, T, hidden_size]``.
 

@@ -146,7 +146,8 @@ class NemotronHMamba2Mixer(nn.Module):
             padding=self.conv_kernel_size - 1,
         )
         use_bias = config_field(config, "use_bias")
-        self.in_proj = nn.Linear(self.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias=use_bias)
+        projection_size = self.intermediate_size + self.conv_dim + self.num_heads  # gate | x B C | dt
+        self.in_proj = nn.Linear(self.hidden_size, projection_size, bias=use_bias)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.norm = GroupedGatedRMSNorm(
@@ -226,7 +227,9 @@ class NemotronHMamba2Mixer(nn.Module):
         )                                                                   # [B,T,I], [B,T,I+2GN], [B,T,H]
 
         # 2. Short causal conv (with bias) + SiLU, restarted at every document.
-        xbc = ops.causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation, **varlen)
+        xbc = ops.causal_conv1d(
+            xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation, **varlen
+        )
         xbc = apply_padding_mask(xbc, attention_mask)
         x, B, C = xbc.split([self.intermediate_size, groups_n, groups_n], dim=-1)
 

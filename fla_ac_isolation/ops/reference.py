@@ -12,14 +12,17 @@ Three operations, each with the signature of its twin in ``ops/fla.py``:
   ``D`` skip.
 
 How documents are found. With ``cu_seqlens`` the tensors are packed (``B == 1``) and every operation
-asks FLA's own index helpers (``fla.ops.utils.index.prepare_chunk_indices`` and, for the two recurrent
-operations, ``prepare_chunk_offsets``) for the chunk schedule, with the very arguments FLA's kernels
-pass. The helpers are memoised by argument identity (``fla.utils.tensor_cache``), so this backend hits
-and misses that cache exactly where the kernel path does: a ``cu_seqlens`` object shared between
-checkpointed layers misbehaves here the same way it does on a GPU, and a layer-local one
-(:meth:`~fla_ac_isolation.LayerLocalSeqlens.local`) is safe here for the same reason. The schedule is
-then *used*: each document is processed chunk by chunk as listed, with its recurrent state starting
-from zero. Without ``cu_seqlens`` every batch row is one document and no helper is called (as in FLA).
+asks FLA's own index helpers for the chunk schedule, with the arguments FLA's kernel wrappers pass in
+their forward: ``prepare_chunk_indices(cu_seqlens, 64, cu_seqlens_cpu=...)`` (conv, gated delta rule,
+simple GLA) and ``prepare_chunk_offsets(cu_seqlens, 64)`` (the state-passing kernels). The helpers are
+memoised by argument identity (``fla.utils.tensor_cache``), so in the forward (and hence in an AC
+recompute) this backend hits and misses that cache where the kernel path does: a ``cu_seqlens`` object
+shared between checkpointed layers misbehaves here as it does on a GPU, and a layer-local one
+(:meth:`~fla_ac_isolation.LayerLocalSeqlens.local`) is safe here for the same reason. (The kernels also
+look the helpers up in their backward; this backend is differentiated by autograd and does not.) The
+schedule is then *used*: each document is processed chunk by chunk as listed, its recurrent state
+starting from zero. Without ``cu_seqlens`` every batch row is one document and no helper is called, as
+in FLA.
 
 Determinism. Everything runs as ordinary torch ops in a fixed order with fixed shapes, so repeated runs
 (and the forward and recompute of a checkpointed region) are bit-identical on a given machine.
@@ -39,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
-__all__ = ["CHUNK_SIZE", "causal_conv1d", "chunk_gated_delta_rule", "ssd"]
+__all__ = ["CHUNK_SIZE", "causal_conv1d", "chunk_gated_delta_rule", "discretize_dt", "ssd"]
 
 CHUNK_SIZE = 64
 """Chunk length in tokens; the value FLA's conv, gated delta rule and simple GLA kernels use."""
