@@ -5,8 +5,8 @@ an EP=1 run can process the *same global batch* (all ranks' documents packed one
 
 Shape of the schedule (``T`` packed tokens per rank and step, ``N`` documents):
 
-* ordinary steps: 3 to 5 documents of 1 to ``max_doc_len`` tokens, one of them at least 80 tokens long
-  (several FLA chunks), plus one zero-length document; rank ``r`` packs about ``10 * r`` more tokens than
+* ordinary steps: 3 to 5 documents of 1 to ``max_doc_len`` tokens, one of them at least 72 tokens long
+  (two FLA chunks or more), plus one zero-length document; rank ``r`` packs about ``10 * r`` more tokens than
   rank 0, so expert traffic is uneven across ranks;
 * step 1 (when ``steps >= 2``) is a *sparse* step: rank 0 packs ``[2, 0]`` and the other ranks ``[0, 1]``
   tokens, i.e. 2 + (world - 1) tokens routed to ``top_k`` experts each; with 16 experts, top-4 and
@@ -56,7 +56,7 @@ def _doc_lens(seed: int, step: int, rank: int, world: int, max_doc_len: int) -> 
     rng = random.Random(f"fla-ac-isolation/{seed}/{step}/{rank}")
     count = rng.randint(3, 5)
     lens = [rng.randint(1, max_doc_len) for _ in range(count - 1)]
-    lens.append(max(80, max_doc_len // 2 + 10 * rank))  # several 64-token chunks
+    lens.append(max(72, max_doc_len // 2 + 10 * rank))  # two or more 64-token chunks
     lens.insert(rng.randint(0, len(lens)), 0)  # a zero-length document
     lens.append(1 + 10 * rank)  # uneven totals across ranks
     return lens
@@ -80,7 +80,7 @@ def _targets(lens: list[int]) -> int:
 
 
 def rank_batch(
-    step: int, rank: int, world: int, *, seed: int = 0, vocab_size: int = 256, max_doc_len: int = 96
+    step: int, rank: int, world: int, *, seed: int = 0, vocab_size: int = 256, max_doc_len: int = 64
 ) -> PackedBatch:
     """The batch of ``rank`` (of ``world``) at ``step``; pure function of its arguments."""
     lens = _doc_lens(seed, step, rank, world, max_doc_len)
@@ -90,7 +90,7 @@ def rank_batch(
 
 
 def global_batch(
-    step: int, world: int, *, seed: int = 0, vocab_size: int = 256, max_doc_len: int = 96
+    step: int, world: int, *, seed: int = 0, vocab_size: int = 256, max_doc_len: int = 64
 ) -> PackedBatch:
     """All ``world`` ranks' batches of ``step`` packed into one (what an EP=1 run over them sees)."""
     parts = [rank_batch(step, r, world, seed=seed, vocab_size=vocab_size, max_doc_len=max_doc_len)

@@ -151,7 +151,7 @@ class ModeResult:
         cache: FLA tensor-cache events summed over ranks and steps, ``{"hit": .., "miss": .., "bypass": ..}``.
         cache_by_helper: the same per helper name.
         error: ``"<Type>: <first line>"`` of the first failure, else ``None``.
-        failed_ranks: ranks that raised (or died).
+        failed_ranks: ranks that raised (or died), in order of arrival; the first one's error is ``error``.
         traceback: full traceback text of the first failure (for ``--verbose``/JSON).
         seconds: wall time of the mode.
     """
@@ -437,7 +437,7 @@ def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: l
     for p in procs:
         p.start()
     results: dict[int, dict] = {}
-    errors: dict[int, tuple[str, str]] = {}
+    errors: dict[int, tuple[str, str]] = {}  # in order of arrival: the first is the cause
     first_failure: float | None = None
     timed_out = False
     while True:
@@ -486,10 +486,10 @@ def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: l
                 for outcome, n in counts.items():
                     mine[outcome] = mine.get(outcome, 0) + n
     if errors:
-        first = min(errors)
+        first = next(iter(errors))  # later errors are usually consequences (a peer's connection reset)
         merged.error = f"rank {first}: {errors[first][0]}" if world > 1 else errors[first][0]
         merged.traceback = errors[first][1] or None
-        merged.failed_ranks = sorted(errors)
+        merged.failed_ranks = list(errors)
     elif timed_out:
         merged.error = f"timed out after {spec.timeout_s:.0f} s"
     elif len(results) < world:
@@ -519,7 +519,8 @@ def _run_under_torchrun(spec: RegressionSpec, on_step, notes: list[str]) -> Regr
         raise ValueError(f"torchrun started {world} processes but --ep is {spec.ep}; make them equal")
     device, shim_notes = _setup_process(spec, int(os.environ["LOCAL_RANK"]))
     notes.extend(n for n in shim_notes if n not in notes)
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(
             "nccl" if spec.device == "cuda" else "gloo",
             timeout=datetime.timedelta(seconds=spec.timeout_s),
@@ -563,6 +564,9 @@ def _run_under_torchrun(spec: RegressionSpec, on_step, notes: list[str]) -> Regr
             result.cache = dict(zip(("hit", "miss", "bypass"), cache.tolist()))
         result.seconds = time.monotonic() - start
         results[mode] = result
+    if owns_group:  # leave no live gloo/NCCL group to interpreter shutdown
+        dist.barrier()
+        dist.destroy_process_group()
     return RegressionResult(spec, results, notes)
 
 

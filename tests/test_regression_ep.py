@@ -1,0 +1,141 @@
+"""EP=2 over gloo in 2 processes, torchtitan's real MoE and all-to-all dispatcher, reference mixers on CPU.
+
+Per family: ``isolated`` and ``global-disable`` equal ``no-ac`` bit for bit (losses and every gradient on
+every rank, every step), the unsafe ``shared`` mode fails or matches exactly as predicted for the field
+policy used, EP=1 over the same global batch gives the EP=2 losses within 1e-5 relative, and one
+failing rank ends the mode within seconds.
+
+Which policy exposes the shared path on CPU: ``save-all-copies`` (every ``aten._to_copy`` saved). In a
+checkpointed block that holds both FLA helpers and later casts, the forward's cache miss runs FLA's
+int32 -> int64 casts and the recompute's hit does not, so torch's (op, index) replay hands a later cast
+(torchtitan's ``x.bfloat16()`` in its grouped experts, or a float32 upcast in the mixer) FLA's integer
+tensor: ``RuntimeError: Autograd not support dtype: Int``. ``save-d2h-copies`` and torchtitan's policy
+save no copies on a CPU-only run and ``full`` AC replays nothing by index, so there the shared path
+matches. Nemotron-H's Mamba2 block holds no MoE and, in float32, no cast after the helpers, so its
+shared path matches in float32 and fails in bfloat16.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fla_ac_isolation.regression import report
+from fla_ac_isolation.regression.harness import RegressionSpec, run_regression
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+INT_REPLAY = "RuntimeError: Autograd not support dtype: Int"
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe():
+    return run_regression(RegressionSpec(model="qwen3_5_moe", ep=2, steps=3))
+
+
+@pytest.fixture(scope="module")
+def qwen3_8():
+    return run_regression(RegressionSpec(model="qwen3_8", ep=2, steps=2))
+
+
+@pytest.fixture(scope="module")
+def nemotron_h():
+    return run_regression(RegressionSpec(model="nemotron_h", ep=2, steps=2))
+
+
+FAMILIES = ["qwen3_5_moe", "qwen3_8", "nemotron_h"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_isolated_and_global_disable_equal_no_ac_bit_for_bit(family, request):
+    result = request.getfixturevalue(family)
+    ref = result.modes["no-ac"]
+    assert ref.error is None, ref.traceback
+    assert len(ref.losses) == result.spec.steps
+    for name in ("isolated", "global-disable"):
+        mode = result.modes[name]
+        assert mode.error is None, mode.traceback
+        assert mode.losses == ref.losses
+        assert mode.grad_norms == ref.grad_norms
+        assert mode.grad_diffs == [0.0] * result.spec.steps, "every gradient on every rank, bit for bit"
+    assert report.exit_code(result) == 0
+
+
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [("qwen3_5_moe", INT_REPLAY), ("qwen3_8", INT_REPLAY), ("nemotron_h", "matches")],
+)
+def test_shared_mode_under_save_all_copies(family, expected, request):
+    result = request.getfixturevalue(family)
+    shared = result.modes["shared"]
+    verdict = report.verdicts(result)["shared"]
+    if expected == "matches":
+        assert verdict.status == "matches", verdict.text
+        assert report.fault_reproduced(result) is False
+    else:
+        assert verdict.status == "failed"
+        assert expected in shared.error
+        assert shared.failed_ranks, "the failing rank is named"
+        assert report.fault_reproduced(result) is True
+    assert report.exit_code(result) == 0, "the unsafe mode never changes the exit code"
+
+
+def test_nemotron_h_shared_mode_fails_in_bfloat16():
+    result = run_regression(RegressionSpec(model="nemotron_h", ep=2, steps=1, dtype="bfloat16",
+                                           modes=("shared", "isolated")))
+    assert INT_REPLAY in result.modes["shared"].error
+    assert result.modes["isolated"].grad_diffs == [0.0]
+
+
+def test_uneven_expert_traffic_with_idle_experts(qwen3_5_moe):
+    idle = qwen3_5_moe.modes["no-ac"].idle_experts
+    assert idle[0] == 0 and idle[1] >= 4, "the sparse step leaves experts without any token"
+
+
+def test_fla_cache_is_consulted_in_every_mode_as_configured(qwen3_5_moe):
+    modes = qwen3_5_moe.modes
+    assert modes["no-ac"].cache["hit"] > 0 and modes["no-ac"].cache["miss"] > 0
+    assert modes["global-disable"].cache["bypass"] > 0
+    assert modes["global-disable"].cache["hit"] == modes["global-disable"].cache["miss"] == 0
+    # isolation: every layer call starts with a miss (forward and recompute alike)
+    assert modes["isolated"].cache["miss"] > modes["no-ac"].cache["miss"]
+
+
+def test_ep1_over_the_same_global_batch_matches_ep2(qwen3_5_moe):
+    ep1 = run_regression(RegressionSpec(model="qwen3_5_moe", ep=1, data_ranks=2, steps=3, modes=("no-ac",)))
+    ep2 = qwen3_5_moe.modes["no-ac"]
+    got = ep1.modes["no-ac"]
+    assert got.error is None, got.traceback
+    for a, b in zip(got.losses, ep2.losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    for a, b in zip(got.grad_norms, ep2.grad_norms, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b)
+
+
+def test_one_failing_rank_ends_all_ranks_within_seconds():
+    start = time.monotonic()
+    result = run_regression(RegressionSpec(model="qwen3_5_moe", ep=2, steps=2, modes=("isolated",),
+                                           fail_on=("isolated", 1), timeout_s=120))
+    failed = result.modes["isolated"]
+    assert failed.error == "rank 1: RuntimeError: injected failure on rank 1 in mode 'isolated' (RegressionSpec.fail_on)"
+    assert failed.failed_ranks[0] == 1, "the cause comes first; a peer may report a connection reset after it"
+    assert failed.seconds < 30, "rank 0 waits in an all-to-all; it is stopped after a short grace, not a timeout"
+    assert result.modes["no-ac"].error is None
+    assert report.exit_code(result) == 1
+    assert time.monotonic() - start < 60
+
+
+def test_cli_under_torchrun(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fla_ac_isolation.cli", "regress", "--steps", "1", "--modes", "isolated",
+           "--no-progress", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    doc = json.loads(out.read_text())
+    assert doc["verdicts"]["isolated"]["text"] == "matches (bit for bit)"
+    assert "isolated: PASS" in proc.stdout
