@@ -8,9 +8,9 @@ Modes (all from the same seed, weights and batches):
 * ``isolated``       AC with one :class:`~fla_ac_isolation.LayerLocalSeqlens`; each mixer calls ``.local()``.
 * ``global-disable`` AC with the shared object, FLA's tensor cache disabled for forward and backward.
 
-Launching. :func:`run_regression` starts ``ep`` worker processes per mode (``forkserver``, preloaded
-with torch, FLA, torchtitan and transformers so that a start costs well under a second); gloo on CPU,
-NCCL on CUDA (one GPU per rank). One launch per mode keeps modes independent: a mode that crashes,
+Launching. :func:`run_regression` starts ``ep`` worker processes per mode (on CPU from a ``forkserver``
+preloaded with torch, FLA, torchtitan and transformers, so that a start costs about a second; on CUDA
+by ``spawn``); gloo on CPU, NCCL on CUDA (one GPU per rank). One launch per mode keeps modes independent: a mode that crashes,
 on one rank or all, is recorded as failed; its surviving ranks are killed within
 ``_FAILURE_GRACE_S`` seconds (they would otherwise wait in a collective until the process-group
 timeout), and the next mode starts fresh. The ``no-ac`` workers write their per-step gradients to a
@@ -74,6 +74,9 @@ class RegressionSpec:
         early_stop: torch's checkpoint early stop.
         fail_on: testing hook, ``(mode, rank)``: that rank raises ``RuntimeError`` between the first
             forward and backward of that mode, to show that one failing rank ends all ranks promptly.
+        rank_setup: ``"module:function"`` called in every rank process before training, e.g. a GPU test
+            harness switch such as ``"fla_ac_isolation.testing.gpu:lift_hopper_gdn_guard"``; when it
+            returns a context manager, that is entered and kept for the life of the process.
     """
 
     model: str = "qwen3_5_moe"
@@ -96,6 +99,7 @@ class RegressionSpec:
     timeout_s: float = 300.0
     early_stop: bool = True
     fail_on: tuple[str, int] | None = None
+    rank_setup: str | None = None
 
     def validate(self) -> RegressionSpec:
         """Return self after checking every field; errors name the field (``ValueError``)."""
@@ -127,6 +131,8 @@ class RegressionSpec:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ValueError(f"modes must be a non-empty subset of {MODES}, got {self.modes!r}")
+        if self.rank_setup is not None and ":" not in self.rank_setup:
+            raise ValueError(f"rank_setup must be 'module:function', got {self.rank_setup!r}")
         if self.device == "cuda" and torch.cuda.device_count() < self.ep:
             raise ValueError(f"ep={self.ep} needs {self.ep} CUDA devices, found {torch.cuda.device_count()}")
         return self
@@ -362,6 +368,13 @@ def _setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[
         torch.set_num_threads(1)  # ranks share the cores; one thread each is also deterministic
         device = torch.device("cpu")
     setup_torchtitan(spec.device)
+    if spec.rank_setup is not None:
+        import importlib
+
+        module, _, name = spec.rank_setup.partition(":")
+        out = getattr(importlib.import_module(module), name)()
+        if hasattr(out, "__enter__"):
+            out.__enter__()  # kept entered until the process ends
     return device, notes
 
 
@@ -497,9 +510,16 @@ def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: l
     return merged
 
 
-def _mp_context():
+def _mp_context(device: str):
+    """``forkserver`` preloaded with the heavy imports on CPU; plain ``spawn`` on CUDA.
+
+    On CUDA the preload would be unsafe: importing FLA queries the GPU (its Hopper/Triton checks), which
+    initialises CUDA in the fork server, and forked children could then not use CUDA.
+    """
     import multiprocessing
 
+    if device == "cuda":
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["fla_ac_isolation.regression._preload"])
     return ctx
@@ -592,7 +612,7 @@ def run_regression(
     if under_torchrun():
         result = _run_under_torchrun(spec, on_step, notes)
     else:
-        mp_ctx = _mp_context()
+        mp_ctx = _mp_context(spec.device)
         modes: dict[str, ModeResult] = {}
         with tempfile.TemporaryDirectory(prefix="fla-ac-regress-") as workdir:
             for mode in spec.ordered_modes:
