@@ -19,6 +19,15 @@ import sys
 __all__ = ["add_arguments", "run"]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except ``None``/flags (their help says what happens)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``regress`` options to ``parser``."""
     from fla_ac_isolation.policies import POLICIES
@@ -31,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "every layer), isolated (LayerLocalSeqlens), global-disable (FLA's cache off) - and compare losses and "
         "gradients. Exit 0 when isolated and global-disable match no-ac."
     )
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = _HelpFormatter
     parser.add_argument("--model", choices=families, default="qwen3_5_moe", help="model family")
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel degree = number of ranks")
     parser.add_argument("--steps", type=int, default=3, help="AdamW steps per mode")
@@ -51,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=4, help="experts per token")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated subset of " + ", ".join(MODES) + " (no-ac always runs)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="weights and data")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--rtol", type=float, default=None,
                         help="relative tolerance of 'matches' (default 0 = bit for bit on cpu/float32, 1e-2 otherwise)")

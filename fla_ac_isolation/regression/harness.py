@@ -39,7 +39,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -631,7 +631,3 @@ def _environment() -> dict[str, str]:
             env[dist_name] = version(dist_name)
     return env
 
-
-def with_modes(spec: RegressionSpec, modes: tuple[str, ...]) -> RegressionSpec:
-    """``spec`` restricted to ``modes`` (``no-ac`` always runs too)."""
-    return replace(spec, modes=modes)
