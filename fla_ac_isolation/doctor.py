@@ -24,10 +24,13 @@ def sac_replay_semantics() -> str:
     or ``"per-op FIFO"`` when each op has a queue that the recompute pops (torch 2.11/2.12). Both shift
     when a recompute skips or adds an op.
     """
+    import inspect
+
     from torch.utils.checkpoint import _CachedTorchDispatchMode
 
-    mode = _CachedTorchDispatchMode(None, {})
-    return "(op, index)" if hasattr(mode, "func_counter") else "per-op FIFO"
+    # torch >= 2.13 keys the replay by an invocation counter; 2.11/2.12 pop a per-op queue.
+    source = inspect.getsource(_CachedTorchDispatchMode.__torch_dispatch__)
+    return "(op, index)" if "func_counter" in source else "per-op FIFO"
 
 
 def environment_report() -> dict[str, str]:

@@ -30,6 +30,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from fla_ac_isolation.testing.autotune import first_autotune_config
+
 __all__ = ["interpreter_enabled", "interpreter_shims", "require_interpreter"]
 
 
@@ -72,17 +74,10 @@ def interpreter_shims() -> Iterator[None]:
         RuntimeError: ``TRITON_INTERPRET=1`` is not set (see :func:`require_interpreter`).
     """
     require_interpreter()
-    import triton.runtime.autotuner as autotuner
     import triton.runtime.interpreter as interpreter
 
-    original_run = autotuner.Autotuner.run
     original_compile = interpreter.FunctionRewriter._compile_and_exec
     original_patch_core = interpreter._patch_lang_core
-
-    def run_first_config(self, *args, **kwargs):
-        if len(self.configs) > 1:
-            self.configs = self.configs[:1]
-        return original_run(self, *args, **kwargs)
 
     def compile_with_loop_range(self, transformed_ast):
         # Mirrors FunctionRewriter._compile_and_exec, but executes in a copy of the kernel's globals in
@@ -101,13 +96,12 @@ def interpreter_shims() -> Iterator[None]:
     # Kernels rewritten before the shims were applied would keep the builtin `range`.
     saved_rewritten = dict(interpreter.InterpretedFunction.rewritten_fn)
     interpreter.InterpretedFunction.rewritten_fn.clear()
-    autotuner.Autotuner.run = run_first_config
     interpreter.FunctionRewriter._compile_and_exec = compile_with_loop_range
     interpreter._patch_lang_core = patch_core_with_loop_range
     try:
-        yield
+        with first_autotune_config():
+            yield
     finally:
-        autotuner.Autotuner.run = original_run
         interpreter.FunctionRewriter._compile_and_exec = original_compile
         interpreter._patch_lang_core = original_patch_core
         interpreter.InterpretedFunction.rewritten_fn.clear()
