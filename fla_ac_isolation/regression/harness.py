@@ -236,7 +236,7 @@ def _run_mode_on_rank(
     reference: list[torch.Tensor] | None,
     on_step: Callable[[int], None] | None = None,
 ) -> tuple[ModeResult, list[torch.Tensor]]:
-    """Train ``spec.steps`` steps of ``mode`` on this rank; returns the rank's view and its flat grads.
+    """Train ``spec.steps`` steps of ``mode`` on this rank; returns the rank's view and (``no-ac``) its grads.
 
     The returned :class:`ModeResult` holds global (all-reduced) losses/norms/diffs, and this rank's
     own cache counts (the caller sums them over ranks).
@@ -312,7 +312,8 @@ def _run_mode_on_rank(
             if experts else dense_flat.new_zeros(0)
         )
         flat = torch.cat([dense_flat, expert_flat])
-        flat_grads.append(flat.cpu())
+        if mode == "no-ac":  # the reference every other mode is compared with
+            flat_grads.append(flat.cpu())
 
         stats = torch.stack([
             loss.detach().float().reshape(()),

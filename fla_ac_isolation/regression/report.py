@@ -122,7 +122,12 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
     )
     for note in result.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
-    table = Table(title=title, title_justify="left")
+    seconds = ", ".join(f"{name} {mode.seconds:.1f}" for name, mode in result.modes.items())
+    caption = (
+        "max |grad - ref|: largest gradient difference to no-ac over all ranks and parameters; idle experts: "
+        f"most experts without any token in one MoE layer (all ranks). Seconds per mode: {seconds}."
+    )
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     for col, justify in (("mode", "left"), ("step", "right"), ("loss", "right"), ("grad norm", "right"),
                          ("max |grad - ref|", "right"), ("idle experts", "right"), ("verdict", "left")):
         table.add_column(col, justify=justify)
