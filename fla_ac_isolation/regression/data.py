@@ -5,9 +5,10 @@ an EP=1 run can process the *same global batch* (all ranks' documents packed one
 
 Shape of the schedule (``T`` packed tokens per rank and step, ``N`` documents):
 
-* ordinary steps: 3 to 5 documents of 1 to ``max_doc_len`` tokens, one of them at least 72 tokens long
-  (two FLA chunks or more), plus one zero-length document; rank ``r`` packs about ``10 * r`` more tokens than
-  rank 0, so expert traffic is uneven across ranks;
+* ordinary steps: 2 to 4 documents of 1 to ``max_doc_len`` tokens, one of at least 72 tokens (two FLA
+  chunks or more), a zero-length document at a random place and a final document of ``1 + 10 * r``
+  tokens on rank ``r``; lengths are drawn per rank, so token counts and expert traffic differ between
+  ranks;
 * step 1 (when ``steps >= 2``) is a *sparse* step: rank 0 packs ``[2, 0]`` and the other ranks ``[0, 1]``
   tokens, i.e. 2 + (world - 1) tokens routed to ``top_k`` experts each; with 16 experts, top-4 and
   EP=2 that is at most 12 routings, so at least 4 experts receive no token at all.
