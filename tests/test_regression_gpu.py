@@ -34,7 +34,7 @@ def _run(family: str, policy: str) -> object:
     spec = RegressionSpec(
         model=family, ep=2, steps=3, ac="selective", policy=policy, backend="fla", device="cuda",
         dtype="bfloat16", hidden_size=512, num_experts=16, top_k=4, timeout_s=600,
-        rank_setup="fla_ac_isolation.testing.gpu:lift_hopper_gdn_guard",
+        rank_setup="fla_ac_isolation.testing.gpu:gpu_test_harness",
     )
     result = run_regression(spec)
     from rich.console import Console

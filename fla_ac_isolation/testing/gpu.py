@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["lift_hopper_gdn_guard"]
+__all__ = ["gpu_test_harness", "lift_hopper_gdn_guard"]
 
 
 @contextlib.contextmanager
@@ -46,3 +46,16 @@ def lift_hopper_gdn_guard() -> Iterator[bool]:
     finally:
         if guarded:
             chunk_o.TRITON_ABOVE_3_7_1 = previous
+
+
+@contextlib.contextmanager
+def gpu_test_harness() -> Iterator[bool]:
+    """What a GPU test rank enters: :func:`lift_hopper_gdn_guard` plus first-config-only autotuning.
+
+    Used as the regression harness's ``rank_setup`` on the device, where compiling every autotune
+    config of every FLA kernel would take minutes per rank. Yields what :func:`lift_hopper_gdn_guard` does.
+    """
+    from fla_ac_isolation.testing.autotune import first_autotune_config
+
+    with lift_hopper_gdn_guard() as lifted, first_autotune_config():
+        yield lifted
