@@ -49,6 +49,7 @@ class Row:
     peak_mib: float
     syncs_per_step: int
     helper_computations_per_step: int
+    sync_sites: dict[str, int]  # "file:line" of the Python code that triggered each host sync
 
 
 def build_layer(kind: str, hidden: int, dtype: torch.dtype, device: str):
@@ -139,7 +140,12 @@ def run_mode(kind: str, mode: str, tokens: int, docs: int, args) -> Row:
                 step(0)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        sync_warnings = [w for w in caught if "synchroniz" in str(w.message)]
+        syncs = len(sync_warnings)
+        sites: dict[str, int] = {}
+        for w in sync_warnings:
+            key = f"{w.filename.split('site-packages/')[-1]}:{w.lineno}"
+            sites[key] = sites.get(key, 0) + 1
         computations = probe.misses + probe.bypasses
         # peak memory of one step above what is allocated before it
         torch.cuda.synchronize()
@@ -162,7 +168,7 @@ def run_mode(kind: str, mode: str, tokens: int, docs: int, args) -> Row:
             times.append(start.elapsed_time(end))
     times.sort()
     q = statistics.quantiles(times, n=10)
-    return Row(kind, tokens, docs, mode, statistics.median(times), q[0], q[-1], peak, syncs, computations)
+    return Row(kind, tokens, docs, mode, statistics.median(times), q[0], q[-1], peak, syncs, computations, sites)
 
 
 def print_table(rows: list[Row]) -> None:
@@ -213,6 +219,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lift-hopper-guard", action="store_true")
     parser.add_argument("--first-config", action="store_true",
                         help="skip Triton autotuning (first config of each kernel; same kernels in every mode)")
+    parser.add_argument("--where-syncs", action="store_true", help="print where each host sync was triggered")
     parser.add_argument("--json")
     parser.add_argument("--png")
     args = parser.parse_args(argv)
@@ -244,6 +251,9 @@ def main(argv=None) -> int:
     if args.png:
         plot(rows, args.png)
     print_table(rows)
+    if args.where_syncs:
+        for row in rows:
+            print(f"sync sites {row.layer} T={row.tokens} {row.mode}: {row.sync_sites}")
     return 0
 
 

@@ -354,7 +354,9 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[str]]:
+def _setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[str], object]:
+    """Device, notes for the report, and the entered ``rank_setup`` context (hold it while training:
+    a generator-based context manager that is garbage-collected runs its exit and undoes the setup)."""
     import warnings
 
     from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
@@ -369,14 +371,15 @@ def _setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[
         torch.set_num_threads(1)  # ranks share the cores; one thread each is also deterministic
         device = torch.device("cpu")
     setup_torchtitan(spec.device)
+    out = None
     if spec.rank_setup is not None:
         import importlib
 
         module, _, name = spec.rank_setup.partition(":")
         out = getattr(importlib.import_module(module), name)()
         if hasattr(out, "__enter__"):
-            out.__enter__()  # kept entered until the process ends
-    return device, notes
+            out.__enter__()  # kept entered until the process ends; the caller holds `out`
+    return device, notes, out
 
 
 # ============================================================================ spawned workers
@@ -385,7 +388,7 @@ def _worker_main(rank: int, world: int, port: int, spec: RegressionSpec, mode: s
     import torch.distributed as dist
 
     try:
-        device, notes = _setup_process(spec, rank)
+        device, notes, _rank_context = _setup_process(spec, rank)
         for note in notes:
             events.put(("note", rank, note))
         group = None
@@ -538,7 +541,7 @@ def _run_under_torchrun(spec: RegressionSpec, on_step, notes: list[str]) -> Regr
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != spec.ep:
         raise ValueError(f"torchrun started {world} processes but --ep is {spec.ep}; make them equal")
-    device, shim_notes = _setup_process(spec, int(os.environ["LOCAL_RANK"]))
+    device, shim_notes, _rank_context = _setup_process(spec, int(os.environ["LOCAL_RANK"]))
     notes.extend(n for n in shim_notes if n not in notes)
     owns_group = not dist.is_initialized()
     if owns_group:
