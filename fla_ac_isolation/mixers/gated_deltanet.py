@@ -175,7 +175,9 @@ class GatedDeltaNet(nn.Module):
                 is ``None``; wrapped and localised the same way.
             max_length_q: transformers' longest-document keyword, used with ``cu_seq_lens_q``.
             attention_mask: ``None`` or a 2-D ``[B, T]`` padding mask (padded positions are zeroed first).
-            cache, cache_params, past_key_values: must be ``None`` (no cached decoding).
+            cache: must be ``None`` (no cached decoding).
+            cache_params: must be ``None``.
+            past_key_values: must be ``None``.
             **kwargs: other transformers keywords (``position_ids``, ``cu_seq_lens_k``, ...) are ignored.
 
         Raises:

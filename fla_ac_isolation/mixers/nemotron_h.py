@@ -194,7 +194,9 @@ class NemotronHMamba2Mixer(nn.Module):
             max_length_q: transformers' longest-document keyword, used with ``cu_seq_lens_q``.
             attention_mask: ``None`` or a 2-D ``[B, T]`` padding mask (padded positions are zeroed before
                 the projection and after the conv, as transformers does).
-            cache, cache_params, past_key_values: must be ``None`` (no cached decoding).
+            cache: must be ``None`` (no cached decoding).
+            cache_params: must be ``None``.
+            past_key_values: must be ``None``.
             **kwargs: other transformers keywords (``position_ids``, ...) are ignored; ``seq_idx`` is
                 refused unless offsets are given too.
 

@@ -98,10 +98,15 @@ class PackedAttention(nn.Module):
     ``rotary_dim > 0``.
 
     Args:
-        hidden_size, num_heads, num_kv_heads, head_dim: the usual sizes; ``num_heads % num_kv_heads == 0``.
-        gated: Qwen3.5's output gate. qk_norm: per-head RMSNorm of q and k.
+        hidden_size: model width ``D``.
+        num_heads: query heads.
+        num_kv_heads: key/value heads; ``num_heads % num_kv_heads == 0``.
+        head_dim: channels per head.
+        gated: Qwen3.5's output gate.
+        qk_norm: per-head RMSNorm of q and k.
         rotary_dim: channels per head that RoPE rotates (even; 0 = no positional encoding).
-        rope_theta: RoPE base. eps: RMSNorm epsilon.
+        rope_theta: RoPE base.
+        eps: RMSNorm epsilon.
 
     Forward: ``hidden_states [1, T, D]``, :class:`AttentionLayout` -> ``[1, T, D]``.
     """
