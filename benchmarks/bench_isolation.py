@@ -4,8 +4,10 @@ Modes (the same mixer and weights in each):
 
     no-ac            no checkpointing (the floor for time, the ceiling for memory)
     shared           SAC, one shared cu_seqlens object (the unsafe path; what models do today)
-    isolated         SAC, LayerLocalSeqlens without host offsets
-    isolated+cpu     SAC, LayerLocalSeqlens with cu_seqlens_cpu (host offsets)
+    isolated         SAC, LayerLocalSeqlens built from device offsets only (it hands every layer the host
+                     copy its validation read, as cu_seqlens_cpu)
+    isolated+cpu     SAC, LayerLocalSeqlens given cu_seqlens_cpu by the loader (validation compares
+                     instead of copying; the layer step is the same)
     global-disable   SAC, shared cu_seqlens, FLA's tensor cache disabled process-wide
 
 Each step builds new offsets (as a data loader does) outside the timed region; the timed region is one

@@ -33,8 +33,8 @@ class LocalSeqlens(NamedTuple):
 
     Attributes:
         cu_seqlens: ``[N + 1]`` int32/int64 offsets, on the activations' device; a new object per call.
-        cu_seqlens_cpu: ``[N + 1]`` host copy of the offsets (a new object per call), or ``None`` when the
-            model did not provide host offsets.
+        cu_seqlens_cpu: ``[N + 1]`` host copy of the offsets (a new object per call). ``None`` only from
+            :class:`SharedSeqlens` built without host offsets.
         max_seqlen: length of the longest document, in tokens.
     """
 
@@ -91,8 +91,8 @@ class LayerLocalSeqlens:
             than the longest document.
 
     Cost: validation reads the offsets on the host once. With ``cu_seqlens`` on a GPU and no
-    ``cu_seqlens_cpu`` that is one device-to-host copy; with ``cu_seqlens_cpu`` it is one comparison.
-    :meth:`local` itself never synchronises.
+    ``cu_seqlens_cpu`` that is one device-to-host copy (kept, and handed to every layer as
+    ``cu_seqlens_cpu``); with ``cu_seqlens_cpu`` it is one comparison. :meth:`local` never synchronises.
 
     Example::
 
@@ -245,11 +245,12 @@ class LayerLocalSeqlens:
         a recompute the forward's object back. No device-to-host synchronisation happens here.
 
         Returns:
-            :class:`LocalSeqlens` ``(cu_seqlens, cu_seqlens_cpu, max_seqlen)``; ``cu_seqlens_cpu`` is
-            ``None`` unless host offsets were given at construction or built by a ``from_*`` constructor.
+            :class:`LocalSeqlens` ``(cu_seqlens, cu_seqlens_cpu, max_seqlen)``. ``cu_seqlens_cpu`` is
+            always set: the host offsets given at construction, or the copy that validation read. FLA
+            then builds its chunk indices on the host, so a recompute's cache miss costs no
+            device-to-host sync (measured on H200: 2 syncs less per layer step; docs/benchmarks.md).
         """
-        host = _fresh(self._cu_seqlens_cpu) if self._host_given else None
-        return LocalSeqlens(_fresh(self._cu_seqlens), host, self.max_seqlen)
+        return LocalSeqlens(_fresh(self._cu_seqlens), _fresh(self._cu_seqlens_cpu), self.max_seqlen)
 
     def check_tokens(self, num_tokens: int, name: str = "hidden_states") -> None:
         """Reject a batch whose packed token count differs from ``cu_seqlens[-1]``.

@@ -41,7 +41,9 @@ def test_valid_offsets_with_zero_length_documents():
     s = LayerLocalSeqlens(cu(0, 5, 5, 22, 23, 64), num_tokens=64)
     assert (s.num_seqs, s.num_tokens, s.max_seqlen) == (5, 64, 41)
     assert s.seq_lens() == [5, 0, 17, 1, 41]
-    assert s.local().cu_seqlens_cpu is None  # no host offsets were given
+    # no host offsets were given: the copy validation read is handed out, a fresh object each call
+    assert s.local().cu_seqlens_cpu.tolist() == [0, 5, 5, 22, 23, 64]
+    assert s.local().cu_seqlens_cpu is not s.local().cu_seqlens_cpu
 
 
 def test_max_seqlen_upper_bound_is_accepted_and_kept():
