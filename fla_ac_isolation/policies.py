@@ -195,21 +195,24 @@ def sac_context_fn(policy: Policy) -> Callable[[], tuple]:
     return context_fn
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
 def _find_layers(layers_or_model: nn.Module) -> nn.Module:
-    if isinstance(layers_or_model, (nn.ModuleList, nn.Sequential)):
+    if isinstance(layers_or_model, _CONTAINERS):
         return layers_or_model
     for path in ("layers", "model.layers", "backbone.layers", "model.language_model.layers"):
         obj: Any = layers_or_model
         for part in path.split("."):
             obj = getattr(obj, part, None)
-        if isinstance(obj, (nn.ModuleList, nn.Sequential)):
+        if isinstance(obj, _CONTAINERS):
             return obj
     for _, module in layers_or_model.named_modules():
         if isinstance(module, nn.ModuleList):
             return module
     raise ValueError(
-        "layers_or_model must be an nn.ModuleList/nn.Sequential of layers or a model with a `layers` "
-        f"ModuleList, got {type(layers_or_model).__name__}"
+        "layers_or_model must be an nn.ModuleList/nn.Sequential/nn.ModuleDict of layers or a model with a "
+        f"`layers` container, got {type(layers_or_model).__name__}"
     )
 
 
@@ -228,7 +231,8 @@ def checkpoint_layers(
     ``state_dict()`` keys are unchanged. Layers already wrapped are left alone.
 
     Args:
-        layers_or_model: an ``nn.ModuleList``/``nn.Sequential`` of layers, or a model holding one
+        layers_or_model: an ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` of layers (torchtitan
+            keeps its blocks in a ModuleDict; its insertion order counts), or a model holding one
             (``model.layers``, ``model.model.layers``, ``backbone.layers`` or the first ModuleList).
         mode: ``"full"`` recomputes everything; ``"selective"`` saves what ``policy`` says.
         policy: SAC policy (required for ``"selective"``, forbidden for ``"full"``).
@@ -256,12 +260,14 @@ def checkpoint_layers(
     if mode == "full" and policy is not None:
         raise ValueError("mode='full' takes no policy; use mode='selective' to apply one")
     layers = _find_layers(layers_or_model)
+    keys = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else list(range(len(layers)))
     kwargs: dict[str, Any] = {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop}
     if mode == "selective":
         kwargs["context_fn"] = sac_context_fn(policy)
-    for i, layer in enumerate(list(layers)):
+    for i, key in enumerate(keys):
+        layer = layers[key]
         if i % freq or isinstance(layer, CheckpointWrapper):
             continue
-        layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+        layers[key] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
     return layers
 

@@ -112,5 +112,12 @@ def test_checkpoint_layers_rejects_bad_arguments(kwargs, match):
 
 
 def test_checkpoint_layers_needs_layers():
-    with pytest.raises(ValueError, match="ModuleList"):
+    with pytest.raises(ValueError, match="ModuleList/nn.Sequential/nn.ModuleDict"):
         checkpoint_layers(nn.Linear(2, 2))
+
+
+def test_checkpoint_layers_accepts_a_module_dict_in_insertion_order():
+    """torchtitan keeps its transformer blocks in an nn.ModuleDict keyed "0", "1", ..."""
+    layers = nn.ModuleDict({str(i): Block() for i in range(4)})
+    checkpoint_layers(layers, freq=2)
+    assert [isinstance(layers[k], CheckpointWrapper) for k in layers] == [True, False, True, False]
