@@ -94,6 +94,13 @@ def test_uneven_expert_traffic_with_idle_experts(qwen3_5_moe):
     assert idle[0] == 0 and idle[1] >= 4, "the sparse step leaves experts without any token"
 
 
+def test_step_times_are_recorded_per_completed_step(qwen3_5_moe):
+    for name, mode in qwen3_5_moe.modes.items():
+        if mode.error is None:
+            assert len(mode.step_seconds) == len(mode.losses) > 0, name
+            assert all(t > 0 for t in mode.step_seconds), name
+
+
 def test_fla_cache_is_consulted_in_every_mode_as_configured(qwen3_5_moe):
     modes = qwen3_5_moe.modes
     assert modes["no-ac"].cache["hit"] > 0 and modes["no-ac"].cache["miss"] > 0

@@ -160,6 +160,8 @@ class ModeResult:
         failed_ranks: ranks that raised (or died), in order of arrival; the first one's error is ``error``.
         traceback: full traceback text of the first failure (for ``--verbose``/JSON).
         seconds: wall time of the mode.
+        step_seconds: per completed step, the forward + backward wall time of the slowest rank
+            (device synchronised before and after; excludes data, gradient reduction and optimizer).
     """
 
     mode: str
@@ -174,6 +176,7 @@ class ModeResult:
     failed_ranks: list[int] = field(default_factory=list)
     traceback: str | None = None
     seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -281,6 +284,9 @@ def _run_mode_on_rank(
         seqlens = seqlens_cls.from_seq_lens(batch.seq_lens, device=ctx.device)
         clear_tensor_cache()
         disable = tensor_cache_disabled() if mode == "global-disable" else contextlib.nullcontext()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        started = time.perf_counter()
         with probe_tensor_cache() as probe, disable, torch.utils.checkpoint.set_checkpoint_early_stop(
             spec.early_stop
         ):
@@ -290,6 +296,11 @@ def _run_mode_on_rank(
             if spec.fail_on is not None and tuple(spec.fail_on) == (mode, ctx.rank):
                 raise RuntimeError(f"injected failure on rank {ctx.rank} in mode {mode!r} (RegressionSpec.fail_on)")
             loss.backward()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        step_time = torch.tensor([time.perf_counter() - started], device=ctx.device)
+        _all_reduce(step_time, ctx, op="max")
+        result.step_seconds.append(float(step_time[0]))
         for name, counts in probe.by_helper().items():
             mine = result.cache_by_helper.setdefault(name, {"hit": 0, "miss": 0, "bypass": 0})
             for outcome, n in counts.items():
