@@ -179,14 +179,37 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 }
 
 
+def _check_policy(policy: Any) -> None:
+    """Reject what is not a policy function, e.g. the factory ``save_all_copies`` instead of its result."""
+    import inspect
+
+    if not callable(policy):
+        raise TypeError(f"policy must be a SAC policy function (ctx, op, *args, **kwargs), got {policy!r}")
+    try:
+        inspect.signature(policy).bind(None, None)
+    except TypeError:
+        name = getattr(policy, "__name__", repr(policy))
+        raise TypeError(
+            f"policy must be a SAC policy function (ctx, op, *args, **kwargs), but {name} does not take "
+            f"(ctx, op); did you mean {name}() (policy constructors return the policy)?"
+        ) from None
+    except ValueError:  # builtins without a signature: let torch call them
+        pass
+
+
 def sac_context_fn(policy: Policy) -> Callable[[], tuple]:
     """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+    Raises:
+        TypeError: ``policy`` does not take ``(ctx, op, ...)``, e.g. ``save_all_copies`` given uncalled.
 
     Works with transformers too:
     ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
     "context_fn": sac_context_fn(save_all_copies())})``. A stateful policy (one with a ``fresh()``
     method, e.g. :class:`torchtitan_selective`) is renewed for every checkpointed call.
     """
+
+    _check_policy(policy)
 
     def context_fn():
         p = policy.fresh() if hasattr(policy, "fresh") else policy
@@ -244,6 +267,7 @@ def checkpoint_layers(
 
     Raises:
         ValueError: unknown ``mode``, ``freq`` < 1, ``policy`` missing or superfluous, no layers found.
+        TypeError: ``policy`` is not a policy function (e.g. the constructor ``save_all_copies`` itself).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,

@@ -129,8 +129,13 @@ class LayerLocalSeqlens:
                     f"got {tuple(cu_seqlens_cpu.shape)}"
                 )
             host = cu_seqlens_cpu
-            if not torch.equal(cu_seqlens.to(device="cpu", dtype=host.dtype), host):
-                raise ValueError("cu_seqlens_cpu must hold the same values as cu_seqlens")
+            device_values = cu_seqlens.to(device="cpu", dtype=host.dtype)
+            if not torch.equal(device_values, host):
+                i = int(torch.nonzero(device_values != host)[0])
+                raise ValueError(
+                    f"cu_seqlens_cpu must hold the same values as cu_seqlens, but cu_seqlens_cpu[{i}]="
+                    f"{int(host[i])} != cu_seqlens[{i}]={int(device_values[i])}"
+                )
         else:
             host = cu_seqlens.detach().cpu()
         offsets = host.tolist()
@@ -145,7 +150,8 @@ class LayerLocalSeqlens:
             )
         if num_tokens is not None and offsets[-1] != num_tokens:
             raise ValueError(
-                f"cu_seqlens[-1] must equal the packed token count {num_tokens}, got {offsets[-1]}"
+                f"cu_seqlens[-1] must equal the packed token count num_tokens={num_tokens} (hidden_states.shape[1] "
+                f"when packed), got {offsets[-1]}"
             )
         longest = max(lens)
         if max_seqlen is None:

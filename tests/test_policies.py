@@ -121,3 +121,10 @@ def test_checkpoint_layers_accepts_a_module_dict_in_insertion_order():
     layers = nn.ModuleDict({str(i): Block() for i in range(4)})
     checkpoint_layers(layers, freq=2)
     assert [isinstance(layers[k], CheckpointWrapper) for k in layers] == [True, False, True, False]
+
+
+def test_an_uncalled_policy_constructor_is_rejected_with_a_hint():
+    with pytest.raises(TypeError, match=r"save_all_copies does not take \(ctx, op\); did you mean save_all_copies\(\)"):
+        checkpoint_layers(nn.ModuleList([Block()]), mode="selective", policy=save_all_copies)
+    with pytest.raises(TypeError, match="policy must be a SAC policy function"):
+        checkpoint_layers(nn.ModuleList([Block()]), mode="selective", policy="save-all-copies")
