@@ -140,7 +140,9 @@ def run_stack(
             loss.backward()
     except Exception as e:  # noqa: BLE001 - the fault matrix asserts on the error text
         return StackResult(mode, None, None, f"{type(e).__name__}: {str(e).splitlines()[0]}")
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    # checkpoint_wrapper prefixes are stripped by named_parameters? normalise them for comparisons
-    grads = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in grads.items()}
+    # named_parameters() keeps checkpoint_wrapper's prefix; drop it so every mode uses the same names
+    grads = {
+        name.replace("._checkpoint_wrapped_module", ""): p.grad.detach().clone()
+        for name, p in model.named_parameters()
+    }
     return StackResult(mode, loss.item(), grads, None)
