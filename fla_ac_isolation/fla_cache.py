@@ -92,6 +92,20 @@ def _wrapper_code():
     return tensor_cache(lambda: None).__code__
 
 
+# module name -> (module object, the helpers found in it): each module is scanned once rather than on
+# every probe and clear_tensor_cache(), which the regression harness calls every step
+_scanned: dict[str, tuple[object, tuple[_Helper, ...]]] = {}
+
+
+def _helpers_in(module: object, code) -> tuple[_Helper, ...]:
+    found = []
+    for obj in list(vars(module).values()):
+        if getattr(obj, "__code__", None) is code:
+            cells = dict(zip(code.co_freevars, obj.__closure__))
+            found.append(_Helper(obj.__name__, obj, cells["cached"], cells["fn"]))
+    return tuple(found)
+
+
 def cached_helpers() -> list[_Helper]:
     """Every function wrapped by FLA's ``tensor_cache`` in the imported ``fla`` modules."""
     for name in _HELPER_MODULES:
@@ -99,14 +113,16 @@ def cached_helpers() -> list[_Helper]:
             importlib.import_module(name)
     code = _wrapper_code()
     found: dict[int, _Helper] = {}
-    for mod_name, mod in list(sys.modules.items()):
+    for mod_name, mod in sys.modules.copy().items():  # a snapshot; list(items()) costs ~50x more here
         if mod is None or not (mod_name == "fla" or mod_name.startswith("fla.")):
             continue
-        for obj in list(vars(mod).values()):
-            if getattr(obj, "__code__", None) is not code or id(obj) in found:
-                continue
-            cells = dict(zip(code.co_freevars, obj.__closure__))
-            found[id(obj)] = _Helper(obj.__name__, obj, cells["cached"], cells["fn"])
+        seen = _scanned.get(mod_name)
+        if seen is None or seen[0] is not mod:
+            seen = (mod, _helpers_in(mod, code))
+            if not getattr(getattr(mod, "__spec__", None), "_initializing", False):
+                _scanned[mod_name] = seen  # a module still importing may gain helpers: rescan it later
+        for helper in seen[1]:
+            found.setdefault(id(helper.wrapper), helper)
     return sorted(found.values(), key=lambda h: h.name)
 
 
