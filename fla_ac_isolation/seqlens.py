@@ -57,7 +57,8 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
 
-def _device_matches(actual: torch.device, expected: torch.device) -> bool:
+def devices_match(actual: torch.device, expected: torch.device) -> bool:
+    """Same device type, and same index where both name one (``cuda`` matches ``cuda:1``)."""
     if actual.type != expected.type:
         return False
     if expected.index is None or actual.index is None:
@@ -115,7 +116,7 @@ class LayerLocalSeqlens:
         num_tokens: int | None = None,
     ) -> None:
         _check_index_tensor(cu_seqlens, "cu_seqlens")
-        if device is not None and not _device_matches(cu_seqlens.device, torch.device(device)):
+        if device is not None and not devices_match(cu_seqlens.device, torch.device(device)):
             raise ValueError(
                 f"cu_seqlens must be on the activations' device {torch.device(device)}, got {cu_seqlens.device}"
             )

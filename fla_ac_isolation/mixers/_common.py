@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens
+from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens, devices_match
 
 
 def check_hidden_states(hidden_states: Any, hidden_size: int) -> tuple[int, int]:
@@ -99,11 +99,7 @@ def resolve_seqlens(
             f"{tuple(hidden_states.shape)}; flatten the batch into one row"
         )
     seqlens.check_tokens(tokens, name="hidden_states")
-    if seqlens.device.type != hidden_states.device.type or (
-        seqlens.device.index is not None
-        and hidden_states.device.index is not None
-        and seqlens.device.index != hidden_states.device.index
-    ):
+    if not devices_match(seqlens.device, hidden_states.device):
         raise ValueError(
             f"cu_seqlens is on {seqlens.device} but hidden_states is on {hidden_states.device}; "
             "build the LayerLocalSeqlens on the activations' device"
