@@ -245,10 +245,22 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
         this package's mixers, swaps nothing, warns (``UserWarning``) and returns ``[]``.
 
     Raises:
-        ValueError: ``model`` holds neither a supported mixer nor a swapped one (the message names the
-            classes looked for); unknown ``backend``; a mixer carries module hooks or DTensor parameters
-            (swap before FSDP/TP/accelerate dispatch); no config found.
-        RuntimeError: a replacement does not declare the transformers module's tensors (names, shapes).
+        TypeError: ``model`` is not a ``torch.nn.Module``.
+        ValueError: ``backend`` is not ``"auto"``, ``"fla"`` or ``"reference"``; ``model`` is itself a
+            supported mixer (pass the module containing it); ``model`` holds neither a supported mixer nor a
+            swapped one (the message names the classes looked for); a mixer of ``model`` carries module
+            hooks or DTensor parameters (swap before FSDP/TP/accelerate dispatch); ``config`` is ``None``
+            and neither a mixer nor a module above it has a ``config``; the replacement's constructor
+            refuses the text config (``config`` or the one found): a field it needs is missing, or a value
+            is unsupported (value heads not a multiple of key heads, ``mamba_num_heads`` not a multiple of
+            ``n_groups``, a conv activation other than SiLU, an output gate other than SiLU/sigmoid).
+        AttributeError: a ``Qwen4ExpTextGatedDeltaNet`` is swapped with a text config whose
+            ``output_gate_type`` is missing or ``None`` and which has no ``hidden_act`` (its replacement's
+            constructor reads ``hidden_act`` directly; other missing fields are the ``ValueError`` above).
+        IndexError: the text config's ``layer_types`` (``layers_block_type`` for Nemotron-H) is shorter
+            than a mixer's ``layer_idx``, e.g. ``config`` belongs to a model with fewer layers.
+        RuntimeError: a replacement built from the text config does not declare the transformers module's
+            parameters and buffers (names, kinds, shapes), e.g. ``config`` belongs to another model.
 
     Example::
 
@@ -302,9 +314,25 @@ def restore_mixers(model: nn.Module) -> list[str]:
     The tensors are those the swapped mixers hold now (so a restore after training, ``to_empty`` or
     ``load_state_dict`` keeps their values); nothing is copied.
 
+    Args:
+        model: the module :func:`swap_mixers` was called on, or any module containing swapped mixers.
+
     Returns:
-        The module paths restored; ``[]`` (with a warning) when ``model`` holds no swapped mixer.
+        The module paths restored; ``[]`` (with a ``UserWarning``) when ``model`` holds no swapped mixer.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
+        ValueError: ``model`` is itself a swapped mixer (pass the module containing it, whose child it is).
+        RuntimeError: a swapped mixer's parameter/buffer names or kinds no longer match the transformers
+            module's (e.g. one was added, removed or renamed after the swap). Mixers before it in
+            ``model.named_modules()`` order are already restored when this is raised.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if _ORIGINAL_ATTR in vars(model):
+        raise ValueError(
+            "restore_mixers needs the model (or a module) containing the swapped mixer, not the swapped mixer itself"
+        )
     restored = []
     for path, module in list(model.named_modules()):
         original = vars(module).get(_ORIGINAL_ATTR)

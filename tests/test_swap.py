@@ -362,6 +362,24 @@ def test_mixer_with_hooks_is_refused():
     assert not any(isinstance(m, mixers.NemotronHMamba2Mixer) for m in model.modules())  # all or nothing
 
 
+@pytest.mark.parametrize("fn", [swap_mixers, restore_mixers], ids=["swap_mixers", "restore_mixers"])
+def test_non_module_model_is_refused_naming_the_argument(fn):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got dict"):
+        fn({})
+
+
+def test_restore_on_the_swapped_mixer_itself_is_refused_and_changes_nothing():
+    family = FAMILIES["nemotron_h"]
+    model = family.model()
+    swap_mixers(model)
+    mixer = model.get_submodule(family.paths[0])
+    keys = list(mixer.state_dict())
+    with pytest.raises(ValueError, match="containing the swapped mixer, not the swapped mixer itself"):
+        restore_mixers(mixer)
+    assert list(mixer.state_dict()) == keys  # before the check, the original became a child named ""
+    assert restore_mixers(model) == list(family.paths)
+
+
 @pytest.mark.parametrize("name", list(ALL_FAMILIES))
 def test_restore_mixers_puts_transformers_classes_back_on_the_same_parameters(name):
     family = ALL_FAMILIES[name]
