@@ -161,6 +161,23 @@ def split_documents(x: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
     return out
 
 
+def loss_and_grads(layers: torch.nn.ModuleList, x: torch.Tensor, seqlens: Any):
+    """Run ``x`` through ``layers`` (each called as ``layer(h, seqlens)``), backward ``mean(out.float() ** 2)``.
+
+    Returns ``(loss, dx, grads)``: the detached loss, the gradient of ``x`` (run on a fresh leaf, ``x`` itself is
+    untouched) and ``{parameter name: grad}`` with checkpoint_wrapper's ``_checkpoint_wrapped_module.`` dropped
+    from the names, so a checkpointed and an unwrapped stack compare name by name.
+    """
+    h = x.clone().requires_grad_()
+    out = h
+    for layer in layers:
+        out = layer(out, seqlens)
+    loss = out.float().pow(2).mean()
+    loss.backward()
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in layers.named_parameters()}
+    return loss.detach(), h.grad, grads
+
+
 @pytest.fixture
 def single_thread():
     """Run a test on one intra-op thread: the tiny tensors here gain nothing from two, and on a busy

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import HIDDEN, PACKED_LENS
+from conftest import HIDDEN, PACKED_LENS, loss_and_grads
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
 from fla_ac_isolation.seqlens import LayerLocalSeqlens, SharedSeqlens
 
@@ -32,25 +32,13 @@ def _stack(family, dtype):
     return nn.ModuleList(Block(family.build(layer_idx=i, seed=10 + i)) for i in range(LAYERS)).to(dtype)
 
 
-def _loss_and_grads(layers, x, seqlens):
-    h = x.clone().requires_grad_()
-    out = h
-    for layer in layers:
-        out = layer(out, seqlens)
-    loss = out.float().pow(2).mean()
-    loss.backward()
-    # checkpoint_wrapper inserts "_checkpoint_wrapped_module." into parameter names
-    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in layers.named_parameters()}
-    return loss.detach(), h.grad, grads
-
-
 def _run(family, dtype, seqlens_cls, checkpointed):
     layers = _stack(family, dtype)
     if checkpointed:
         checkpoint_layers(layers, mode="selective", policy=save_all_copies())
     x = torch.randn(1, sum(PACKED_LENS) + 30, HIDDEN, generator=torch.Generator().manual_seed(0)).to(dtype)
     seqlens = seqlens_cls.from_seq_lens([*PACKED_LENS, 30])
-    return _loss_and_grads(layers, x, seqlens)
+    return loss_and_grads(layers, x, seqlens)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

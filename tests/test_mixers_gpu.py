@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import CORE_FAMILIES, FAMILIES, HIDDEN
+from conftest import CORE_FAMILIES, FAMILIES, HIDDEN, loss_and_grads
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 pytestmark = [
@@ -103,14 +103,7 @@ def test_fla_backend_under_selective_ac_matches_no_ac(name):
         layers = layers.to(device, torch.bfloat16)
         if checkpointed:
             checkpoint_layers(layers, mode="selective", policy=save_all_copies())
-        h = x.clone().requires_grad_()
-        out = h
-        for layer in layers:
-            out = layer(out, seqlens)
-        loss = out.float().pow(2).mean()
-        loss.backward()
-        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in layers.named_parameters()}
-        return loss.detach(), h.grad, grads
+        return loss_and_grads(layers, x, seqlens)
 
     loss_ref, dx_ref, grads_ref = run(False)
     loss_ac, dx_ac, grads_ac = run(True)
