@@ -1,25 +1,58 @@
 """What isolation costs: one GDN layer and one Mamba2 layer, forward + recompute + backward under SAC.
 
-Modes (the same mixer and weights in each):
+Modes (one copy of the same mixer, same weights, per mode; every mode but ``no-ac`` wraps it in torch's
+non-reentrant checkpoint wrapper with torchtitan 0.3's op-level SAC policy, ``policies.torchtitan_selective``):
 
-    no-ac            no checkpointing (the floor for time, the ceiling for memory)
-    shared           SAC, one shared cu_seqlens object (the unsafe path; what models do today)
-    isolated         SAC, LayerLocalSeqlens built from device offsets only (it hands every layer the host
-                     copy its validation read, as cu_seqlens_cpu)
-    isolated+cpu     SAC, LayerLocalSeqlens given cu_seqlens_cpu by the loader (validation compares
-                     instead of copying; the layer step is the same)
-    global-disable   SAC, shared cu_seqlens, FLA's tensor cache disabled process-wide
+    no-ac                no checkpointing; ``SharedSeqlens`` (the floor for time, the ceiling for memory)
+    shared               SAC, ``SharedSeqlens``: every ``.local()`` call returns the same ``cu_seqlens``
+                         object, as models pass it today (the unsafe path; no host offsets)
+    isolated             SAC, ``LayerLocalSeqlens(cu)``: device offsets only (validation's host copy is
+                         handed to every layer as ``cu_seqlens_cpu``) and the default ``chunk_size`` where
+                         ``LayerLocalSeqlens`` has one (FLA's chunk indices precomputed once per batch, a
+                         fresh copy per ``.local()`` call)
+    isolated+cpu         as ``isolated``, plus ``cu_seqlens_cpu`` given by the loader (validation compares
+                         instead of copying; the layer step is the same)
+    isolated-no-indices  SAC, ``LayerLocalSeqlens(cu, chunk_size=None)``: no precomputed chunk indices, so
+                         each layer's FLA calls build them from its fresh ``cu_seqlens`` (the behaviour
+                         before ``chunk_size`` existed; needs a ``LayerLocalSeqlens`` that takes it)
+    global-disable       SAC, ``SharedSeqlens``, FLA's tensor cache disabled process-wide: every step of
+                         this mode (warm-up, probe, memory, timing) runs inside ``tensor_cache_disabled()``,
+                         the other modes outside it
 
-Each step builds new offsets (as a data loader does) outside the timed region; the timed region is one
-layer's forward, its recompute and its backward. The SAC policy is torchtitan 0.3's op-level policy
-(``policies.torchtitan_selective``). Per row: median ms over ``--iters`` timed steps after ``--warmup``
-(CUDA events, inputs rotated over 3 buffers), spread (p10-p90), peak memory above the inputs, host
-syncs per step (counted with ``torch.cuda.set_sync_debug_mode("warn")``: one warning per synchronising
-call) and FLA index-helper computations per step (misses + bypasses, from ``fla_cache.probe_tensor_cache``).
+Method. For one (layer, tokens) group every mode's layer is built up front (one build, deep-copied), and
+all modes share the same 3 rotating input buffers ``[1, T, hidden]`` and one ``grad_out``. Each iteration
+runs every mode once, in an order rotated by the iteration index (iteration ``i`` starts at mode
+``i % n_modes``), so drift (clocks, allocator, thermals) hits every mode alike. Each step builds new
+offsets (as a data loader does; ``LayerLocalSeqlens`` construction, its validation and any chunk-index
+precomputation included) outside the timed region; the timed region is one layer's forward, its
+recompute and its backward.
 
-Run on a CUDA machine::
+Per row (one mode in one group):
 
-    python benchmarks/bench_isolation.py --json bench.json --png bench.png
+* ``median_ms``, ``p10_ms``, ``p90_ms``: step time in milliseconds over ``--iters`` timed iterations after
+  ``--warmup`` (CUDA events after a ``torch.cuda.synchronize()``; ``time.perf_counter`` on CPU); the
+  percentiles interpolate linearly between samples (``statistics.quantiles(method="inclusive")``).
+* ``x_shared``: ratio of medians, this mode's over ``shared``'s.
+* ``paired_x_shared``: median over iterations of (this mode's time / ``shared``'s time in the same
+  iteration); robust to drift between iterations. Exactly 1.0 for ``shared``.
+* ``peak_mib``: peak memory of one step above what was allocated before it, MiB.
+* ``syncs_per_step``: host syncs in one step (``torch.cuda.set_sync_debug_mode("warn")``, one warning per
+  synchronising call), with ``sync_sites`` (``"file:line" -> count``).
+* ``helper_computations_per_step``: FLA index-helper computations in one step (misses + bypasses, from
+  ``fla_cache.probe_tensor_cache``).
+* ``times_ms``: every timed step, in iteration order (the raw data behind the statistics).
+
+Run on a CUDA machine (the defaults are the H200 shapes: hidden 2048, T = 32768 and 131072, 8 documents)::
+
+    python benchmarks/bench_isolation.py --first-config --lift-hopper-guard --json bench.json --png bench.png
+
+Budget on one H200 (measured with 5 modes, scaled to 6): about 70 s of imports and first-config compilation,
+then about 3.6 s per iteration for the four default groups; ``--iters 36 --warmup 3`` takes about 4 minutes,
+the defaults (50 and 5) about 5.
+
+``--device cpu`` runs the mixers' pure-torch ``reference`` backend in float32 with tiny shapes (e.g.
+``--hidden 64 --tokens 256 --docs 4``) on one torch thread; it times with ``time.perf_counter`` and reports
+host syncs and peak memory as 0. CPU numbers are only a smoke test of this script, not a measurement.
 
 On Hopper with Triton < 3.7.1 FLA refuses the gated backward (its issue #640); ``--lift-hopper-guard``
 sets FLA's flag for this process, printing so. Every mode runs the same kernels, so the comparison is fair.
@@ -29,14 +62,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import inspect
 import json
 import statistics
+import time
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
-MODES = ("no-ac", "shared", "isolated", "isolated+cpu", "global-disable")
+MODES = ("no-ac", "shared", "isolated", "isolated+cpu", "isolated-no-indices", "global-disable")
+COLORS = {
+    "no-ac": "#999999", "shared": "#e63946", "isolated": "#2a9d8f", "isolated+cpu": "#52b788",
+    "isolated-no-indices": "#457b9d", "global-disable": "#f4a261",
+}
+NUM_BUFFERS = 3  # rotating inputs (and document layouts) per group
 
 
 @dataclass
@@ -48,46 +91,102 @@ class Row:
     median_ms: float
     p10_ms: float
     p90_ms: float
+    x_shared: float | None  # median_ms / shared's median_ms; None without a shared mode
+    paired_x_shared: float | None  # median over iterations of (time / shared's time, same iteration)
     peak_mib: float
     syncs_per_step: int
     helper_computations_per_step: int
     sync_sites: dict[str, int]  # "file:line" of the Python code that triggered each host sync
+    times_ms: list[float] = field(default_factory=list)  # every timed step, in iteration order
 
 
-def build_layer(kind: str, hidden: int, dtype: torch.dtype, device: str):
+# ----------------------------------------------------------------------------------------------- layers
+def layer_fields(kind: str, hidden: int) -> dict[str, int]:
+    """Config fields of the benchmarked mixer, derived from ``hidden`` (the model width ``D``).
+
+    GDN: head dims ``K = V = min(128, D // 4)``, ``D // K`` key heads and as many value heads (hidden 2048:
+    16 heads of 128). Mamba2: head dim ``P = min(64, D // 4)``, ``H = 2 * D // P`` heads (``H * P = expand *
+    D``, expand 2), ``G = min(8, H)`` groups, state ``N = min(128, D)`` (hidden 2048: 64 heads of 64, 8
+    groups, state 128). Hidden 64 gives 4 GDN heads of 16 and 8 Mamba2 heads of 16.
+
+    Raises:
+        ValueError: ``hidden`` does not split into whole heads, or ``kind`` is unknown.
+    """
+    if hidden < 16 or hidden % 4:
+        raise ValueError(f"--hidden must be a multiple of 4 and at least 16, got {hidden}")
+    if kind == "gdn":
+        head_dim = min(128, hidden // 4)
+        if hidden % head_dim:
+            raise ValueError(f"--hidden {hidden} does not split into GDN heads of {head_dim}")
+        heads = hidden // head_dim
+        return dict(
+            hidden_size=hidden, linear_num_key_heads=heads, linear_num_value_heads=heads,
+            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
+        )
+    if kind == "mamba2":
+        head_dim = min(64, hidden // 4)
+        if (2 * hidden) % head_dim:
+            raise ValueError(f"--hidden {hidden} does not split into Mamba2 heads of {head_dim}")
+        heads = 2 * hidden // head_dim
+        groups = min(8, heads)
+        if heads % groups:
+            raise ValueError(f"--hidden {hidden} gives {heads} Mamba2 heads, not a multiple of {groups} groups")
+        return dict(
+            hidden_size=hidden, mamba_num_heads=heads, mamba_head_dim=head_dim, ssm_state_size=min(128, hidden),
+            n_groups=groups, conv_kernel=4, expand=2, chunk_size=64,
+        )
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def build_layer(kind: str, hidden: int, dtype: torch.dtype, device: str, backend: str = "fla"):
+    """One mixer (``gdn``: Qwen3.5-MoE GDN, ``mamba2``: Nemotron-H Mamba2) with the shapes of :func:`layer_fields`."""
+    fields = layer_fields(kind, hidden)
     if kind == "gdn":
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
         from fla_ac_isolation.mixers import Qwen3_5MoeGatedDeltaNet
 
-        cfg = Qwen3_5MoeTextConfig(
-            hidden_size=hidden, linear_num_key_heads=16, linear_num_value_heads=16,
-            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        )
-        layer = Qwen3_5MoeGatedDeltaNet(cfg, layer_idx=0, backend="fla")
-    elif kind == "mamba2":
+        layer = Qwen3_5MoeGatedDeltaNet(Qwen3_5MoeTextConfig(**fields), layer_idx=0, backend=backend)
+    else:
         from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
 
         from fla_ac_isolation.mixers import NemotronHMamba2Mixer
 
-        cfg = NemotronHConfig(
-            hidden_size=hidden, mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8,
-            conv_kernel=4, expand=2, chunk_size=64,
-        )
-        layer = NemotronHMamba2Mixer(cfg, layer_idx=0, backend="fla")
-    else:
-        raise ValueError(f"unknown layer kind {kind!r}")
+        layer = NemotronHMamba2Mixer(NemotronHConfig(**fields), layer_idx=0, backend=backend)
     return layer.to(device=device, dtype=dtype)
 
 
+def wrap_for_mode(layer: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """``layer`` itself for ``no-ac``; otherwise a non-reentrant checkpoint wrapper with torchtitan's SAC policy."""
+    if mode == "no-ac":
+        return layer
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    from fla_ac_isolation.policies import sac_context_fn, torchtitan_selective
+
+    return checkpoint_wrapper(
+        layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=sac_context_fn(torchtitan_selective())
+    )
+
+
+# --------------------------------------------------------------------------------------------- seqlens
 def doc_lengths(tokens: int, docs: int, seed: int) -> list[int]:
+    """``docs`` document lengths (tokens, each >= 1) summing to ``tokens``, cut at seeded random points."""
     g = torch.Generator().manual_seed(seed)
     cuts = sorted(torch.randint(1, tokens, (docs - 1,), generator=g).tolist())
     bounds = [0, *cuts, tokens]
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def supports_chunk_size() -> bool:
+    """Whether this ``LayerLocalSeqlens`` takes the ``chunk_size`` keyword (needed by ``isolated-no-indices``)."""
+    from fla_ac_isolation.seqlens import LayerLocalSeqlens
+
+    return "chunk_size" in inspect.signature(LayerLocalSeqlens.__init__).parameters
+
+
 def make_seqlens(mode: str, lens: list[int], device: str):
+    """New offsets for one step of ``mode`` (see the module docstring), as a loader would build them."""
     from fla_ac_isolation.seqlens import LayerLocalSeqlens, SharedSeqlens
 
     host = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -96,127 +195,245 @@ def make_seqlens(mode: str, lens: list[int], device: str):
         return LayerLocalSeqlens(cu)
     if mode == "isolated+cpu":
         return LayerLocalSeqlens(cu, cu_seqlens_cpu=host)
+    if mode == "isolated-no-indices":
+        return LayerLocalSeqlens(cu, chunk_size=None)
     return SharedSeqlens(cu)  # no-ac, shared, global-disable: one object, as models pass it
 
 
-def run_mode(kind: str, mode: str, tokens: int, docs: int, args) -> Row:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+def cache_context(mode: str):
+    """``tensor_cache_disabled()`` for ``global-disable``, a no-op context for every other mode."""
+    from fla_ac_isolation.fla_cache import tensor_cache_disabled
 
-    from fla_ac_isolation.fla_cache import probe_tensor_cache, tensor_cache_disabled
-    from fla_ac_isolation.policies import sac_context_fn, torchtitan_selective
+    return tensor_cache_disabled() if mode == "global-disable" else contextlib.nullcontext()
 
-    device, dtype = "cuda", torch.bfloat16
-    torch.manual_seed(0)
-    layer = build_layer(kind, args.hidden, dtype, device)
-    if mode != "no-ac":
-        layer = checkpoint_wrapper(
-            layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=sac_context_fn(torchtitan_selective())
-        )
-    inputs = [torch.randn(1, tokens, args.hidden, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
-    grad_out = torch.randn(1, tokens, args.hidden, device=device, dtype=dtype)
-    lens = [doc_lengths(tokens, docs, seed) for seed in range(3)]
-    cache_ctx = tensor_cache_disabled if mode == "global-disable" else contextlib.nullcontext
 
-    def step(i: int) -> None:
-        x = inputs[i % 3]
-        seqlens = step.seqlens[i % 3]
-        out = layer(x, seqlens=seqlens)
-        out.backward(grad_out)
-        x.grad = None
+def rotated(modes: list[str], i: int) -> list[str]:
+    """The order of iteration ``i``: ``modes`` starting at index ``i % len(modes)``."""
+    k = i % len(modes)
+    return modes[k:] + modes[:k]
 
-    def fresh_seqlens():
-        step.seqlens = [make_seqlens(mode, lens[j], device) for j in range(3)]
 
-    with cache_ctx():
-        for i in range(args.warmup):
-            fresh_seqlens()
-            step(i)
+# ----------------------------------------------------------------------------------------------- group
+@dataclass
+class Group:
+    """Everything one (layer, tokens) group shares: per-mode layers, inputs, ``grad_out``, document layouts."""
+
+    kind: str
+    tokens: int
+    docs: int
+    device: str
+    layers: dict[str, torch.nn.Module]
+    inputs: list[torch.Tensor]  # NUM_BUFFERS x [1, T, hidden], requires grad
+    grad_out: torch.Tensor  # [1, T, hidden]
+    lens: list[list[int]]  # NUM_BUFFERS document-length lists
+
+    @classmethod
+    def build(cls, kind: str, tokens: int, docs: int, modes: list[str], args) -> Group:
+        dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+        backend = "reference" if args.device == "cpu" else "fla"
+        torch.manual_seed(0)
+        base = build_layer(kind, args.hidden, dtype, args.device, backend)
+        layers = {mode: wrap_for_mode(copy.deepcopy(base), mode) for mode in modes}
+        shape = (1, tokens, args.hidden)
+        inputs = [torch.randn(shape, device=args.device, dtype=dtype, requires_grad=True) for _ in range(NUM_BUFFERS)]
+        grad_out = torch.randn(shape, device=args.device, dtype=dtype)
+        lens = [doc_lengths(tokens, docs, seed) for seed in range(NUM_BUFFERS)]
+        return cls(kind, tokens, docs, args.device, layers, inputs, grad_out, lens)
+
+    def prepare(self, mode: str, i: int) -> Callable[[], None]:
+        """Build iteration ``i``'s fresh offsets for ``mode`` now; return the step (forward, recompute, backward)."""
+        x = self.inputs[i % NUM_BUFFERS]
+        seqlens = make_seqlens(mode, self.lens[i % NUM_BUFFERS], self.device)
+        layer = self.layers[mode]
+
+        def step() -> None:
+            layer(x, seqlens=seqlens).backward(self.grad_out)
+            x.grad = None
+
+        return step
+
+    def synchronize(self) -> None:
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------- measuring a step
+def warm_step(group: Group, mode: str, i: int) -> None:
+    """One untimed step of ``mode`` (inside ``tensor_cache_disabled()`` for ``global-disable``)."""
+    with cache_context(mode):
+        group.prepare(mode, i)()
+
+
+def time_step(group: Group, mode: str, i: int) -> float:
+    """Milliseconds of one step of ``mode`` (CUDA events on a GPU, ``time.perf_counter`` on CPU)."""
+    with cache_context(mode):
+        step = group.prepare(mode, i)
+        if group.device == "cpu":
+            start = time.perf_counter()
+            step()
+            return (time.perf_counter() - start) * 1e3
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        # host syncs and helper computations of one step (not timed)
-        fresh_seqlens()
+        begin.record()
+        step()
+        end.record()
         torch.cuda.synchronize()
+        return begin.elapsed_time(end)
+
+
+def probe_step(group: Group, mode: str, i: int) -> tuple[int, dict[str, int], int]:
+    """One untimed step of ``mode``: ``(host syncs, {"file:line": syncs}, FLA helper computations)``.
+
+    Host syncs are counted only on CUDA (0 on CPU).
+    """
+    from fla_ac_isolation.fla_cache import probe_tensor_cache
+
+    with cache_context(mode):
+        step = group.prepare(mode, i)
+        group.synchronize()
         with warnings.catch_warnings(record=True) as caught, probe_tensor_cache() as probe:
             warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step(0)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        sync_warnings = [w for w in caught if "synchroniz" in str(w.message)]
-        syncs = len(sync_warnings)
-        sites: dict[str, int] = {}
-        for w in sync_warnings:
-            key = f"{w.filename.split('site-packages/')[-1]}:{w.lineno}"
-            sites[key] = sites.get(key, 0) + 1
-        computations = probe.misses + probe.bypasses
-        # peak memory of one step above what is allocated before it
+            if group.device == "cpu":
+                step()
+            else:
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        group.synchronize()
+    sync_warnings = [w for w in caught if "synchroniz" in str(w.message)] if group.device != "cpu" else []
+    sites: dict[str, int] = {}
+    for w in sync_warnings:
+        key = f"{w.filename.split('site-packages/')[-1]}:{w.lineno}"
+        sites[key] = sites.get(key, 0) + 1
+    return len(sync_warnings), sites, probe.misses + probe.bypasses
+
+
+def peak_step(group: Group, mode: str, i: int) -> float:
+    """Peak memory of one untimed step of ``mode`` above what was allocated before it, MiB (0 on CPU)."""
+    with cache_context(mode):
+        step = group.prepare(mode, i)
+        if group.device == "cpu":
+            step()
+            return 0.0
         torch.cuda.synchronize()
-        fresh_seqlens()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        step(1)
+        step()
         torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        # timing
-        times = []
-        for i in range(args.iters):
-            fresh_seqlens()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            step(i)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-    times.sort()
-    q = statistics.quantiles(times, n=10)
-    return Row(kind, tokens, docs, mode, statistics.median(times), q[0], q[-1], peak, syncs, computations, sites)
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def print_table(rows: list[Row]) -> None:
+# ----------------------------------------------------------------------------------------- one group
+def run_group(kind: str, tokens: int, docs: int, modes: list[str], args) -> list[Row]:
+    """Warm up, probe, measure memory and time every mode of one group, interleaved; one :class:`Row` per mode."""
+    group = Group.build(kind, tokens, docs, modes, args)
+    for i in range(args.warmup):
+        for mode in rotated(modes, i):
+            warm_step(group, mode, i)
+    group.synchronize()
+    probes = {mode: probe_step(group, mode, 0) for mode in modes}
+    peaks = {mode: peak_step(group, mode, 1) for mode in modes}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for i in range(args.iters):
+        for mode in rotated(modes, i):
+            times[mode].append(time_step(group, mode, i))
+    return [summarise(group, mode, times, peaks[mode], probes[mode]) for mode in modes]
+
+
+def paired_ratio(times: list[float], reference: list[float]) -> float:
+    """Median over iterations of ``times[i] / reference[i]`` (both in the same unit, one per iteration)."""
+    return statistics.median(t / r for t, r in zip(times, reference, strict=True))
+
+
+def summarise(group: Group, mode: str, times: dict[str, list[float]], peak_mib: float,
+              probe: tuple[int, dict[str, int], int]) -> Row:
+    """The :class:`Row` of ``mode``: statistics of its step times (ms) and the untimed measurements."""
+    mine = times[mode]
+    q = statistics.quantiles(mine, n=10, method="inclusive")  # linear interpolation, within the data
+    median = statistics.median(mine)
+    shared = times.get("shared")
+    x_shared = median / statistics.median(shared) if shared else None
+    paired = paired_ratio(mine, shared) if shared else None
+    syncs, sites, computations = probe
+    return Row(group.kind, group.tokens, group.docs, mode, median, q[0], q[-1], x_shared, paired, peak_mib,
+               syncs, computations, sites, list(mine))
+
+
+# --------------------------------------------------------------------------------------------- output
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[Row], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="isolation cost per layer step (forward + recompute + backward), bf16")
-    for col in ("layer", "T", "mode", "median ms", "p10-p90 ms", "x shared", "peak MiB", "d peak vs shared MiB",
-                "syncs/step", "helper computations/step"):
+    table = Table(title=title)
+    for col in ("layer", "T", "mode", "median ms", "p10-p90 ms", "x shared", "x shared (paired)", "peak MiB",
+                "d peak vs shared MiB", "syncs/step", "helper computations/step"):
         table.add_column(col, justify="right")
     for row in rows:
-        shared = next(r for r in rows if r.layer == row.layer and r.tokens == row.tokens and r.mode == "shared")
+        shared = next((r for r in rows if (r.layer, r.tokens, r.mode) == (row.layer, row.tokens, "shared")), None)
         table.add_row(
             row.layer, str(row.tokens), row.mode, f"{row.median_ms:.3f}", f"{row.p10_ms:.3f}-{row.p90_ms:.3f}",
-            f"{row.median_ms / shared.median_ms:.3f}", f"{row.peak_mib:.1f}", f"{row.peak_mib - shared.peak_mib:+.2f}",
+            _fmt(row.x_shared, ".3f"), _fmt(row.paired_x_shared, ".3f"), f"{row.peak_mib:.1f}",
+            _fmt(row.peak_mib - shared.peak_mib if shared else None, "+.2f"),
             str(row.syncs_per_step), str(row.helper_computations_per_step),
         )
-    Console(width=200).print(table)
+    Console(width=220).print(table)
 
 
 def plot(rows: list[Row], path: str) -> None:
+    """One panel per (layer, tokens) group, one bar per mode (median ms per step)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = sorted({(r.layer, r.tokens) for r in rows})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 3.8), squeeze=False)
     for ax, (layer, tokens) in zip(axes[0], groups):
         sub = [r for r in rows if r.layer == layer and r.tokens == tokens]
-        ax.bar([r.mode for r in sub], [r.median_ms for r in sub], color=["#999", "#e63946", "#2a9d8f", "#52b788", "#f4a261"])
+        ax.bar([r.mode for r in sub], [r.median_ms for r in sub], color=[COLORS[r.mode] for r in sub])
         ax.set_title(f"{layer}, T={tokens}")
         ax.set_ylabel("median ms / step")
         ax.tick_params(axis="x", rotation=35)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def main(argv=None) -> int:
+# ------------------------------------------------------------------------------------------------ main
+@contextlib.contextmanager
+def one_cpu_thread(device: str):
+    """On CPU, run torch single-threaded inside the block (restored on exit); nothing on CUDA.
+
+    The CPU smoke shapes make thousands of tiny ops, for which intra-op threads only add contention
+    (measured: 1.7 s with one thread, 22 s with two on a busy 2-core machine).
+    """
+    if device != "cpu":
+        yield
+        return
+    prior = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prior)
+
+
+def parse_args(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cuda: FLA kernels, bf16; cpu: reference backend, float32 (a smoke test only)")
     parser.add_argument("--layers", nargs="+", default=["gdn", "mamba2"], choices=["gdn", "mamba2"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--docs", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=2048, help="model width; head counts follow it")
+    parser.add_argument("--iters", type=int, default=50, help="timed iterations (each runs every mode once)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations before probing and timing")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--lift-hopper-guard", action="store_true")
     parser.add_argument("--first-config", action="store_true",
@@ -225,37 +442,64 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--png")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("this benchmark needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda (the default) needs a CUDA device; use --device cpu for a smoke test")
+    if args.iters < 2:
+        parser.error("--iters must be at least 2 (p10/p90 need two samples)")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    if any(t < args.docs or args.docs < 1 for t in args.tokens):
+        parser.error("every --tokens value must be at least --docs, and --docs at least 1")
+    try:
+        for kind in args.layers:
+            layer_fields(kind, args.hidden)
+    except ValueError as e:
+        parser.error(str(e))
+    if "isolated-no-indices" in args.modes and not supports_chunk_size():
+        parser.error("mode isolated-no-indices needs LayerLocalSeqlens(..., chunk_size=None), which this "
+                     "fla_ac_isolation does not take yet; leave the mode out with --modes")
+    args.modes = [m for m in MODES if m in args.modes]  # canonical order, no duplicates
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     from fla_ac_isolation.testing.autotune import first_autotune_config
     from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
 
-    rows = []
+    rows: list[Row] = []
     with (
         lift_hopper_gdn_guard() if args.lift_hopper_guard else contextlib.nullcontext(),
         first_autotune_config() if args.first_config else contextlib.nullcontext(),
+        one_cpu_thread(args.device),
     ):
         for kind in args.layers:
             for tokens in args.tokens:
-                for mode in args.modes:
-                    row = run_mode(kind, mode, tokens, args.docs, args)
-                    print(f"{kind} T={tokens} {mode}: {row.median_ms:.3f} ms, {row.syncs_per_step} syncs, "
+                for row in run_group(kind, tokens, args.docs, args.modes, args):
+                    print(f"{kind} T={tokens} {row.mode}: {row.median_ms:.3f} ms, paired x shared "
+                          f"{_fmt(row.paired_x_shared, '.3f')}, {row.syncs_per_step} syncs, "
                           f"{row.helper_computations_per_step} helper computations", flush=True)
                     rows.append(row)
-    meta = {
-        "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "hidden": args.hidden, "iters": args.iters, "warmup": args.warmup, "first_config": args.first_config,
-        "hopper_guard_lifted": args.lift_hopper_guard,
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    meta: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "backend": "reference" if args.device == "cpu" else "fla", "dtype": dtype, "torch": torch.__version__,
+        "hidden": args.hidden, "docs": args.docs, "iters": args.iters, "warmup": args.warmup,
+        "modes": args.modes, "order": "interleaved; iteration i starts at mode i % len(modes)",
+        "first_config": args.first_config, "hopper_guard_lifted": args.lift_hopper_guard,
+        "layer_fields": {kind: layer_fields(kind, args.hidden) for kind in args.layers},
     }
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
     if args.png:
         plot(rows, args.png)
-    print_table(rows)
     if args.where_syncs:
         for row in rows:
             print(f"sync sites {row.layer} T={row.tokens} {row.mode}: {row.sync_sites}")
+    smoke = " - CPU SMOKE TEST, not a measurement" if args.device == "cpu" else ""
+    print_table(rows, f"isolation cost per layer step (forward + recompute + backward), {dtype}, "
+                      f"{args.iters} interleaved iterations{smoke}")
     return 0
 
 

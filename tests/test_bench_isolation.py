@@ -1,0 +1,174 @@
+"""The isolation benchmark's CPU smoke path: rows, paired ratios, helper counts, JSON and PNG.
+
+``benchmarks/bench_isolation.py`` is a script, not a package module, so it is loaded from its path. One run
+of both layers with tiny shapes on the reference backend is shared by the tests (module fixture); the FLA
+helper computations it reports are checked against counts made here, independently, with the conftest
+mixers under the same SAC policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FAMILIES, HIDDEN
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_isolation.py"
+TOKENS, DOCS, ITERS = 192, 3, 3  # several 64-token chunks per document
+LAYER_FAMILY = {"gdn": "qwen3_5_moe", "mamba2": "nemotron_h"}
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_isolation", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny CPU ops run faster on one torch thread (as the benchmark's CPU path does); restored after."""
+    prior = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prior)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load_bench()
+
+
+@pytest.fixture(scope="module")
+def modes(bench):
+    """Every mode, less ``isolated-no-indices`` while ``LayerLocalSeqlens`` lacks ``chunk_size``."""
+    return [m for m in bench.MODES if m != "isolated-no-indices" or bench.supports_chunk_size()]
+
+
+@pytest.fixture(scope="module")
+def run(bench, modes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    json_path, png_path = out / "bench.json", out / "bench.png"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = bench.main([
+            "--device", "cpu", "--layers", "gdn", "mamba2", "--hidden", str(HIDDEN), "--tokens", str(TOKENS),
+            "--docs", str(DOCS), "--iters", str(ITERS), "--warmup", "1", "--modes", *modes,
+            "--json", str(json_path), "--png", str(png_path),
+        ])
+    assert rc == 0
+    return json.loads(json_path.read_text()), png_path, stdout.getvalue()
+
+
+def _helper_computations(bench, kind: str, mode: str) -> int:
+    """FLA helper computations (misses + bypasses) of one SAC step of ``mode``, counted independently.
+
+    Only the document layout is the benchmark's (that of its probe step, seed 0): which helpers run can
+    depend on it. Mixer, checkpointing, seqlens and counting are this test's own.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    from fla_ac_isolation.fla_cache import probe_tensor_cache, tensor_cache_disabled
+    from fla_ac_isolation.policies import sac_context_fn, torchtitan_selective
+    from fla_ac_isolation.seqlens import LayerLocalSeqlens, SharedSeqlens
+
+    mixer = FAMILIES[LAYER_FAMILY[kind]].build(backend="reference")
+    lens = bench.doc_lengths(TOKENS, DOCS, seed=0)
+    host = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    seqlens = {
+        "isolated": lambda: LayerLocalSeqlens(host.clone()),
+        "isolated+cpu": lambda: LayerLocalSeqlens(host.clone(), cu_seqlens_cpu=host),
+        "isolated-no-indices": lambda: LayerLocalSeqlens(host.clone(), chunk_size=None),
+    }.get(mode, lambda: SharedSeqlens(host.clone()))()
+    x = torch.randn(1, TOKENS, HIDDEN, requires_grad=True)
+    context = sac_context_fn(torchtitan_selective())
+    cache = tensor_cache_disabled() if mode == "global-disable" else contextlib.nullcontext()
+    with cache, probe_tensor_cache() as probe:
+        if mode == "no-ac":
+            out = mixer(x, seqlens)
+        else:
+            out = checkpoint(mixer, x, seqlens, use_reentrant=False, context_fn=context)
+        out.sum().backward()
+    return probe.misses + probe.bypasses
+
+
+def _rows(run):
+    return run[0]["rows"]
+
+
+def test_every_mode_has_one_row_per_group_with_positive_times(run, modes):
+    rows = _rows(run)
+    for layer in ("gdn", "mamba2"):
+        got = [r["mode"] for r in rows if r["layer"] == layer and r["tokens"] == TOKENS]
+        assert got == modes
+    for r in rows:
+        assert r["median_ms"] > 0 and 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+        assert len(r["times_ms"]) == ITERS and all(t > 0 for t in r["times_ms"])
+        assert r["median_ms"] == statistics.median(r["times_ms"])
+        assert r["syncs_per_step"] == 0 and r["sync_sites"] == {} and r["peak_mib"] == 0.0  # CPU reports 0
+
+
+def test_paired_ratio_is_per_iteration_median_and_exactly_one_for_shared(run):
+    rows = _rows(run)
+    for r in rows:
+        shared = next(s for s in rows if (s["layer"], s["tokens"], s["mode"]) == (r["layer"], r["tokens"], "shared"))
+        expected = statistics.median(t / s for t, s in zip(r["times_ms"], shared["times_ms"]))
+        assert r["paired_x_shared"] == pytest.approx(expected, rel=1e-12)
+        assert r["x_shared"] == pytest.approx(r["median_ms"] / shared["median_ms"], rel=1e-12)
+        if r["mode"] == "shared":
+            assert r["paired_x_shared"] == 1.0 and r["x_shared"] == 1.0
+
+
+def test_helper_computations_match_an_independent_count(run, bench, modes):
+    rows = _rows(run)
+    for layer in ("gdn", "mamba2"):
+        got = {r["mode"]: r["helper_computations_per_step"] for r in rows if r["layer"] == layer}
+        expected = {mode: _helper_computations(bench, layer, mode) for mode in modes}
+        assert got == expected, layer
+        assert got["global-disable"] > got["shared"]
+        assert got["isolated"] >= got["shared"] and got["isolated+cpu"] == got["isolated"]
+        assert got["no-ac"] == got["shared"]  # one forward; the shared recompute only hits
+        if "isolated-no-indices" in got:  # precomputed chunk indices can only remove computations
+            assert got["isolated-no-indices"] >= got["isolated"]
+
+
+def test_json_and_png_are_written_with_the_printed_rows(run, bench):
+    data, png, stdout = run
+    printed = re.findall(r"^(\w+) T=(\d+) ([\w+-]+): ([\d.]+) ms, .* (\d+) helper computations$", stdout, re.M)
+    assert [(r["layer"], str(r["tokens"]), r["mode"], f"{r['median_ms']:.3f}", str(r["helper_computations_per_step"]))
+            for r in data["rows"]] == printed
+    assert "CPU SMOKE TEST" in stdout
+    assert png.stat().st_size > 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["meta"]["device"] == "cpu" and data["meta"]["backend"] == "reference"
+    assert set(data["rows"][0]) == set(bench.Row.__dataclass_fields__)
+
+
+def test_rotation_puts_every_mode_first_once_per_cycle(bench):
+    modes = list(bench.MODES)
+    orders = [bench.rotated(modes, i) for i in range(len(modes))]
+    assert [o[0] for o in orders] == modes
+    assert all(sorted(o) == sorted(modes) for o in orders)
+    assert bench.rotated(modes, len(modes)) == modes
+
+
+def test_default_shapes_are_the_h200_layers(bench):
+    gdn, mamba2 = bench.layer_fields("gdn", 2048), bench.layer_fields("mamba2", 2048)
+    assert (gdn["linear_num_key_heads"], gdn["linear_key_head_dim"]) == (16, 128)
+    assert (mamba2["mamba_num_heads"], mamba2["mamba_head_dim"], mamba2["n_groups"], mamba2["ssm_state_size"]) == (
+        64, 64, 8, 128)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown without CUDA")
+def test_cuda_device_without_cuda_is_a_parser_error(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--iters", "2"])
+    assert "needs a CUDA device" in capsys.readouterr().err
