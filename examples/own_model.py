@@ -11,7 +11,7 @@ schedule, so the cache hits and misses on CPU exactly where it would on a GPU.
 
 The one line that matters is in ``GDNMixer.forward``::
 
-    cu_seqlens, cu_seqlens_cpu, _ = seqlens.local()   # inside the layer, so inside its AC region
+    local = seqlens.local()   # inside the layer, so inside its AC region: fresh cu_seqlens objects
 
 The script trains one step four ways from the same weights and batch:
 
@@ -70,8 +70,9 @@ class GDNMixer(nn.Module):
 
     def forward(self, x: torch.Tensor, seqlens: LayerLocalSeqlens) -> torch.Tensor:
         # THE FIX: fresh cu_seqlens objects for this call, taken inside the (checkpointed) layer.
-        cu_seqlens, cu_seqlens_cpu, _ = seqlens.local()
-        varlen = {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu}
+        local = seqlens.local()
+        varlen = {"cu_seqlens": local.cu_seqlens, "cu_seqlens_cpu": local.cu_seqlens_cpu,
+                  "chunk_indices": local.chunk_indices}  # FLA's chunk schedule, precomputed once per batch
 
         B, T, _ = x.shape
         qkv = ops.causal_conv1d(self.qkv(x), self.conv_weight, activation="silu", **varlen)  # [1, T, 3*H*K]

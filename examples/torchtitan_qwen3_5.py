@@ -171,8 +171,9 @@ def _localise(module, args, kwargs):
 
     x, seqlens = args
     if isinstance(seqlens, LayerLocalSeqlens):
-        cu, cu_cpu, max_len = seqlens.local()  # inside the block's forward, so inside its checkpointed region
-        seqlens = VarlenMetadata(_SharedOffsets(cu), cu, max_len, max_len, tuple(cu_cpu.tolist()))
+        local = seqlens.local()  # inside the block's forward, so inside its checkpointed region
+        cu, max_len = local.cu_seqlens, local.max_seqlen
+        seqlens = VarlenMetadata(_SharedOffsets(cu), cu, max_len, max_len, tuple(local.cu_seqlens_cpu.tolist()))
     return (x, seqlens), kwargs
 
 

@@ -23,9 +23,12 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["LayerLocalSeqlens", "LocalSeqlens", "SharedSeqlens"]
+__all__ = ["CHUNK_SIZE", "LayerLocalSeqlens", "LocalSeqlens", "SharedSeqlens", "chunk_indices_for"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+CHUNK_SIZE = 64
+"""Chunk length in tokens of FLA's varlen conv, gated delta rule and simple GLA kernels (fla-core 0.6)."""
 
 
 class LocalSeqlens(NamedTuple):
@@ -36,11 +39,17 @@ class LocalSeqlens(NamedTuple):
         cu_seqlens_cpu: ``[N + 1]`` host copy of the offsets (a new object per call). ``None`` only from
             :class:`SharedSeqlens` built without host offsets.
         max_seqlen: length of the longest document, in tokens.
+        chunk_indices: ``[NT, 2]`` rows ``(document, chunk within the document)`` of FLA's
+            :data:`CHUNK_SIZE`-token chunks, dtype of ``cu_seqlens``, on its device (a new object per
+            call); FLA's ``chunk_indices`` argument, so the kernel skips ``prepare_chunk_indices`` and its
+            host-to-device copy. ``None`` when the :class:`LayerLocalSeqlens` was built with
+            ``chunk_indices=False`` and from :class:`SharedSeqlens`.
     """
 
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor | None
     max_seqlen: int
+    chunk_indices: torch.Tensor | None = None
 
 
 @torch.compiler.disable
@@ -55,6 +64,42 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
     """
     with _disable_current_modes(), torch.no_grad():
         return t.clone()
+
+
+def chunk_indices_for(offsets: Sequence[int], chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """FLA's chunk schedule of packed documents: ``[NT, 2]`` int64 rows ``(document, chunk)``, on the host.
+
+    Row ``r`` says that the ``r``-th chunk of the packed batch is chunk ``i`` (``chunk_size`` tokens, the
+    last one shorter) of document ``n``; zero-length documents have no rows. This is the layout of
+    ``fla.ops.utils.index.prepare_chunk_indices`` (the tests compare the two). It is computed here rather
+    than through FLA's helper because that helper is memoised by argument identity: calling it would add
+    entries to the very cache whose hits and misses the isolation keeps identical between a layer's
+    forward and its recompute.
+
+    Args:
+        offsets: ``N + 1`` non-decreasing ints (the values of ``cu_seqlens``).
+        chunk_size: tokens per chunk.
+
+    Raises:
+        ValueError: ``chunk_size`` is not a positive int.
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    rows = [
+        (n, i)
+        for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:]))
+        for i in range(-(-(end - start) // chunk_size))
+    ]
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 2)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without blocking the host (pinned staging on CUDA)."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def devices_match(actual: torch.device, expected: torch.device) -> bool:
@@ -82,10 +127,15 @@ class LayerLocalSeqlens:
             host offsets to avoid device-to-host syncs; pass it when you have it.
         device: optional device the activations live on; ``cu_seqlens`` must be on it.
         num_tokens: optional packed token count ``T``; when given, the last offset must equal it.
+        chunk_indices: precompute FLA's chunk schedule (:func:`chunk_indices_for`, :data:`CHUNK_SIZE`)
+            once, here, and hand each layer a fresh copy as ``LocalSeqlens.chunk_indices``. The mixers
+            pass it to FLA's conv and gated delta rule, which then skip ``prepare_chunk_indices`` and the
+            blocking host-to-device copy it ends with (a stream synchronisation per call). ``False``
+            restores FLA's own computation inside every layer call.
 
     Raises:
         TypeError: ``cu_seqlens``/``cu_seqlens_cpu`` is not a tensor, or not int32/int64; ``max_seqlen``
-            is not an ``int``.
+            is not an ``int``; ``chunk_indices`` is not a bool.
         ValueError: ``cu_seqlens`` is not 1-D with at least 2 entries, does not start at 0, decreases,
             sits on another device than ``device``, or its last value differs from ``num_tokens``;
             ``cu_seqlens_cpu`` is not on the CPU or differs in shape or values; ``max_seqlen`` is smaller
@@ -93,7 +143,9 @@ class LayerLocalSeqlens:
 
     Cost: validation reads the offsets on the host once. With ``cu_seqlens`` on a GPU and no
     ``cu_seqlens_cpu`` that is one device-to-host copy (kept, and handed to every layer as
-    ``cu_seqlens_cpu``); with ``cu_seqlens_cpu`` it is one comparison. :meth:`local` never synchronises.
+    ``cu_seqlens_cpu``); with ``cu_seqlens_cpu`` it is one comparison (also a device-to-host copy, of
+    ``cu_seqlens``). The chunk schedule goes to the device through pinned memory without blocking the
+    host. :meth:`local` never synchronises.
 
     Example::
 
@@ -101,10 +153,14 @@ class LayerLocalSeqlens:
         for layer in model.layers:                 # checkpointed or not
             hidden = layer(hidden, seqlens=seqlens)
         # inside a layer's forward:
-        cu, cu_cpu, max_len = seqlens.local()      # fresh objects, same values
+        local = seqlens.local()                    # fresh objects, same values
+        fla_op(..., cu_seqlens=local.cu_seqlens, cu_seqlens_cpu=local.cu_seqlens_cpu,
+               chunk_indices=local.chunk_indices)   # where the FLA op takes chunk_indices
     """
 
-    __slots__ = ("_cu_seqlens", "_cu_seqlens_cpu", "_host_given", "max_seqlen", "num_tokens", "num_seqs")
+    __slots__ = (
+        "_chunk_indices", "_cu_seqlens", "_cu_seqlens_cpu", "_host_given", "max_seqlen", "num_seqs", "num_tokens"
+    )
 
     def __init__(
         self,
@@ -114,8 +170,11 @@ class LayerLocalSeqlens:
         *,
         device: torch.device | str | None = None,
         num_tokens: int | None = None,
+        chunk_indices: bool = True,
     ) -> None:
         _check_index_tensor(cu_seqlens, "cu_seqlens")
+        if not isinstance(chunk_indices, bool):
+            raise TypeError(f"chunk_indices must be a bool (precompute FLA's chunk schedule), got {chunk_indices!r}")
         if device is not None and not devices_match(cu_seqlens.device, torch.device(device)):
             raise ValueError(
                 f"cu_seqlens must be on the activations' device {torch.device(device)}, got {cu_seqlens.device}"
@@ -168,6 +227,9 @@ class LayerLocalSeqlens:
         self.max_seqlen: int = max_seqlen
         self.num_tokens: int = offsets[-1]
         self.num_seqs: int = len(lens)
+        self._chunk_indices = (
+            _to_device(chunk_indices_for(offsets).to(cu_seqlens.dtype), cu_seqlens.device) if chunk_indices else None
+        )
 
     # ----------------------------------------------------------------------------------------- builders
     @classmethod
@@ -178,6 +240,7 @@ class LayerLocalSeqlens:
         dtype: torch.dtype = torch.int32,
         *,
         with_cpu: bool = True,
+        chunk_indices: bool | None = None,
     ) -> LayerLocalSeqlens:
         """Build from document lengths, e.g. ``[5, 0, 17]`` -> ``cu_seqlens = [0, 5, 5, 22]``.
 
@@ -186,6 +249,8 @@ class LayerLocalSeqlens:
             device: device of the activations (``cu_seqlens`` is created there); CPU when ``None``.
             dtype: ``torch.int32`` (FLA's and flash-attn's convention) or ``torch.int64``.
             with_cpu: also keep the host offsets as ``cu_seqlens_cpu`` (no sync needed later).
+            chunk_indices: precompute FLA's chunk schedule (see the class); ``None``: the class default
+                (``True``; ``False`` for :class:`SharedSeqlens`).
 
         Raises:
             ValueError: ``seq_lens`` is empty or holds a negative length.
@@ -206,10 +271,12 @@ class LayerLocalSeqlens:
             offsets.append(offsets[-1] + n)
         host = torch.tensor(offsets, dtype=dtype)
         cu = host.to(device) if device is not None else host.clone()
-        return cls(cu, cu_seqlens_cpu=host if with_cpu else None)
+        return cls(cu, cu_seqlens_cpu=host if with_cpu else None, **_given(chunk_indices=chunk_indices))
 
     @classmethod
-    def from_position_ids(cls, position_ids: torch.Tensor, dtype: torch.dtype = torch.int32) -> LayerLocalSeqlens:
+    def from_position_ids(
+        cls, position_ids: torch.Tensor, dtype: torch.dtype = torch.int32, *, chunk_indices: bool | None = None
+    ) -> LayerLocalSeqlens:
         """Build from packed ``position_ids`` (the transformers convention).
 
         A new document starts wherever ``position_ids`` is 0, as transformers' packing collator writes it
@@ -218,6 +285,8 @@ class LayerLocalSeqlens:
         Args:
             position_ids: ``[T]`` or ``[1, T]`` integer tensor whose first value is 0.
             dtype: dtype of the resulting ``cu_seqlens`` (int32 or int64).
+            chunk_indices: precompute FLA's chunk schedule (see the class); ``None``: the class default
+                (``True``; ``False`` for :class:`SharedSeqlens`).
 
         Raises:
             TypeError: ``position_ids`` is not an integer tensor.
@@ -240,7 +309,7 @@ class LayerLocalSeqlens:
             raise ValueError(f"position_ids must start at 0 (a document start), got {int(host[0])}")
         starts = torch.nonzero(host == 0).flatten()
         offsets = torch.cat([starts, torch.tensor([host.numel()])]).to(dtype)
-        return cls(offsets.to(position_ids.device), cu_seqlens_cpu=offsets)
+        return cls(offsets.to(position_ids.device), cu_seqlens_cpu=offsets, **_given(chunk_indices=chunk_indices))
 
     # --------------------------------------------------------------------------------------------- use
     def local(self) -> LocalSeqlens:
@@ -252,12 +321,15 @@ class LayerLocalSeqlens:
         a recompute the forward's object back. No device-to-host synchronisation happens here.
 
         Returns:
-            :class:`LocalSeqlens` ``(cu_seqlens, cu_seqlens_cpu, max_seqlen)``. ``cu_seqlens_cpu`` is
-            always set: the host offsets given at construction, or the copy that validation read. FLA
-            then builds its chunk indices on the host, so a recompute's cache miss costs no
-            device-to-host sync (measured on H200: 2 syncs less per layer step; docs/benchmarks.md).
+            :class:`LocalSeqlens` ``(cu_seqlens, cu_seqlens_cpu, max_seqlen, chunk_indices)``.
+            ``cu_seqlens_cpu`` is always set: the host offsets given at construction, or the copy that
+            validation read; FLA then builds whatever index it still needs on the host, so a
+            recompute's cache miss costs no device-to-host sync. ``chunk_indices`` is the schedule
+            precomputed at construction (``None`` if built with ``chunk_indices=False``); FLA ops that
+            take it skip their own ``prepare_chunk_indices`` and its blocking copy (docs/benchmarks.md).
         """
-        return LocalSeqlens(_fresh(self._cu_seqlens), _fresh(self._cu_seqlens_cpu), self.max_seqlen)
+        chunk_indices = _fresh(self._chunk_indices) if self._chunk_indices is not None else None
+        return LocalSeqlens(_fresh(self._cu_seqlens), _fresh(self._cu_seqlens_cpu), self.max_seqlen, chunk_indices)
 
     def check_tokens(self, num_tokens: int, name: str = "hidden_states") -> None:
         """Reject a batch whose packed token count differs from ``cu_seqlens[-1]``.
@@ -290,8 +362,14 @@ class LayerLocalSeqlens:
         return (
             f"LayerLocalSeqlens(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
             f"max_seqlen={self.max_seqlen}, device={self.device}, dtype={self.dtype}, "
-            f"cu_seqlens_cpu={'given' if self._host_given else 'not given'})"
+            f"cu_seqlens_cpu={'given' if self._host_given else 'not given'}, "
+            f"chunk_indices={'precomputed' if self._chunk_indices is not None else 'off'})"
         )
+
+
+def _given(**kwargs: object) -> dict[str, object]:
+    """The keyword arguments that are not ``None`` (so the class's own default applies to the others)."""
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 def _check_index_tensor(t: object, name: str) -> None:
@@ -311,15 +389,18 @@ class SharedSeqlens(LayerLocalSeqlens):
     This is what a model does when it hands one ``cu_seqlens`` object to every layer. It exists so that
     regressions and benchmarks can run the shared path through the very same mixers and compare it with
     :class:`LayerLocalSeqlens`; never use it to train. Validation and attributes are those of
-    :class:`LayerLocalSeqlens`.
+    :class:`LayerLocalSeqlens`; ``chunk_indices`` defaults to ``False`` here, as models that share one
+    ``cu_seqlens`` object do not precompute FLA's chunk schedule either (with it, the conv and the gated
+    delta rule skip ``prepare_chunk_indices``, which hides part of the fault this class exists to show).
     """
 
     __slots__ = ("_shared",)
 
     def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("chunk_indices", False)
         super().__init__(*args, **kwargs)
         self._shared = LocalSeqlens(
-            self._cu_seqlens, self._cu_seqlens_cpu if self._host_given else None, self.max_seqlen
+            self._cu_seqlens, self._cu_seqlens_cpu if self._host_given else None, self.max_seqlen, self._chunk_indices
         )
 
     def local(self) -> LocalSeqlens:

@@ -23,11 +23,11 @@ import torch  # noqa: E402
 
 from fla_ac_isolation.ops import fla as fla_ops  # noqa: E402
 from fla_ac_isolation.ops import reference  # noqa: E402
-from fla_ac_isolation.seqlens import LayerLocalSeqlens  # noqa: E402
+from fla_ac_isolation.seqlens import LayerLocalSeqlens, chunk_indices_for  # noqa: E402
 from fla_ac_isolation.testing.triton_interpret import interpreter_shims  # noqa: E402
 
 LENS = [5, 0, 17, 1, 41]
-T = sum(LENS)
+LONG_LENS = [70, 0, 130, 3]  # documents spanning several 64-token chunks (for chunk_indices cases)
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -54,16 +54,20 @@ def _compare(run_fla, run_reference, inputs: dict[str, torch.Tensor]) -> dict:
     }
 
 
-def case_causal_conv1d(local) -> dict:
+def case_causal_conv1d(local, chunk_indices=None) -> dict:
+    """FLA's conv (given ``chunk_indices`` or computing its own) against the reference, which asks FLA's
+    ``prepare_chunk_indices`` for the schedule."""
+    T = int(local.cu_seqlens_cpu[-1])
     g = torch.Generator().manual_seed(0)
     inputs = {"x": torch.randn(1, T, 24, generator=g), "weight": torch.randn(24, 4, generator=g) * 0.5,
               "bias": torch.randn(24, generator=g) * 0.1}
     varlen = {"cu_seqlens": local.cu_seqlens, "cu_seqlens_cpu": local.cu_seqlens_cpu}
-    return _compare(lambda **a: fla_ops.causal_conv1d(**a, **varlen),
+    return _compare(lambda **a: fla_ops.causal_conv1d(**a, **varlen, chunk_indices=chunk_indices),
                     lambda **a: reference.causal_conv1d(**a, **varlen), inputs)
 
 
-def case_gated_delta_rule_gva(local) -> dict:
+def case_gated_delta_rule_gva(local, chunk_indices=None) -> dict:
+    T = int(local.cu_seqlens_cpu[-1])
     g = torch.Generator().manual_seed(1)
     inputs = {
         "q": torch.randn(1, T, 2, 16, generator=g), "k": torch.randn(1, T, 2, 16, generator=g),
@@ -71,11 +75,12 @@ def case_gated_delta_rule_gva(local) -> dict:
         "beta": torch.rand(1, T, 4, generator=g),
     }
     varlen = {"cu_seqlens": local.cu_seqlens, "cu_seqlens_cpu": local.cu_seqlens_cpu}
-    return _compare(lambda **a: fla_ops.chunk_gated_delta_rule(**a, **varlen),
+    return _compare(lambda **a: fla_ops.chunk_gated_delta_rule(**a, **varlen, chunk_indices=chunk_indices),
                     lambda **a: reference.chunk_gated_delta_rule(**a, **varlen), inputs)
 
 
 def case_ssd_on_simple_gla(local) -> dict:
+    T = int(local.cu_seqlens_cpu[-1])
     g = torch.Generator().manual_seed(2)
     inputs = {
         "x": torch.randn(1, T, 4, 16, generator=g) * 0.5, "dt": torch.randn(1, T, 4, generator=g) - 1.0,
@@ -101,7 +106,7 @@ def case_mixer(name: str, seqlens) -> dict:
         with torch.no_grad():
             for mixer in (fla_mixer, ref_mixer):
                 mixer.A_log.copy_(torch.linspace(-2.0, 0.0, mixer.A_log.numel()))
-    x = 0.5 * torch.randn(1, T, 64, generator=torch.Generator().manual_seed(4))
+    x = 0.5 * torch.randn(1, seqlens.num_tokens, 64, generator=torch.Generator().manual_seed(4))
     result = _compare(lambda x: fla_mixer(x, seqlens), lambda x: ref_mixer(x, seqlens), {"x": x})
     params_ref = dict(ref_mixer.named_parameters())
     result["grads"].update({n: _error(p.grad, params_ref[n].grad) for n, p in fla_mixer.named_parameters()})
@@ -115,6 +120,13 @@ def main() -> None:
     with interpreter_shims():
         results["causal_conv1d"] = case_causal_conv1d(seqlens.local())
         results["gated_delta_rule_gva"] = case_gated_delta_rule_gva(seqlens.local())
+        # the schedule LayerLocalSeqlens precomputes, handed to FLA's kernels
+        local = LayerLocalSeqlens.from_seq_lens(LONG_LENS).local()
+        results["causal_conv1d_given_chunk_indices"] = case_causal_conv1d(local, local.chunk_indices)
+        results["gated_delta_rule_given_chunk_indices"] = case_gated_delta_rule_gva(local, local.chunk_indices)
+        # negative control: a schedule for 128-token chunks is misread by the 64-token kernel
+        wrong = chunk_indices_for(local.cu_seqlens_cpu.tolist(), 128).to(torch.int32)
+        results["causal_conv1d_wrong_chunk_size"] = case_causal_conv1d(local, wrong)
         results["ssd_on_simple_gla"] = case_ssd_on_simple_gla(seqlens.local())
         results["qwen3_5_moe_mixer"] = case_mixer("qwen3_5_moe", seqlens)
         results["nemotron_h_mixer"] = case_mixer("nemotron_h", seqlens)

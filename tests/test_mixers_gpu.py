@@ -112,3 +112,55 @@ def test_fla_backend_under_selective_ac_matches_no_ac(name):
     print(f"GPU_AC {name} bit_exact={exact} loss_rel={_rel(loss_ac, loss_ref):.3e} worst_grad_rel={worst:.3e}")
     assert _rel(loss_ac, loss_ref) <= 1e-6
     assert _rel(dx_ac, dx_ref) <= 1e-3 and worst <= 1e-3
+
+
+def _sync_sites(step) -> list[str]:
+    """``file:line`` of every host synchronisation during ``step()`` (CUDA sync debug mode, "warn")."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "nemotron_h"])
+def test_layer_step_under_sac_syncs_only_where_fla_must(name):
+    """Forward + recompute + backward of one checkpointed layer (torchtitan's SAC policy), bf16.
+
+    Isolated with the precomputed schedule: the GDN layer never synchronises the host; the Mamba2 layer
+    only where FLA's simple GLA reads its state count on the host (``chunk_h.py``, every mode has those).
+    Controls, same layer: without the schedule FLA's blocking host-to-device copy of the chunk indices
+    syncs in forward and recompute (index.py); the shared object syncs on its device-side
+    ``repeat_interleave`` (index.py).
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    from fla_ac_isolation.policies import sac_context_fn, torchtitan_selective
+    from fla_ac_isolation.seqlens import SharedSeqlens
+
+    device = torch.device("cuda")
+    layer = FAMILIES[name].build(0, seed=0, backend="fla").to(device, torch.bfloat16)
+    layer = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                               context_fn=sac_context_fn(torchtitan_selective()))
+    x = torch.randn(1, sum(DOC_LENS), HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+    def sites(seqlens) -> list[str]:
+        return _sync_sites(lambda: layer(x, seqlens).float().square().mean().backward())
+
+    isolated = sites(LayerLocalSeqlens.from_seq_lens(DOC_LENS, device=device))
+    no_schedule = sites(LayerLocalSeqlens.from_seq_lens(DOC_LENS, device=device, chunk_indices=False))
+    shared = sites(SharedSeqlens.from_seq_lens(DOC_LENS, device=device))
+    print(f"GPU_SYNCS {name} isolated={isolated} no_schedule={no_schedule} shared={shared}")
+    fla_state_count = [s for s in isolated if "fla/ops/common/chunk_h.py" in s]
+    if name == "nemotron_h":
+        assert fla_state_count and isolated == fla_state_count, isolated
+    else:
+        assert isolated == [], isolated
+    assert len([s for s in no_schedule if "fla/ops/utils/index.py" in s]) >= 2, no_schedule
+    assert any("fla/ops/utils/index.py" in s for s in shared), shared

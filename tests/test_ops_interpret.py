@@ -30,13 +30,23 @@ def interpreter_results():
 
 @pytest.mark.parametrize(
     "case",
-    ["causal_conv1d", "gated_delta_rule_gva", "ssd_on_simple_gla", "qwen3_5_moe_mixer", "nemotron_h_mixer"],
+    [
+        "causal_conv1d", "gated_delta_rule_gva", "ssd_on_simple_gla", "qwen3_5_moe_mixer", "nemotron_h_mixer",
+        "causal_conv1d_given_chunk_indices", "gated_delta_rule_given_chunk_indices",
+    ],
 )
 def test_fla_kernels_under_interpreter_match_reference(interpreter_results, case):
     result = interpreter_results[case]
     assert result["output"] <= TOL, result
     for name, err in result["grads"].items():
         assert err <= TOL, (name, err)
+
+
+def test_a_schedule_for_another_chunk_size_is_misread_by_the_kernel(interpreter_results):
+    """Why LayerLocalSeqlens fixes the chunk size to FLA's and ops.fla checks FLA's conv chunk size:
+    the kernel trusts ``chunk_indices`` and leaves tokens unwritten given a 128-token schedule."""
+    result = interpreter_results["causal_conv1d_wrong_chunk_size"]
+    assert not result["output"] <= 1e-2, result  # NaN (never-written rows) or a large error
 
 
 def test_interpreter_cases_fit_the_time_budget(interpreter_results):

@@ -204,3 +204,37 @@ def test_packed_input_needs_batch_size_one():
     q, k, v, g, beta = _gdn_inputs(torch.float32, batch=2, tokens=T)
     with pytest.raises(ValueError, match="q must have batch size 1 when cu_seqlens is given"):
         reference.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=_cu().cu_seqlens)
+
+
+def test_given_chunk_indices_spare_prepare_chunk_indices_and_give_the_same_result():
+    """As in FLA: conv and GDN use a given schedule and skip the helper; the result is unchanged."""
+    q, k, v, g, beta = _gdn_inputs(torch.float32)
+    x, w = torch.randn(1, T, 4, generator=_gen(5)), torch.randn(4, 4, generator=_gen(6))
+    plain, given = _cu(), _cu()
+    want = (reference.causal_conv1d(x, w, cu_seqlens=plain.cu_seqlens, cu_seqlens_cpu=plain.cu_seqlens_cpu),
+            reference.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=plain.cu_seqlens))
+    with probe_tensor_cache() as probe:
+        got = (ops.causal_conv1d(x, w, cu_seqlens=given.cu_seqlens, cu_seqlens_cpu=given.cu_seqlens_cpu,
+                                 chunk_indices=given.chunk_indices),
+               ops.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=given.cu_seqlens,
+                                          chunk_indices=given.chunk_indices))
+    assert "prepare_chunk_indices" not in probe.by_helper()
+    assert probe.by_helper()["prepare_chunk_offsets"]["miss"] == 1  # the state-passing lookup remains
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize(
+    ("chunk_indices", "cu_seqlens", "error", "match"),
+    [
+        pytest.param(torch.zeros(2, 2, dtype=torch.int32), None, ValueError, "needs cu_seqlens", id="no-offsets"),
+        pytest.param(torch.zeros(2, 2), "cu", TypeError, r"int32/int64 tensor, got torch.float32", id="float"),
+        pytest.param([[0, 0]], "cu", TypeError, "int32/int64 tensor, got list", id="list"),
+        pytest.param(torch.zeros(4, dtype=torch.int32), "cu", ValueError, r"\[NT, 2\] rows .* got shape \(4,\)", id="1d"),
+        pytest.param(torch.zeros(2, 2, dtype=torch.int32, device="meta"), "cu", ValueError, "on the device of cu_seqlens", id="device"),
+    ],
+)
+def test_malformed_chunk_indices_are_refused_before_any_kernel(chunk_indices, cu_seqlens, error, match):
+    x, w = torch.randn(1, T, 4), torch.randn(4, 4)
+    offsets = _cu().cu_seqlens if cu_seqlens == "cu" else None
+    with pytest.raises(error, match=match):
+        ops.causal_conv1d(x, w, cu_seqlens=offsets, chunk_indices=chunk_indices)

@@ -176,3 +176,51 @@ def test_shared_seqlens_hands_out_one_object_for_the_unsafe_mode():
     assert s.local().cu_seqlens is s.local().cu_seqlens
     assert s.local().cu_seqlens_cpu is s.local().cu_seqlens_cpu
     assert s.local().cu_seqlens.tolist() == [0, 3, 7]
+
+
+# ------------------------------------------------------------------------------ FLA chunk schedule
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(
+    "lens", [[5, 0, 17, 1, 41], [64], [65], [0, 128, 0], [1] * 7, [200, 63, 64, 129]], ids=str
+)
+def test_chunk_indices_equal_fla_prepare_chunk_indices(lens, dtype):
+    """The precomputed schedule is FLA's own (independent oracle: fla.ops.utils.index on fresh tensors)."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    s = LayerLocalSeqlens.from_seq_lens(lens, dtype=dtype)
+    fla_rows = prepare_chunk_indices(s.local().cu_seqlens, 64, cu_seqlens_cpu=s.local().cu_seqlens_cpu)
+    ours = s.local().chunk_indices
+    assert ours.dtype == dtype and ours.shape == fla_rows.shape
+    assert torch.equal(ours, fla_rows.to(dtype))
+
+
+def test_chunk_indices_are_fresh_per_call_and_leave_fla_cache_untouched():
+    from fla_ac_isolation.fla_cache import probe_tensor_cache
+
+    with probe_tensor_cache() as probe:
+        s = LayerLocalSeqlens(cu(0, 70, 70, 200))
+        a, b = s.local(), s.local()
+    assert probe.events == []  # built without FLA's identity-memoised helpers
+    assert a.chunk_indices is not b.chunk_indices
+    assert a.chunk_indices.data_ptr() != b.chunk_indices.data_ptr()
+    assert a.chunk_indices.tolist() == [[0, 0], [0, 1], [2, 0], [2, 1], [2, 2]]
+
+
+def test_chunk_indices_can_be_turned_off_and_shared_path_has_none():
+    from fla_ac_isolation.seqlens import SharedSeqlens
+
+    assert LayerLocalSeqlens(cu(0, 3, 5), chunk_indices=False).local().chunk_indices is None
+    assert LayerLocalSeqlens.from_seq_lens([3, 2], chunk_indices=False).local().chunk_indices is None
+    assert SharedSeqlens.from_seq_lens([3, 2]).local().chunk_indices is None  # as models pass offsets today
+    assert SharedSeqlens.from_seq_lens([3, 2], chunk_indices=True).local().chunk_indices.tolist() == [[0, 0], [1, 0]]
+    assert "chunk_indices=off" in repr(LayerLocalSeqlens(cu(0, 3), chunk_indices=False))
+    with pytest.raises(TypeError, match="chunk_indices must be a bool"):
+        LayerLocalSeqlens(cu(0, 3), chunk_indices=64)
+
+
+def test_chunk_indices_for_rejects_a_bad_chunk_size():
+    from fla_ac_isolation.seqlens import chunk_indices_for
+
+    assert chunk_indices_for([0, 3, 3, 9], chunk_size=4).tolist() == [[0, 0], [2, 0], [2, 1]]
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, got 0"):
+        chunk_indices_for([0, 3], chunk_size=0)

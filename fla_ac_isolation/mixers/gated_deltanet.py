@@ -198,6 +198,7 @@ class GatedDeltaNet(nn.Module):
             "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
             "backend": ops.resolve_backend(self.backend, hidden_states),
         }
+        chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
         hidden_states = apply_padding_mask(hidden_states, attention_mask)
 
         # 1. Projections: q, k, v (through the conv), output gate z, write strength b, decay input a.
@@ -208,7 +209,8 @@ class GatedDeltaNet(nn.Module):
 
         # 2. Short causal conv + SiLU, restarted at every document.
         mixed_qkv = ops.causal_conv1d(
-            mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation, **varlen
+            mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation,
+            chunk_indices=chunk_indices, **varlen,
         )
         query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(batch, tokens, self.num_k_heads, self.head_k_dim)       # [B, T, H, K]
@@ -220,7 +222,8 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
         # 4. Gated delta rule (q, k L2-normalised inside; value heads share key heads in groups).
-        core = ops.chunk_gated_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=True, **varlen)
+        core = ops.chunk_gated_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=True,
+                                           chunk_indices=chunk_indices, **varlen)
 
         # 5. Per-head RMSNorm, output gate, output projection.
         core = self.norm(core, z)                                                     # [B, T, HV, V]

@@ -219,6 +219,7 @@ class NemotronHMamba2Mixer(nn.Module):
             "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
             "backend": ops.resolve_backend(self.backend, hidden_states),
         }
+        chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
         dtype = hidden_states.dtype
         groups_n = self.n_groups * self.ssm_state_size
 
@@ -230,7 +231,8 @@ class NemotronHMamba2Mixer(nn.Module):
 
         # 2. Short causal conv (with bias) + SiLU, restarted at every document.
         xbc = ops.causal_conv1d(
-            xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation, **varlen
+            xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation,
+            chunk_indices=chunk_indices, **varlen,
         )
         xbc = apply_padding_mask(xbc, attention_mask)
         x, B, C = xbc.split([self.intermediate_size, groups_n, groups_n], dim=-1)

@@ -9,7 +9,9 @@ Three operations, each offered by two backends with identical signatures (``fla`
 ``backend`` is ``"auto"`` (``fla`` for CUDA tensors, ``reference`` otherwise), ``"fla"`` or
 ``"reference"``. Packed documents are described by ``cu_seqlens`` (``[N + 1]`` int offsets, batch size 1)
 and optionally ``cu_seqlens_cpu`` (its host copy); both backends hand them to FLA's index helpers, so
-pass the per-layer tensors of :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`.
+pass the per-layer tensors of :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`. The conv and the gated
+delta rule also take FLA's ``chunk_indices`` (``LocalSeqlens.chunk_indices``), which spares them
+``prepare_chunk_indices``; FLA's simple GLA (behind :func:`ssd`) has no such argument.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "Backend",
     "causal_conv1d",
     "check_backend",
+    "check_chunk_indices",
     "chunk_gated_delta_rule",
     "resolve_backend",
     "ssd",
@@ -63,6 +66,34 @@ def _module(backend: str, tensor: torch.Tensor):
     return fla_backend if resolve_backend(backend, tensor) == "fla" else reference_backend
 
 
+def check_chunk_indices(chunk_indices: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> None:
+    """Reject a ``chunk_indices`` that FLA's kernels would misread (they index memory with it unchecked).
+
+    Checks the form only (``[NT, 2]`` integer rows on the device of ``cu_seqlens``); the values are those
+    of :func:`~fla_ac_isolation.seqlens.chunk_indices_for` when it comes from
+    :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`.
+
+    Raises:
+        ValueError: ``chunk_indices`` given without ``cu_seqlens``, not ``[NT, 2]``, or on another device.
+        TypeError: not an int32/int64 tensor.
+    """
+    if chunk_indices is None:
+        return
+    if cu_seqlens is None:
+        raise ValueError("chunk_indices describes packed documents and needs cu_seqlens; got cu_seqlens=None")
+    if not isinstance(chunk_indices, torch.Tensor) or chunk_indices.dtype not in (torch.int32, torch.int64):
+        what = chunk_indices.dtype if isinstance(chunk_indices, torch.Tensor) else type(chunk_indices).__name__
+        raise TypeError(f"chunk_indices must be an int32/int64 tensor, got {what}")
+    if chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
+        raise ValueError(
+            f"chunk_indices must be [NT, 2] rows (document, chunk), got shape {tuple(chunk_indices.shape)}"
+        )
+    if chunk_indices.device != cu_seqlens.device:
+        raise ValueError(
+            f"chunk_indices must be on the device of cu_seqlens ({cu_seqlens.device}), got {chunk_indices.device}"
+        )
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -71,15 +102,23 @@ def causal_conv1d(
     activation: str | None = "silu",
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Depthwise causal conv1d (+ SiLU) restarted at every document.
 
     ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` -> ``[B, T, D]``. See
     :func:`fla_ac_isolation.ops.reference.causal_conv1d` for the details.
+
+    Raises:
+        ValueError: unknown ``backend``; malformed ``chunk_indices`` (:func:`check_chunk_indices`); the
+            backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
+        TypeError: ``chunk_indices`` is not an integer tensor.
     """
+    check_chunk_indices(chunk_indices, cu_seqlens)
     return _module(backend, x).causal_conv1d(
-        x, weight, bias, activation=activation, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu
+        x, weight, bias, activation=activation, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
     )
 
 
@@ -94,19 +133,27 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = True,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Gated delta rule, zero state at every document start.
 
     ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]``. See
     :func:`fla_ac_isolation.ops.reference.chunk_gated_delta_rule`.
+
+    Raises:
+        ValueError: unknown ``backend``; malformed ``chunk_indices`` (:func:`check_chunk_indices`); the
+            backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
+        TypeError: ``chunk_indices`` is not an integer tensor.
     """
+    check_chunk_indices(chunk_indices, cu_seqlens)
     return _module(backend, q).chunk_gated_delta_rule(
         q, k, v, g, beta,
         scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
     )
 
 

@@ -18,6 +18,10 @@ Each function has the signature and semantics of its twin in :mod:`~fla_ac_isola
 
 ``cu_seqlens`` and ``cu_seqlens_cpu`` are passed to FLA wherever its API takes them; pass the tensors
 returned by :meth:`~fla_ac_isolation.LayerLocalSeqlens.local` so each layer gets its own objects.
+``chunk_indices`` (the conv and the gated delta rule) is passed with ``chunk_size=CHUNK_SIZE`` where FLA
+takes a chunk size; FLA's conv has a fixed chunk size, so the schedule is only handed to it while that
+size (read from FLA's signature) is :data:`~fla_ac_isolation.seqlens.CHUNK_SIZE`, and otherwise left for
+FLA to compute. A schedule for another chunk size would be read silently wrong by the kernel.
 
 FLA is imported on first use, so importing this module costs nothing and works without a GPU. The
 kernels need CUDA tensors (or ``TRITON_INTERPRET=1`` with :mod:`fla_ac_isolation.testing` shims on CPU).
@@ -25,12 +29,15 @@ kernels need CUDA tensors (or ``TRITON_INTERPRET=1`` with :mod:`fla_ac_isolation
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
 
 import torch
 
 from fla_ac_isolation.ops.reference import discretize_dt
+from fla_ac_isolation.seqlens import CHUNK_SIZE
 
 __all__ = ["causal_conv1d", "chunk_gated_delta_rule", "ssd"]
 
@@ -44,6 +51,19 @@ def _check_device(t: torch.Tensor) -> None:
         )
 
 
+@functools.cache
+def _conv_takes_our_chunks() -> bool:
+    """Whether FLA's Triton conv cuts time into :data:`CHUNK_SIZE`-token chunks in forward and backward."""
+    from fla.modules.causal_conv1d.ops import CausalConv1dFunction, causal_conv1d_bwd
+
+    sizes = {
+        inspect.signature(fn).parameters["chunk_size"].default
+        for fn in (CausalConv1dFunction.forward, inspect.unwrap(causal_conv1d_bwd))
+        if "chunk_size" in inspect.signature(fn).parameters
+    }
+    return sizes == {CHUNK_SIZE}
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -52,6 +72,7 @@ def causal_conv1d(
     activation: str | None = "silu",
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv1d reset at every document; see :func:`reference.causal_conv1d`.
 
@@ -68,6 +89,7 @@ def causal_conv1d(
         backend="triton",
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices if _conv_takes_our_chunks() else None,
     )
     return y
 
@@ -83,6 +105,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = True,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated delta rule on FLA's chunk kernel; see :func:`reference.chunk_gated_delta_rule`.
 
@@ -101,6 +124,8 @@ def chunk_gated_delta_rule(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
+        chunk_size=CHUNK_SIZE,
     )
     return out
 

@@ -14,7 +14,8 @@ Three operations, each with the signature of its twin in ``ops/fla.py``:
 How documents are found. With ``cu_seqlens`` the tensors are packed (``B == 1``) and every operation
 asks FLA's own index helpers for the chunk schedule, with the arguments FLA's kernel wrappers pass in
 their forward: ``prepare_chunk_indices(cu_seqlens, 64, cu_seqlens_cpu=...)`` (conv, gated delta rule,
-simple GLA) and ``prepare_chunk_offsets(cu_seqlens, 64)`` (the state-passing kernels). The helpers are
+simple GLA; skipped, as FLA skips it, when the caller passes ``chunk_indices``) and
+``prepare_chunk_offsets(cu_seqlens, 64)`` (the state-passing kernels). The helpers are
 memoised by argument identity (``fla.utils.tensor_cache``), so in the forward (and hence in an AC
 recompute) this backend hits and misses that cache where the kernel path does: a ``cu_seqlens`` object
 shared between checkpointed layers misbehaves here as it does on a GPU, and a layer-local one
@@ -42,10 +43,9 @@ import torch
 import torch.nn.functional as F
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
-__all__ = ["CHUNK_SIZE", "causal_conv1d", "chunk_gated_delta_rule", "discretize_dt", "ssd"]
+from fla_ac_isolation.seqlens import CHUNK_SIZE
 
-CHUNK_SIZE = 64
-"""Chunk length in tokens; the value FLA's conv, gated delta rule and simple GLA kernels use."""
+__all__ = ["CHUNK_SIZE", "causal_conv1d", "chunk_gated_delta_rule", "discretize_dt", "ssd"]
 
 
 # ------------------------------------------------------------------------------------ chunk schedule
@@ -68,12 +68,13 @@ def _documents(
     chunk_size: int,
     *,
     recurrent: bool,
+    chunk_indices: torch.Tensor | None = None,
 ) -> list[_Document]:
     """The documents of a batch and their chunks, as FLA's kernels would see them.
 
     Without ``cu_seqlens`` the whole time axis is one document (per batch row). With it, the schedule is
-    read from ``prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=...)`` (``[NT, 2]`` rows of
-    ``(document, chunk index within the document)``), grouped per document by
+    read from ``chunk_indices`` when given, else from ``prepare_chunk_indices(cu_seqlens, chunk_size,
+    cu_seqlens_cpu=...)`` (``[NT, 2]`` rows of ``(document, chunk index within the document)``), grouped per document by
     ``prepare_chunk_offsets(cu_seqlens, chunk_size)`` when ``recurrent`` (as FLA's state-passing kernels
     do). Zero-length documents have no chunks and are left out.
 
@@ -85,7 +86,8 @@ def _documents(
     if cu_seqlens is None:
         return [_Document(0, num_tokens, _chunk_ranges(0, num_tokens, chunk_size))]
 
-    chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
     offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
     rows = chunk_indices.tolist()
     if recurrent:
@@ -154,6 +156,7 @@ def causal_conv1d(
     activation: str | None = "silu",
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal convolution along time, restarted at every document.
 
@@ -169,6 +172,8 @@ def causal_conv1d(
         activation: ``"silu"``/``"swish"`` or ``None``.
         cu_seqlens: optional ``[N + 1]`` int offsets of packed documents.
         cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (handed to FLA's helper, as the kernel does).
+        chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens`` (FLA's argument of that name);
+            used instead of asking ``prepare_chunk_indices``.
 
     Returns:
         ``[B, T, D]`` in the dtype of ``x``.
@@ -181,7 +186,9 @@ def causal_conv1d(
     if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight must be [D, W] with D = {x.shape[-1]}, got shape {tuple(weight.shape)}")
     width = weight.shape[1]
-    documents = _documents(x.shape[1], cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=False)
+    documents = _documents(
+        x.shape[1], cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=False, chunk_indices=chunk_indices
+    )
     pieces = []
     for doc in documents:
         segment = x[:, doc.start:doc.end].transpose(1, 2).to(weight.dtype)  # [B, D, L]
@@ -260,6 +267,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = True,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated delta rule over packed documents, each starting from a zero state.
 
@@ -274,6 +282,8 @@ def chunk_gated_delta_rule(
         use_qk_l2norm_in_kernel: L2-normalise q and k (in float32) first, as FLA's flag of that name.
         cu_seqlens: optional ``[N + 1]`` offsets (then ``B == 1``).
         cu_seqlens_cpu: optional host copy of ``cu_seqlens``.
+        chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens``, used instead of asking
+            ``prepare_chunk_indices`` (as FLA does).
 
     Returns:
         ``[B, T, HV, V]`` in the dtype of ``q``.
@@ -303,7 +313,7 @@ def chunk_gated_delta_rule(
 
     batch, _, time, key_dim = kf.shape
     pieces = []
-    for doc in _documents(time, cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=True):
+    for doc in _documents(time, cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=True, chunk_indices=chunk_indices):
         state = vf.new_zeros(batch, value_heads, key_dim, vf.shape[-1])
         for lo, hi in doc.chunks:
             out, state = _gdn_chunk(qf[:, :, lo:hi], kf[:, :, lo:hi], vf[:, :, lo:hi],
