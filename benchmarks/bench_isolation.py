@@ -7,14 +7,14 @@ non-reentrant checkpoint wrapper with torchtitan 0.3's op-level SAC policy, ``po
     shared               SAC, ``SharedSeqlens``: every ``.local()`` call returns the same ``cu_seqlens``
                          object, as models pass it today (the unsafe path; no host offsets)
     isolated             SAC, ``LayerLocalSeqlens(cu)``: device offsets only (validation's host copy is
-                         handed to every layer as ``cu_seqlens_cpu``) and the default ``chunk_size`` where
-                         ``LayerLocalSeqlens`` has one (FLA's chunk indices precomputed once per batch, a
-                         fresh copy per ``.local()`` call)
+                         handed to every layer as ``cu_seqlens_cpu``) and FLA's chunk schedule
+                         precomputed once per batch (``chunk_indices=True``, the default; a fresh copy per
+                         ``.local()`` call, passed to the conv and the gated delta rule)
     isolated+cpu         as ``isolated``, plus ``cu_seqlens_cpu`` given by the loader (validation compares
                          instead of copying; the layer step is the same)
-    isolated-no-indices  SAC, ``LayerLocalSeqlens(cu, chunk_size=None)``: no precomputed chunk indices, so
-                         each layer's FLA calls build them from its fresh ``cu_seqlens`` (the behaviour
-                         before ``chunk_size`` existed; needs a ``LayerLocalSeqlens`` that takes it)
+    isolated-no-indices  SAC, ``LayerLocalSeqlens(cu, chunk_indices=False)``: no precomputed schedule, so
+                         each layer's FLA calls build it from its fresh ``cu_seqlens`` (the behaviour
+                         before the schedule was precomputed)
     global-disable       SAC, ``SharedSeqlens``, FLA's tensor cache disabled process-wide: every step of
                          this mode (warm-up, probe, memory, timing) runs inside ``tensor_cache_disabled()``,
                          the other modes outside it
@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import inspect
 import json
 import statistics
 import time
@@ -178,13 +177,6 @@ def doc_lengths(tokens: int, docs: int, seed: int) -> list[int]:
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def supports_chunk_size() -> bool:
-    """Whether this ``LayerLocalSeqlens`` takes the ``chunk_size`` keyword (needed by ``isolated-no-indices``)."""
-    from fla_ac_isolation.seqlens import LayerLocalSeqlens
-
-    return "chunk_size" in inspect.signature(LayerLocalSeqlens.__init__).parameters
-
-
 def make_seqlens(mode: str, lens: list[int], device: str):
     """New offsets for one step of ``mode`` (see the module docstring), as a loader would build them."""
     from fla_ac_isolation.seqlens import LayerLocalSeqlens, SharedSeqlens
@@ -196,7 +188,7 @@ def make_seqlens(mode: str, lens: list[int], device: str):
     if mode == "isolated+cpu":
         return LayerLocalSeqlens(cu, cu_seqlens_cpu=host)
     if mode == "isolated-no-indices":
-        return LayerLocalSeqlens(cu, chunk_size=None)
+        return LayerLocalSeqlens(cu, chunk_indices=False)
     return SharedSeqlens(cu)  # no-ac, shared, global-disable: one object, as models pass it
 
 
@@ -455,9 +447,6 @@ def parse_args(argv) -> argparse.Namespace:
             layer_fields(kind, args.hidden)
     except ValueError as e:
         parser.error(str(e))
-    if "isolated-no-indices" in args.modes and not supports_chunk_size():
-        parser.error("mode isolated-no-indices needs LayerLocalSeqlens(..., chunk_size=None), which this "
-                     "fla_ac_isolation does not take yet; leave the mode out with --modes")
     args.modes = [m for m in MODES if m in args.modes]  # canonical order, no duplicates
     return args
 
