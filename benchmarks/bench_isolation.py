@@ -73,6 +73,9 @@ from typing import Any
 
 import torch
 
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""The text of torch's warning for one host synchronisation under ``set_sync_debug_mode("warn")``."""
+
 MODES = ("no-ac", "shared", "isolated", "isolated+cpu", "isolated-no-indices", "global-disable")
 COLORS = {
     "no-ac": "#999999", "shared": "#e63946", "isolated": "#2a9d8f", "isolated+cpu": "#52b788",
@@ -294,7 +297,8 @@ def probe_step(group: Group, mode: str, i: int) -> tuple[int, dict[str, int], in
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
         group.synchronize()
-    sync_warnings = [w for w in caught if "synchroniz" in str(w.message)] if group.device != "cpu" else []
+    # "called a synchronizing CUDA operation"; not torch's one-time "debug mode is a prototype" notice
+    sync_warnings = [w for w in caught if SYNC_WARNING in str(w.message)] if group.device != "cpu" else []
     sites: dict[str, int] = {}
     for w in sync_warnings:
         key = f"{w.filename.split('site-packages/')[-1]}:{w.lineno}"

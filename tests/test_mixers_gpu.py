@@ -126,18 +126,21 @@ def _sync_sites(step) -> list[str]:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    # one warning per synchronising call; torch's one-time "debug mode is a prototype" notice is not one
+    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
+    return [f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in syncs]
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "nemotron_h"])
 def test_layer_step_under_sac_syncs_only_where_fla_must(name):
     """Forward + recompute + backward of one checkpointed layer (torchtitan's SAC policy), bf16.
 
-    Isolated with the precomputed schedule: the GDN layer never synchronises the host; the Mamba2 layer
-    only where FLA's simple GLA reads its state count on the host (``chunk_h.py``, every mode has those).
-    Controls, same layer: without the schedule FLA's blocking host-to-device copy of the chunk indices
-    syncs in forward and recompute (index.py); the shared object syncs on its device-side
-    ``repeat_interleave`` (index.py).
+    Isolated with the precomputed schedule: the GDN layer never synchronises the host. Controls, same
+    layer: without the schedule FLA's blocking host-to-device copy of the chunk indices syncs in forward
+    and recompute (``index.py``); the shared object syncs on FLA's index helpers too. The Mamba2 layer
+    syncs only inside FLA's simple GLA, with or without the schedule (it takes none): the copy of its own
+    schedule (``index.py``) and the host read of its state count (``chunk_h.py``, in every mode). Each
+    variant is measured after one warm-up step (the first step's compilation syncs).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
@@ -150,17 +153,23 @@ def test_layer_step_under_sac_syncs_only_where_fla_must(name):
                                context_fn=sac_context_fn(torchtitan_selective()))
     x = torch.randn(1, sum(DOC_LENS), HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
 
-    def sites(seqlens) -> list[str]:
-        return _sync_sites(lambda: layer(x, seqlens).float().square().mean().backward())
+    def sites(make_seqlens) -> list[str]:
+        def step():  # new offsets every step, as a data loader builds them (built outside the count)
+            seqlens = make_seqlens()
+            return lambda: layer(x, seqlens).float().square().mean().backward()
 
-    isolated = sites(LayerLocalSeqlens.from_seq_lens(DOC_LENS, device=device))
-    no_schedule = sites(LayerLocalSeqlens.from_seq_lens(DOC_LENS, device=device, chunk_indices=False))
-    shared = sites(SharedSeqlens.from_seq_lens(DOC_LENS, device=device))
+        step()()  # warm-up
+        return _sync_sites(step())
+
+    isolated = sites(lambda: LayerLocalSeqlens.from_seq_lens(DOC_LENS, device=device))
+    no_schedule = sites(lambda: LayerLocalSeqlens.from_seq_lens(DOC_LENS, device=device, chunk_indices=False))
+    shared = sites(lambda: SharedSeqlens.from_seq_lens(DOC_LENS, device=device))
     print(f"GPU_SYNCS {name} isolated={isolated} no_schedule={no_schedule} shared={shared}")
-    fla_state_count = [s for s in isolated if "fla/ops/common/chunk_h.py" in s]
     if name == "nemotron_h":
-        assert fla_state_count and isolated == fla_state_count, isolated
+        assert any("fla/ops/common/chunk_h.py" in s for s in isolated), isolated
+        assert all("fla/ops/common/chunk_h.py" in s or "fla/ops/utils/index.py" in s for s in isolated), isolated
+        assert sorted(isolated) == sorted(no_schedule)
     else:
         assert isolated == [], isolated
-    assert len([s for s in no_schedule if "fla/ops/utils/index.py" in s]) >= 2, no_schedule
+        assert len([s for s in no_schedule if "fla/ops/utils/index.py" in s]) == 2, no_schedule
     assert any("fla/ops/utils/index.py" in s for s in shared), shared
