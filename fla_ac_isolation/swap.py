@@ -35,7 +35,6 @@ and one whose parameters were renamed (e.g. LoRA's ``base_layer``) no longer mat
 from __future__ import annotations
 
 import importlib
-import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -85,14 +84,6 @@ def _target_of(module: nn.Module) -> _Target | None:
 
 def _looked_for() -> str:
     return ", ".join(t.qualified for t in SUPPORTED_MIXERS)
-
-
-def _check_backend(backend: Any) -> str:
-    from fla_ac_isolation.ops import BACKENDS
-
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
 
 
 # ------------------------------------------------------------------------------------------ discovery
@@ -211,13 +202,8 @@ def _build(target: _Target, original: nn.Module, config: Any, backend: str, path
     mixers = importlib.import_module("fla_ac_isolation.mixers")
     cls = getattr(mixers, target.ours)
     layer_idx = getattr(original, "layer_idx", None)
-    kwargs: dict[str, Any] = {}
-    if "backend" in inspect.signature(cls.__init__).parameters:
-        kwargs["backend"] = backend
-    elif backend != "auto":
-        raise ValueError(f"{cls.__name__} takes no backend option, got backend={backend!r}")
     with torch.device("meta"):
-        new = cls(config, layer_idx, **kwargs)
+        new = cls(config, layer_idx, backend=backend)
     _share_tensors(original, new, f"swap_mixers({path!r})")
     new.train(original.training)
     return new
@@ -253,12 +239,8 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
             and neither a mixer nor a module above it has a ``config``; the replacement's constructor
             refuses the text config (``config`` or the one found): a field it needs is missing, or a value
             is unsupported (value heads not a multiple of key heads, ``mamba_num_heads`` not a multiple of
-            ``n_groups``, a conv activation other than SiLU, an output gate other than SiLU/sigmoid).
-        AttributeError: a ``Qwen4ExpTextGatedDeltaNet`` is swapped with a text config whose
-            ``output_gate_type`` is missing or ``None`` and which has no ``hidden_act`` (its replacement's
-            constructor reads ``hidden_act`` directly; other missing fields are the ``ValueError`` above).
-        IndexError: the text config's ``layer_types`` (``layers_block_type`` for Nemotron-H) is shorter
-            than a mixer's ``layer_idx``, e.g. ``config`` belongs to a model with fewer layers.
+            ``n_groups``, a conv activation other than SiLU, an output gate other than SiLU/sigmoid), or
+            its ``layer_types`` is shorter than a mixer's ``layer_idx`` (a config of a shallower model).
         RuntimeError: a replacement built from the text config does not declare the transformers module's
             parameters and buffers (names, kinds, shapes), e.g. ``config`` belongs to another model.
 
@@ -271,7 +253,9 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _check_backend(backend)
+    from fla_ac_isolation.ops import check_backend
+
+    check_backend(backend)
     ours = tuple({getattr(importlib.import_module("fla_ac_isolation.mixers"), t.ours) for t in SUPPORTED_MIXERS})
     found: list[tuple[str, nn.Module, _Target]] = []
     swapped_before: list[str] = []  # swapped earlier, or built from fla_ac_isolation.mixers directly

@@ -154,3 +154,28 @@ def test_every_family_rejects_bad_hidden_size():
     for family in FAMILIES.values():
         with pytest.raises(ValueError, match="hidden_states must be"):
             family.build()(torch.randn(1, 4, 3))
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_8", "nemotron_h"])
+def test_layer_idx_outside_the_configs_layer_types(name):
+    """A config of a shallower model: a ValueError naming layer_idx, not a bare IndexError."""
+    import fla_ac_isolation.mixers as mixers
+    from conftest import FAMILIES
+
+    family = FAMILIES[name]
+    config = family.config()
+    layers = len(config.layer_types)
+    with pytest.raises(ValueError, match=rf"layer_idx={layers} is outside config.layer_types \({layers} layers\)"):
+        getattr(mixers, family.ours)(config, layers)
+    assert getattr(mixers, family.ours)(config, layers - 1).layer_type == config.layer_types[-1]
+
+
+def test_qwen3_8_config_without_gate_fields():
+    from fla_ac_isolation.mixers import Qwen3_8FlashNextGatedDeltaNet
+
+    from types import SimpleNamespace
+
+    fields = {k: v for k, v in qwen3_8_config().to_dict().items() if k != "hidden_act"}
+    config = SimpleNamespace(**{**fields, "output_gate_type": None})
+    with pytest.raises(ValueError, match="has no field 'hidden_act'"):
+        Qwen3_8FlashNextGatedDeltaNet(config, 0)

@@ -150,3 +150,20 @@ def config_field(config: Any, name: str) -> Any:
     if not hasattr(config, name):
         raise ValueError(f"config ({type(config).__name__}) has no field {name!r}, which this mixer needs")
     return getattr(config, name)
+
+
+def layer_type(config: Any, layer_idx: int | None) -> str | None:
+    """``config.layer_types[layer_idx]`` (transformers' per-layer kind), or ``None`` without either.
+
+    Raises:
+        ValueError: ``layer_idx`` is outside ``config.layer_types`` (e.g. a config of a shallower model).
+    """
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or layer_idx is None:
+        return None
+    if not -len(layer_types) <= layer_idx < len(layer_types):
+        raise ValueError(
+            f"layer_idx={layer_idx} is outside config.layer_types ({len(layer_types)} layers); "
+            "pass the config of the model this layer belongs to"
+        )
+    return layer_types[layer_idx]

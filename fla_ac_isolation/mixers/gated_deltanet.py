@@ -34,6 +34,7 @@ from fla_ac_isolation.mixers._common import (
     apply_padding_mask,
     check_hidden_states,
     config_field,
+    layer_type,
     reject_cache,
     resolve_seqlens,
     text_config,
@@ -102,7 +103,8 @@ class GatedDeltaNet(nn.Module):
 
     Raises:
         ValueError: unknown ``backend``; a missing config field; ``HV`` not a multiple of ``H``;
-            ``hidden_act`` other than SiLU (FLA's conv offers only SiLU); unknown ``output_gate``.
+            ``hidden_act`` other than SiLU (FLA's conv offers only SiLU); unknown ``output_gate``;
+            ``layer_idx`` outside ``config.layer_types``.
     """
 
     def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", output_gate: str = "silu") -> None:
@@ -144,8 +146,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, eps=self.layer_norm_epsilon, activation=output_gate)
         self.out_proj = nn.Linear(self.value_dim, self.hidden_size, bias=False)
 
-        layer_types = getattr(config, "layer_types", None)
-        self.layer_type = layer_types[layer_idx] if layer_types is not None else None
+        self.layer_type = layer_type(config, layer_idx)
 
         self.in_proj_qkv = nn.Linear(self.hidden_size, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(self.hidden_size, self.value_dim, bias=False)

@@ -34,6 +34,7 @@ from fla_ac_isolation.mixers._common import (
     apply_padding_mask,
     check_hidden_states,
     config_field,
+    layer_type,
     reject_cache,
     resolve_seqlens,
     text_config,
@@ -101,7 +102,7 @@ class NemotronHMamba2Mixer(nn.Module):
 
     Raises:
         ValueError: unknown ``backend``; missing config field; ``H`` not a multiple of ``G``;
-            ``mamba_hidden_act`` other than SiLU.
+            ``mamba_hidden_act`` other than SiLU; ``layer_idx`` outside ``config.layer_types``.
     """
 
     def __init__(
@@ -160,8 +161,7 @@ class NemotronHMamba2Mixer(nn.Module):
             self.init_nemotron_h_weights()
         self.out_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=use_bias)
 
-        layer_types = getattr(config, "layer_types", None)
-        self.layer_type = layer_types[layer_idx] if layer_types is not None and layer_idx is not None else None
+        self.layer_type = layer_type(config, layer_idx)
 
     @torch.no_grad()
     def init_nemotron_h_weights(self) -> None:

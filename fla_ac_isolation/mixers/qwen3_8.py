@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fla_ac_isolation.mixers._common import text_config
+from fla_ac_isolation.mixers._common import config_field, text_config
 from fla_ac_isolation.mixers.gated_deltanet import GatedDeltaNet
 
 __all__ = ["Qwen3_8FlashNextGatedDeltaNet"]
@@ -29,7 +29,7 @@ class Qwen3_8FlashNextGatedDeltaNet(GatedDeltaNet):
         backend: ``"auto"`` | ``"fla"`` | ``"reference"`` (keyword only; default ``"auto"``).
 
     Raises:
-        ValueError: as :class:`GatedDeltaNet`; ``output_gate_type`` (or ``hidden_act``) not
+        ValueError: as :class:`GatedDeltaNet`; ``output_gate_type`` (or ``hidden_act``) missing or not
             ``"silu"``/``"sigmoid"``.
 
     ``forward(hidden_states [B, T, D], seqlens=None, *, cu_seq_lens_q=None, ...) -> [B, T, D]``.
@@ -37,7 +37,7 @@ class Qwen3_8FlashNextGatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto") -> None:
         config = text_config(config)
-        gate = getattr(config, "output_gate_type", None) or config.hidden_act
+        gate = getattr(config, "output_gate_type", None) or config_field(config, "hidden_act")
         if gate not in ("silu", "sigmoid"):
             raise ValueError(f"output_gate_type must be 'silu' or 'sigmoid', got {gate!r}")
         super().__init__(config, layer_idx, backend=backend, output_gate=gate)
