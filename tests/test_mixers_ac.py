@@ -62,3 +62,22 @@ def test_same_stack_with_one_shared_cu_seqlens_object_breaks_in_bf16(core_family
     """
     with pytest.raises(RuntimeError, match="Autograd not support dtype"):
         _run(core_family, torch.bfloat16, SharedSeqlens, checkpointed=True)
+
+
+def test_a_precomputed_schedule_does_not_make_a_shared_cu_seqlens_safe(core_family):
+    """The FAQ's claim: with one shared object *and* FLA's chunk schedule precomputed, layer 0's recompute
+    still runs other ops than its forward (the gated delta rule's ``prepare_chunk_offsets`` and the SSD's
+    ``prepare_chunk_indices`` are still looked up by identity). The audit flags it even where the numbers
+    happen to agree under this policy."""
+    from fla_ac_isolation.audit import ReplayAudit
+
+    def shared_with_schedule(lens):
+        return SharedSeqlens.from_seq_lens(lens, chunk_indices=True)
+
+    seqlens_cls = type("SharedWithSchedule", (), {"from_seq_lens": staticmethod(shared_with_schedule)})
+    with ReplayAudit(on_divergence="record") as audit:
+        try:
+            _run(core_family, torch.bfloat16, seqlens_cls, checkpointed=True)
+        except RuntimeError as err:  # nemotron_h: the shifted replay still reaches an int tensor
+            assert "Autograd not support dtype" in str(err)
+    assert [r.label for r in audit.divergent][:1] == ["region #0 (Block)"], audit.summary()
