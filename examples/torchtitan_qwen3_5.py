@@ -20,7 +20,7 @@ AC is torchtitan's own ``SelectiveAC`` (``torchtitan.distributed.activation_chec
 ``apply``; ``--policy torchtitan+sub`` is the same class with ``get_save_ops`` (its documented extension
 point) also saving ``aten.sub.Tensor``, an op that FLA's ``prepare_chunk_offsets`` runs on a cache miss. It
 stands in for any policy that saves an op of FLA's miss path: with FLA < 0.6 on a GPU that was the
-device-to-host copy of ``.tolist()``, which torchtitan's own rule saves (see ``DESIGN.md`` section 1).
+device-to-host copy of ``.tolist()``, which torchtitan's own rule saves (docs/index.md, "The fault in one picture").
 Every step runs under :class:`~fla_ac_isolation.ReplayAudit` (``record`` mode), which reports which
 checkpointed block's recompute diverged and why.
 

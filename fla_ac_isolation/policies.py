@@ -2,7 +2,7 @@
 
 A policy is a function ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy`` as
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` expects. These are the rules that real
-trainers use and that expose the FLA cache fault (see ``DESIGN.md`` section 1):
+trainers use and that expose the FLA cache fault (docs: "The fault in one picture"):
 
 * :func:`save_device_to_host_copies` - torchtitan's and prime-rl's rule: save every ``aten._to_copy``
   from an accelerator to the CPU (MoE split sizes read on the host), so the recompute does not sync.
@@ -72,8 +72,10 @@ def save_device_to_host_copies() -> Policy:
 def save_all_copies() -> Policy:
     """MUST_SAVE every ``aten._to_copy`` (device moves and dtype casts); recompute everything else.
 
-    FLA's index helpers cast int32 ``cu_seqlens`` with ``_to_copy`` on a cache miss, so this policy
-    misaligns as soon as one layer misses in forward and hits in recompute.
+    FLA's index helpers cast int32 ``cu_seqlens`` with ``_to_copy`` on a cache miss, so once one layer
+    misses in forward and hits in recompute this policy replays saved casts into the wrong ops. Whether
+    that raises depends on the ops after the helpers: a stack whose layers make no ``_to_copy`` after
+    them (e.g. GDN-only in float32) still computes the same numbers, and only the audit sees it.
     """
     return save_ops([_TO_COPY], name="save_all_copies")
 

@@ -11,7 +11,7 @@ region is checkpointed, and receives tensors that are new Python objects with th
 and recompute of a layer then both start with a cache miss, while FLA's reuse inside one layer (its
 forward, its recompute, its backward) is kept.
 
-Vocabulary (see ``DESIGN.md``): ``cu_seqlens`` ``[N + 1]`` integer offsets of ``N`` packed sequences
+Vocabulary: ``cu_seqlens`` ``[N + 1]`` integer offsets of ``N`` packed sequences
 (documents); ``cu_seqlens_cpu`` the same offsets on the host; ``max_seqlen`` the longest document.
 """
 
@@ -123,8 +123,9 @@ class LayerLocalSeqlens:
             the device of the activations.
         max_seqlen: longest document in tokens. Computed when ``None``; when given, it must be an ``int``
             at least as large as the longest document (an upper bound is accepted, as in flash-attn).
-        cu_seqlens_cpu: optional ``[N + 1]`` host (CPU) copy of ``cu_seqlens`` with equal values. FLA uses
-            host offsets to avoid device-to-host syncs; pass it when you have it.
+        cu_seqlens_cpu: optional ``[N + 1]`` host (CPU) copy of ``cu_seqlens`` with equal values (int32 or
+            int64, either way: FLA only reads it on the host). FLA uses host offsets to avoid
+            device-to-host syncs; pass it when you have it.
         device: optional device the activations live on; ``cu_seqlens`` must be on it.
         num_tokens: optional packed token count ``T``; when given, the last offset must equal it.
         chunk_indices: precompute FLA's chunk schedule (:func:`chunk_indices_for`, :data:`CHUNK_SIZE`)
@@ -137,7 +138,7 @@ class LayerLocalSeqlens:
         TypeError: ``cu_seqlens``/``cu_seqlens_cpu`` is not a tensor, or not int32/int64; ``max_seqlen``
             is not an ``int``; ``chunk_indices`` is not a bool.
         ValueError: ``cu_seqlens`` is not 1-D with at least 2 entries, does not start at 0, decreases,
-            sits on another device than ``device``, or its last value differs from ``num_tokens``;
+            is a meta tensor, sits on another device than ``device``, or its last value differs from ``num_tokens``;
             ``cu_seqlens_cpu`` is not on the CPU or differs in shape or values; ``max_seqlen`` is smaller
             than the longest document.
 
@@ -179,6 +180,8 @@ class LayerLocalSeqlens:
             raise ValueError(
                 f"cu_seqlens must be on the activations' device {torch.device(device)}, got {cu_seqlens.device}"
             )
+        if cu_seqlens.device.type == "meta":
+            raise ValueError("cu_seqlens is a meta tensor, which holds no values; build it on the activations' device")
         if cu_seqlens_cpu is not None:
             _check_index_tensor(cu_seqlens_cpu, "cu_seqlens_cpu")
             if cu_seqlens_cpu.device.type != "cpu":
@@ -261,7 +264,8 @@ class LayerLocalSeqlens:
             raise ValueError("seq_lens must hold at least one document length")
         for i, n in enumerate(lens):
             if isinstance(n, bool) or not isinstance(n, int):
-                raise TypeError(f"seq_lens[{i}] must be an int, got {type(n).__name__}")
+                hint = " (pass a tensor as seq_lens.tolist())" if isinstance(n, torch.Tensor) else ""
+                raise TypeError(f"seq_lens[{i}] must be an int, got {type(n).__name__}{hint}")
             if n < 0:
                 raise ValueError(f"seq_lens[{i}] must be >= 0, got {n}")
         if dtype not in _INDEX_DTYPES:

@@ -2,7 +2,7 @@
 
 transformers hands the same ``cu_seq_lens_q`` object to every linear-attention layer of a packed batch,
 so FLA's identity-keyed index cache makes a checkpointed layer's recompute run other ops than its forward
-(``DESIGN.md`` section 1), and its Nemotron-H torch path lets state flow across packed documents.
+(docs: "The fault in one picture"), and its Nemotron-H torch path lets state flow across packed documents.
 :func:`swap_mixers` replaces each supported transformers mixer with this package's drop-in
 (:mod:`fla_ac_isolation.mixers`), which isolates ``cu_seq_lens_q`` inside its own forward.
 

@@ -30,6 +30,7 @@ def cu(*values, dtype=torch.int32):
         pytest.param({"cu_seqlens": cu(0, 3, 5), "cu_seqlens_cpu": cu(0, 3, 5).to("meta")}, ValueError, r"cu_seqlens_cpu must be a CPU tensor, got device meta", id="cpu-device"),
         pytest.param({"cu_seqlens": cu(0, 3, 9), "max_seqlen": 5}, ValueError, r"max_seqlen=5 is smaller than the longest document \(6 tokens\)", id="max-small"),
         pytest.param({"cu_seqlens": cu(0, 3, 9), "max_seqlen": 6.0}, TypeError, r"max_seqlen must be an int, got float", id="max-float"),
+        pytest.param({"cu_seqlens": cu(0, 3, 9).to("meta")}, ValueError, r"cu_seqlens is a meta tensor, which holds no values", id="meta"),
     ],
 )
 def test_bad_input_raises_naming_the_argument(kwargs, error, match):
@@ -224,3 +225,10 @@ def test_chunk_indices_for_rejects_a_bad_chunk_size():
     assert chunk_indices_for([0, 3, 3, 9], chunk_size=4).tolist() == [[0, 0], [2, 0], [2, 1]]
     with pytest.raises(ValueError, match="chunk_size must be a positive int, got 0"):
         chunk_indices_for([0, 3], chunk_size=0)
+
+
+def test_from_seq_lens_given_a_tensor_suggests_tolist():
+    with pytest.raises(TypeError, match=r"seq_lens\[0\] must be an int, got Tensor \(pass a tensor as seq_lens.tolist\(\)\)"):
+        LayerLocalSeqlens.from_seq_lens(torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="cu_seqlens is a meta tensor"):
+        LayerLocalSeqlens.from_seq_lens([3, 4], device="meta")

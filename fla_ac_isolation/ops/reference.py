@@ -28,7 +28,7 @@ in FLA.
 Determinism. Everything runs as ordinary torch ops in a fixed order with fixed shapes, so repeated runs
 (and the forward and recompute of a checkpointed region) are bit-identical on a given machine.
 
-Shapes follow ``DESIGN.md``: ``x [B, T, D]``; q/k ``[B, T, H, K]``; v ``[B, T, HV, V]``; ``g``,
+Shapes: ``x [B, T, D]``; q/k ``[B, T, H, K]``; v ``[B, T, HV, V]``; ``g``,
 ``beta`` ``[B, T, HV]``; Mamba2 ``x [B, T, H, P]``, ``B``/``C`` ``[B, T, G, N]``, ``dt [B, T, H]``.
 The recurrences are computed in float32 (float64 inputs stay float64) and the outputs returned in the
 input dtype.
