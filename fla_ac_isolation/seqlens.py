@@ -66,7 +66,7 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
 
-def chunk_indices_for(offsets: Sequence[int], chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+def chunk_indices_for(offsets: Sequence[int] | torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
     """FLA's chunk schedule of packed documents: ``[NT, 2]`` int64 rows ``(document, chunk)``, on the host.
 
     Row ``r`` says that the ``r``-th chunk of the packed batch is chunk ``i`` (``chunk_size`` tokens, the
@@ -77,7 +77,7 @@ def chunk_indices_for(offsets: Sequence[int], chunk_size: int = CHUNK_SIZE) -> t
     forward and its recompute.
 
     Args:
-        offsets: ``N + 1`` non-decreasing ints (the values of ``cu_seqlens``).
+        offsets: ``N + 1`` non-decreasing ints (the values of ``cu_seqlens``): a sequence or a host tensor.
         chunk_size: tokens per chunk.
 
     Raises:
@@ -85,12 +85,12 @@ def chunk_indices_for(offsets: Sequence[int], chunk_size: int = CHUNK_SIZE) -> t
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    rows = [
-        (n, i)
-        for n, (start, end) in enumerate(zip(offsets[:-1], offsets[1:]))
-        for i in range(-(-(end - start) // chunk_size))
-    ]
-    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 2)
+    offsets = torch.as_tensor(offsets, dtype=torch.int64, device="cpu")
+    chunks = (offsets[1:] - offsets[:-1] + chunk_size - 1).div(chunk_size, rounding_mode="floor")  # [N]
+    document = torch.repeat_interleave(torch.arange(chunks.numel()), chunks)                     # [NT]
+    first_row = chunks.cumsum(0) - chunks                                                        # [N]
+    chunk = torch.arange(document.numel()) - first_row[document]                                 # [NT]
+    return torch.stack([document, chunk], dim=1)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -231,7 +231,7 @@ class LayerLocalSeqlens:
         self.num_tokens: int = offsets[-1]
         self.num_seqs: int = len(lens)
         self._chunk_indices = (
-            _to_device(chunk_indices_for(offsets).to(cu_seqlens.dtype), cu_seqlens.device) if chunk_indices else None
+            _to_device(chunk_indices_for(host).to(cu_seqlens.dtype), cu_seqlens.device) if chunk_indices else None
         )
 
     # ----------------------------------------------------------------------------------------- builders

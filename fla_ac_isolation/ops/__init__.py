@@ -23,6 +23,7 @@ import torch
 
 from fla_ac_isolation.ops import fla as fla_backend
 from fla_ac_isolation.ops import reference as reference_backend
+from fla_ac_isolation.seqlens import devices_match
 
 __all__ = [
     "BACKENDS",
@@ -88,7 +89,7 @@ def check_chunk_indices(chunk_indices: torch.Tensor | None, cu_seqlens: torch.Te
         raise ValueError(
             f"chunk_indices must be [NT, 2] rows (document, chunk), got shape {tuple(chunk_indices.shape)}"
         )
-    if chunk_indices.device != cu_seqlens.device:
+    if not devices_match(chunk_indices.device, cu_seqlens.device):
         raise ValueError(
             f"chunk_indices must be on the device of cu_seqlens ({cu_seqlens.device}), got {chunk_indices.device}"
         )
