@@ -25,13 +25,7 @@ from test_fault_matrix import MATRIX, POLICIES, expected_shared_outcome
 aten = torch.ops.aten
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The stack's tensors are tiny: one intra-op thread is faster on 2 shared cores (~1.6x here)."""
-    prior = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prior)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one intra-op thread
 
 
 def _audited(mode, policy_name, dtype, size, early_stop, freq, on_divergence="record"):

@@ -267,13 +267,7 @@ POLICIES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads; one thread keeps these tests fast on a busy 2-core CI."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors, one intra-op thread
 
 
 # ------------------------------------------------------------------------------------------ API tests
