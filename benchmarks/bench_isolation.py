@@ -61,20 +61,17 @@ sets FLA's flag for this process, printing so. Every mode runs the same kernels,
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import json
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-
-SYNC_WARNING = "called a synchronizing CUDA operation"
-"""The text of torch's warning for one host synchronisation under ``set_sync_debug_mode("warn")``."""
 
 MODES = ("no-ac", "shared", "isolated", "isolated+cpu", "isolated-no-indices", "global-disable")
 COLORS = {
@@ -282,28 +279,16 @@ def probe_step(group: Group, mode: str, i: int) -> tuple[int, dict[str, int], in
     Host syncs are counted only on CUDA (0 on CPU).
     """
     from fla_ac_isolation.fla_cache import probe_tensor_cache
+    from fla_ac_isolation.testing.gpu import host_sync_sites
 
     with cache_context(mode):
         step = group.prepare(mode, i)
         group.synchronize()
-        with warnings.catch_warnings(record=True) as caught, probe_tensor_cache() as probe:
-            warnings.simplefilter("always")
-            if group.device == "cpu":
-                step()
-            else:
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    step()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
+        syncs = host_sync_sites() if group.device != "cpu" else contextlib.nullcontext([])
+        with syncs as sites, probe_tensor_cache() as probe:
+            step()
         group.synchronize()
-    # "called a synchronizing CUDA operation"; not torch's one-time "debug mode is a prototype" notice
-    sync_warnings = [w for w in caught if SYNC_WARNING in str(w.message)] if group.device != "cpu" else []
-    sites: dict[str, int] = {}
-    for w in sync_warnings:
-        key = f"{w.filename.split('site-packages/')[-1]}:{w.lineno}"
-        sites[key] = sites.get(key, 0) + 1
-    return len(sync_warnings), sites, probe.misses + probe.bypasses
+    return len(sites), dict(collections.Counter(sites)), probe.misses + probe.bypasses
 
 
 def peak_step(group: Group, mode: str, i: int) -> float:

@@ -115,20 +115,13 @@ def test_fla_backend_under_selective_ac_matches_no_ac(name):
 
 
 def _sync_sites(step) -> list[str]:
-    """``file:line`` of every host synchronisation during ``step()`` (CUDA sync debug mode, "warn")."""
-    import warnings
+    """``file:line`` of every host synchronisation during ``step()`` (:func:`host_sync_sites`)."""
+    from fla_ac_isolation.testing.gpu import host_sync_sites
 
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # one warning per synchronising call; torch's one-time "debug mode is a prototype" notice is not one
-    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-    return [f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in syncs]
+    with host_sync_sites() as sites:
+        step()
+    return sites
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "nemotron_h"])

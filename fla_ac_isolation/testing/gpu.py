@@ -6,14 +6,43 @@ reported to miscompile it (FLA issue #640). The check, in ``fla/ops/common/chunk
 module's ``TRITON_ABOVE_3_7_1`` flag. The device image pairs an H200 with Triton 3.6, so a GPU test run
 may lift the guard to measure the kernels against the reference backend: exactly what a parity test is
 for. :func:`lift_hopper_gdn_guard` does that for the duration of a block and says so on stdout.
+:func:`host_sync_sites` records where a block synchronises the host (benchmarks and GPU tests).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
-__all__ = ["gpu_test_harness", "lift_hopper_gdn_guard"]
+import torch
+
+__all__ = ["SYNC_WARNING", "gpu_test_harness", "host_sync_sites", "lift_hopper_gdn_guard"]
+
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""The text of torch's warning for one host synchronisation under ``set_sync_debug_mode("warn")``."""
+
+
+@contextlib.contextmanager
+def host_sync_sites() -> Iterator[list[str]]:
+    """Record the host synchronisations of the block: the yielded list is filled on exit.
+
+    One ``"file:line"`` entry (the Python line that triggered it, ``site-packages/`` stripped) per
+    synchronising CUDA call, counted with ``torch.cuda.set_sync_debug_mode("warn")``. Only warnings with
+    :data:`SYNC_WARNING` count: torch also emits a one-time "Synchronization debug mode is a prototype
+    feature" notice, which is not a sync. Needs a CUDA build of torch.
+    """
+    sites: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield sites
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites.extend(
+        f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)
+    )
 
 
 @contextlib.contextmanager
