@@ -20,7 +20,7 @@ import torch
 
 
 def main(argv=None) -> int:
-    from fla_ac_isolation.regression.harness import RegressionSpec, run_regression
+    from fla_ac_isolation.regression import RegressionSpec, run_regression
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3_5_moe")

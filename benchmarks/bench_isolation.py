@@ -177,26 +177,29 @@ def doc_lengths(tokens: int, docs: int, seed: int) -> list[int]:
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+# the benchmark's variants of the isolated mode: extra keywords for LayerLocalSeqlens
+VARIANTS = {"isolated+cpu": ("isolated", {"with_host": True}), "isolated-no-indices": ("isolated", {"chunk_indices": False})}
+
+
+def base_mode(mode: str):
+    """The :class:`fla_ac_isolation.modes.Mode` a benchmark mode runs (its variants run ``isolated``)."""
+    from fla_ac_isolation.modes import get_mode
+
+    return get_mode(VARIANTS.get(mode, (mode, {}))[0])
+
+
 def make_seqlens(mode: str, lens: list[int], device: str):
     """New offsets for one step of ``mode`` (see the module docstring), as a loader would build them."""
-    from fla_ac_isolation.seqlens import LayerLocalSeqlens, SharedSeqlens
-
     host = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    cu = host.to(device)
-    if mode == "isolated":
-        return LayerLocalSeqlens(cu)
-    if mode == "isolated+cpu":
-        return LayerLocalSeqlens(cu, cu_seqlens_cpu=host)
-    if mode == "isolated-no-indices":
-        return LayerLocalSeqlens(cu, chunk_indices=False)
-    return SharedSeqlens(cu)  # no-ac, shared, global-disable: one object, as models pass it
+    options = dict(VARIANTS.get(mode, (mode, {}))[1])
+    if options.pop("with_host", False):
+        options["cu_seqlens_cpu"] = host
+    return base_mode(mode).seqlens(host.to(device), **options)
 
 
 def cache_context(mode: str):
-    """``tensor_cache_disabled()`` for ``global-disable``, a no-op context for every other mode."""
-    from fla_ac_isolation.fla_cache import tensor_cache_disabled
-
-    return tensor_cache_disabled() if mode == "global-disable" else contextlib.nullcontext()
+    """The mode's FLA cache context: ``tensor_cache_disabled()`` for ``global-disable``, else a no-op."""
+    return base_mode(mode).cache_context()
 
 
 def rotated(modes: list[str], i: int) -> list[str]:

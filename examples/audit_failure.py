@@ -11,7 +11,7 @@ a user would meet it, and once wrapped in :class:`~fla_ac_isolation.ReplayAudit`
    block, the first op where the recompute left the forward, the FLA helper whose cache state differed,
    and the fix.
 2. **Silently wrong gradients.** A 4-layer stack that calls FLA's real index helpers
-   (``fla_ac_isolation.testing.fault_stack``, the project's smallest reproduction) under a policy that saves
+   (``fla_ac_isolation.fault_stack``, the project's smallest reproduction) under a policy that saves
    float ``sub`` results. Plainly, backward succeeds, the loss is the no-AC loss, and the gradients are
    wrong. ``ReplayAudit(on_divergence="record")`` lets the step finish and reports which region diverged.
 
@@ -34,10 +34,10 @@ warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's MoE
 
 from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit  # noqa: E402
 from fla_ac_isolation.audit import ReplayDivergenceError  # noqa: E402
+from fla_ac_isolation.fault_stack import run_stack  # noqa: E402
 from fla_ac_isolation.fla_cache import clear_tensor_cache  # noqa: E402
+from fla_ac_isolation.modes import SharedSeqlens  # noqa: E402
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies, save_ops  # noqa: E402
-from fla_ac_isolation.seqlens import SharedSeqlens  # noqa: E402
-from fla_ac_isolation.testing.fault_stack import run_stack  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -23,12 +23,12 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["CHUNK_SIZE", "LayerLocalSeqlens", "LocalSeqlens", "SharedSeqlens", "chunk_indices_for"]
+from fla_ac_isolation.fla_seam.layout import chunk_indices_for
+
+__all__ = ["LayerLocalSeqlens", "LocalSeqlens", "devices_match"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
-CHUNK_SIZE = 64
-"""Chunk length in tokens of FLA's varlen conv, gated delta rule and simple GLA kernels (fla-core 0.6)."""
 
 
 class LocalSeqlens(NamedTuple):
@@ -37,13 +37,13 @@ class LocalSeqlens(NamedTuple):
     Attributes:
         cu_seqlens: ``[N + 1]`` int32/int64 offsets, on the activations' device; a new object per call.
         cu_seqlens_cpu: ``[N + 1]`` host copy of the offsets (a new object per call). ``None`` only from
-            :class:`SharedSeqlens` built without host offsets.
+            :class:`~fla_ac_isolation.modes.SharedSeqlens` built without host offsets.
         max_seqlen: length of the longest document, in tokens.
         chunk_indices: ``[NT, 2]`` rows ``(document, chunk within the document)`` of FLA's
-            :data:`CHUNK_SIZE`-token chunks, dtype of ``cu_seqlens``, on its device (a new object per
+            :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`-token chunks, dtype of ``cu_seqlens``, on its device (a new object per
             call); FLA's ``chunk_indices`` argument, so the kernel skips ``prepare_chunk_indices`` and its
             host-to-device copy. ``None`` when the :class:`LayerLocalSeqlens` was built with
-            ``chunk_indices=False`` and from :class:`SharedSeqlens`.
+            ``chunk_indices=False`` and from :class:`~fla_ac_isolation.modes.SharedSeqlens`.
     """
 
     cu_seqlens: torch.Tensor
@@ -64,33 +64,6 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
     """
     with _disable_current_modes(), torch.no_grad():
         return t.clone()
-
-
-def chunk_indices_for(offsets: Sequence[int] | torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
-    """FLA's chunk schedule of packed documents: ``[NT, 2]`` int64 rows ``(document, chunk)``, on the host.
-
-    Row ``r`` says that the ``r``-th chunk of the packed batch is chunk ``i`` (``chunk_size`` tokens, the
-    last one shorter) of document ``n``; zero-length documents have no rows. This is the layout of
-    ``fla.ops.utils.index.prepare_chunk_indices`` (the tests compare the two). It is computed here rather
-    than through FLA's helper because that helper is memoised by argument identity: calling it would add
-    entries to the very cache whose hits and misses the isolation keeps identical between a layer's
-    forward and its recompute.
-
-    Args:
-        offsets: ``N + 1`` non-decreasing ints (the values of ``cu_seqlens``): a sequence or a host tensor.
-        chunk_size: tokens per chunk.
-
-    Raises:
-        ValueError: ``chunk_size`` is not a positive int.
-    """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    offsets = torch.as_tensor(offsets, dtype=torch.int64, device="cpu")
-    chunks = (offsets[1:] - offsets[:-1] + chunk_size - 1).div(chunk_size, rounding_mode="floor")  # [N]
-    document = torch.repeat_interleave(torch.arange(chunks.numel()), chunks)                     # [NT]
-    first_row = chunks.cumsum(0) - chunks                                                        # [N]
-    chunk = torch.arange(document.numel()) - first_row[document]                                 # [NT]
-    return torch.stack([document, chunk], dim=1)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -128,7 +101,7 @@ class LayerLocalSeqlens:
             device-to-host syncs; pass it when you have it.
         device: optional device the activations live on; ``cu_seqlens`` must be on it.
         num_tokens: optional packed token count ``T``; when given, the last offset must equal it.
-        chunk_indices: precompute FLA's chunk schedule (:func:`chunk_indices_for`, :data:`CHUNK_SIZE`)
+        chunk_indices: precompute FLA's chunk schedule (:func:`~fla_ac_isolation.fla_seam.layout.chunk_indices_for`, :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`)
             once, here, and hand each layer a fresh copy as ``LocalSeqlens.chunk_indices``. The mixers
             pass it to FLA's conv and gated delta rule, which then skip ``prepare_chunk_indices`` and the
             blocking host-to-device copy it ends with (a stream synchronisation per call). ``False``
@@ -253,7 +226,7 @@ class LayerLocalSeqlens:
             dtype: ``torch.int32`` (FLA's and flash-attn's convention) or ``torch.int64``.
             with_cpu: also keep the host offsets as ``cu_seqlens_cpu`` (no sync needed later).
             chunk_indices: precompute FLA's chunk schedule (see the class); ``None``: the class default
-                (``True``; ``False`` for :class:`SharedSeqlens`).
+                (``True``; ``False`` for :class:`~fla_ac_isolation.modes.SharedSeqlens`).
 
         Raises:
             ValueError: ``seq_lens`` is empty or holds a negative length.
@@ -290,7 +263,7 @@ class LayerLocalSeqlens:
             position_ids: ``[T]`` or ``[1, T]`` integer tensor whose first value is 0.
             dtype: dtype of the resulting ``cu_seqlens`` (int32 or int64).
             chunk_indices: precompute FLA's chunk schedule (see the class); ``None``: the class default
-                (``True``; ``False`` for :class:`SharedSeqlens`).
+                (``True``; ``False`` for :class:`~fla_ac_isolation.modes.SharedSeqlens`).
 
         Raises:
             TypeError: ``position_ids`` is not an integer tensor.
@@ -385,28 +358,3 @@ def _check_index_tensor(t: object, name: str) -> None:
         raise ValueError(
             f"{name} must be 1-D with N + 1 >= 2 offsets for N documents, got shape {tuple(t.shape)}"
         )
-
-
-class SharedSeqlens(LayerLocalSeqlens):
-    """The UNSAFE path, on purpose: :meth:`local` returns the same tensor objects on every call.
-
-    This is what a model does when it hands one ``cu_seqlens`` object to every layer. It exists so that
-    regressions and benchmarks can run the shared path through the very same mixers and compare it with
-    :class:`LayerLocalSeqlens`; never use it to train. Validation and attributes are those of
-    :class:`LayerLocalSeqlens`; ``chunk_indices`` defaults to ``False`` here, as models that share one
-    ``cu_seqlens`` object do not precompute FLA's chunk schedule either (with it, the conv and the gated
-    delta rule skip ``prepare_chunk_indices``, which hides part of the fault this class exists to show).
-    """
-
-    __slots__ = ("_shared",)
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("chunk_indices", False)
-        super().__init__(*args, **kwargs)
-        self._shared = LocalSeqlens(
-            self._cu_seqlens, self._cu_seqlens_cpu if self._host_given else None, self.max_seqlen, self._chunk_indices
-        )
-
-    def local(self) -> LocalSeqlens:
-        """The same objects on every call (the shared, unsafe behaviour)."""
-        return self._shared

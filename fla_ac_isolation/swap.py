@@ -34,13 +34,13 @@ and one whose parameters were renamed (e.g. LoRA's ``base_layer``) no longer mat
 
 from __future__ import annotations
 
-import importlib
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from fla_ac_isolation.families import Family, UpstreamMixer, upstream_mixers
 
 __all__ = ["SUPPORTED_MIXERS", "restore_mixers", "swap_mixers"]
 
@@ -48,38 +48,12 @@ __all__ = ["SUPPORTED_MIXERS", "restore_mixers", "swap_mixers"]
 _ORIGINAL_ATTR = "_fla_ac_original"
 
 
-@dataclass(frozen=True)
-class _Target:
-    """One supported transformers mixer class and the class of this package that replaces it."""
-
-    module: str  # transformers module defining the class
-    name: str  # class name there
-    ours: str  # class name in fla_ac_isolation.mixers
-
-    @property
-    def qualified(self) -> str:
-        return f"{self.module}.{self.name}"
+SUPPORTED_MIXERS: tuple[UpstreamMixer, ...] = tuple(upstream for upstream, _ in upstream_mixers())
+"""Upstream mixer classes :func:`swap_mixers` replaces (matched by module and class name); see :mod:`~fla_ac_isolation.families`."""
 
 
-SUPPORTED_MIXERS: tuple[_Target, ...] = (
-    _Target(
-        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"
-    ),
-    _Target("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
-    _Target(
-        "transformers.models.qwen4_exp.modeling_qwen4_exp", "Qwen4ExpTextGatedDeltaNet", "Qwen3_8FlashNextGatedDeltaNet"
-    ),
-    _Target("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer", "NemotronHMamba2Mixer"),
-)
-"""transformers mixer classes :func:`swap_mixers` replaces (matched by module and class name)."""
-
-
-def _target_of(module: nn.Module) -> _Target | None:
-    cls = type(module)
-    for target in SUPPORTED_MIXERS:
-        if cls.__module__ == target.module and cls.__qualname__ == target.name:
-            return target
-    return None
+def _family_of(module: nn.Module) -> tuple[UpstreamMixer, Family] | None:
+    return next(((u, f) for u, f in upstream_mixers() if u.matches(module)), None)
 
 
 def _looked_for() -> str:
@@ -198,9 +172,8 @@ def _install(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(parent, leaf, module)
 
 
-def _build(target: _Target, original: nn.Module, config: Any, backend: str, path: str) -> nn.Module:
-    mixers = importlib.import_module("fla_ac_isolation.mixers")
-    cls = getattr(mixers, target.ours)
+def _build(family: Family, original: nn.Module, config: Any, backend: str, path: str) -> nn.Module:
+    cls = family.mixer_class()
     layer_idx = getattr(original, "layer_idx", None)
     with torch.device("meta"):
         new = cls(config, layer_idx, backend=backend)
@@ -256,18 +229,18 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
     from fla_ac_isolation.ops import check_backend
 
     check_backend(backend)
-    ours = tuple({getattr(importlib.import_module("fla_ac_isolation.mixers"), t.ours) for t in SUPPORTED_MIXERS})
-    found: list[tuple[str, nn.Module, _Target]] = []
+    ours = tuple({family.mixer_class() for _, family in upstream_mixers()})
+    found: list[tuple[str, nn.Module, Family]] = []
     swapped_before: list[str] = []  # swapped earlier, or built from fla_ac_isolation.mixers directly
     for path, module in model.named_modules():
         if _ORIGINAL_ATTR in vars(module) or isinstance(module, ours):
             swapped_before.append(path)
             continue
-        target = _target_of(module)
-        if target is not None:
+        match = _family_of(module)
+        if match is not None:
             if not path:
                 raise ValueError("swap_mixers needs the model (or a module) containing the mixer, not the mixer itself")
-            found.append((path, module, target))
+            found.append((path, module, match[1]))
     if not found:
         if swapped_before:
             warnings.warn(
@@ -281,9 +254,9 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
         )
 
     replacements = []
-    for path, original, target in found:  # build all first: an error leaves the model untouched
+    for path, original, family in found:  # build all first: an error leaves the model untouched
         _check_swappable(path, original)
-        new = _build(target, original, _config_for(model, path, original, config), backend, path)
+        new = _build(family, original, _config_for(model, path, original, config), backend, path)
         replacements.append((path, original, new))
     for path, original, new in replacements:
         _strip_tensors(original)

@@ -21,9 +21,10 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from fla_ac_isolation.ops import fla as fla_ops  # noqa: E402
+from fla_ac_isolation.fla_seam import kernels as fla_ops  # noqa: E402
+from fla_ac_isolation.fla_seam.layout import chunk_indices_for  # noqa: E402
 from fla_ac_isolation.ops import reference  # noqa: E402
-from fla_ac_isolation.seqlens import LayerLocalSeqlens, chunk_indices_for  # noqa: E402
+from fla_ac_isolation.seqlens import LayerLocalSeqlens  # noqa: E402
 from fla_ac_isolation.testing.triton_interpret import interpreter_shims  # noqa: E402
 
 LENS = [5, 0, 17, 1, 41]
@@ -95,7 +96,7 @@ def case_ssd_on_simple_gla(local) -> dict:
 def case_mixer(name: str, seqlens) -> dict:
     """A whole tiny mixer (see tests/conftest.py), backend ``fla`` against ``reference``, packed input."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import FAMILIES
+    from helpers import FAMILIES
 
     family = FAMILIES[name]
     fla_mixer, ref_mixer = family.build(seed=3, backend="fla"), family.build(seed=3, backend="reference")

@@ -1,6 +1,6 @@
 """ReplayAudit finds the first op where a recompute leaves its forward, and names the cause and the fix.
 
-The fault matrix of ``test_fault_matrix.py`` is replayed under the audit: the shared ``cu_seqlens`` path is
+The fault matrix (``helpers.MATRIX``, as in ``test_fault_matrix.py``) is replayed under the audit: the shared ``cu_seqlens`` path is
 flagged in every case (including full AC and the silent float-``sub`` case, where SAC itself says nothing),
 while ``LayerLocalSeqlens`` and ``tensor_cache_disabled()`` are aligned everywhere. A module with no FLA
 that memoises a mask by object identity is flagged without blaming FLA. ``raise`` mode's message and
@@ -12,15 +12,15 @@ import warnings
 
 import pytest
 import torch
+from helpers import FAULT_POLICIES, MATRIX, expected_shared_outcome
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fla_ac_isolation.audit import ReplayAudit, ReplayDivergenceError, ReplayDivergenceWarning
+from fla_ac_isolation.fault_stack import HelperStack, run_stack
 from fla_ac_isolation.fla_cache import clear_tensor_cache, tensor_cache_size
-from fla_ac_isolation.policies import checkpoint_layers, save_all_copies, save_ops, sac_context_fn
+from fla_ac_isolation.policies import checkpoint_layers, sac_context_fn, save_all_copies, save_ops
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
-from fla_ac_isolation.testing.fault_stack import HelperStack, run_stack
-from test_fault_matrix import MATRIX, POLICIES, expected_shared_outcome
 
 aten = torch.ops.aten
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: tiny tensors,
 def _audited(mode, policy_name, dtype, size, early_stop, freq, on_divergence="record"):
     ctx = tensor_cache_size(size) if size != 4 else contextlib.nullcontext()
     with ctx, ReplayAudit(on_divergence=on_divergence) as audit:
-        res = run_stack(mode, POLICIES[policy_name](), dtype=dtype, evict=size == 1, early_stop=early_stop, freq=freq)
+        res = run_stack(mode, FAULT_POLICIES[policy_name](), dtype=dtype, evict=size == 1, early_stop=early_stop, freq=freq)
     return res, audit
 
 
@@ -123,7 +123,7 @@ def test_warn_mode_warns_once_per_divergent_recompute_and_lets_sac_fail():
 @pytest.mark.parametrize("mode", ["shared", "isolated"])
 def test_record_mode_leaves_results_bit_equal(mode):
     for policy in ("save-float-sub", "full-ac"):
-        plain = run_stack(mode, POLICIES[policy]())
+        plain = run_stack(mode, FAULT_POLICIES[policy]())
         res, audit = _audited(mode, policy, torch.int32, 4, True, 1)
         assert audit.regions
         assert res.loss == plain.loss

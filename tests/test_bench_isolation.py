@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES, HIDDEN
+from helpers import FAMILIES, HIDDEN
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_isolation.py"
 TOKENS, DOCS, ITERS = 192, 3, 3  # several 64-token chunks per document
@@ -78,8 +78,9 @@ def _helper_computations(bench, kind: str, mode: str) -> int:
     from torch.utils.checkpoint import checkpoint
 
     from fla_ac_isolation.fla_cache import probe_tensor_cache, tensor_cache_disabled
+    from fla_ac_isolation.modes import SharedSeqlens
     from fla_ac_isolation.policies import sac_context_fn, torchtitan_selective
-    from fla_ac_isolation.seqlens import LayerLocalSeqlens, SharedSeqlens
+    from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
     mixer = FAMILIES[LAYER_FAMILY[kind]].build(backend="reference")
     lens = bench.doc_lengths(TOKENS, DOCS, seed=0)

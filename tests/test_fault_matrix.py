@@ -1,6 +1,6 @@
 """The FLA cache fault, reproduced on CPU with FLA's real index helpers, and fixed by LayerLocalSeqlens.
 
-A stack of 4 checkpointed layers shares one ``cu_seqlens`` (``fla_ac_isolation.testing.fault_stack``).
+A stack of 4 checkpointed layers shares one ``cu_seqlens`` (``fla_ac_isolation.fault_stack``).
 For every field policy the shared path must raise or give wrong gradients (or, where the policy cannot
 see FLA's ops, match: asserted too), while ``isolated`` and ``global-disable`` match the no-AC reference
 bit for bit. Cache size 4 gives "forward miss, recompute hit" (layer 0); cache size 1 with an evicting head
@@ -11,51 +11,11 @@ import contextlib
 
 import pytest
 import torch
+from helpers import FAULT_POLICIES, MATRIX, expected_shared_outcome
 
+from fla_ac_isolation.fault_stack import run_stack
 from fla_ac_isolation.fla_cache import tensor_cache_size
-from fla_ac_isolation.policies import any_of, save_all_copies, save_ops
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
-from fla_ac_isolation.testing.fault_stack import run_stack
-
-aten = torch.ops.aten
-
-POLICIES = {
-    "save-all-copies": save_all_copies,
-    "save-int-sub": lambda: save_ops([aten.sub.Tensor], dtypes=[torch.int32, torch.int64]),
-    "save-float-sub": lambda: save_ops([aten.sub.Tensor], dtypes=[torch.float32]),
-    "save-copies-and-clone": lambda: any_of(save_all_copies(), save_ops([aten.clone.default, aten.alias.default])),
-    "full-ac": lambda: None,
-}
-
-
-def expected_shared_outcome(policy: str, dtype: torch.dtype, cache_size: int) -> str:
-    """What the unsafe shared path does, worked out from which ops FLA's helpers run on a miss.
-
-    On a miss, prepare_position_ids/prepare_chunk_indices run three integer ``sub``s, and two ``_to_copy``
-    casts only when cu_seqlens is int32 (their results are int64). A recompute that skips them shifts
-    SAC's (op, index) replay of those ops; a recompute that adds them meets ops the forward never ran.
-    """
-    if policy == "full-ac":
-        return "match"  # plain AC replays nothing by op index: immune
-    if cache_size == 1:
-        return "raise:encountered during backward but not found in storage"  # recompute runs extra ops
-    if policy == "save-int-sub":
-        return "raise:Autograd not support dtype"  # an FLA int tensor replaces the layer's own int sub
-    if policy == "save-float-sub":
-        return "silent"  # 3 skipped int subs shift the 4 float subs: the 4th replays the 1st's value
-    if dtype == torch.int64:
-        return "match"  # no _to_copy on the miss path for int64 offsets: nothing to shift
-    return "raise:The size of tensor a"  # the layer's own int->float cast receives FLA's int32 positions
-
-
-MATRIX = [
-    pytest.param(policy, dtype, size, early_stop, freq, id=f"{policy}-{str(dtype)[6:]}-cache{size}-es{int(early_stop)}-freq{freq}")
-    for policy in POLICIES
-    for dtype in (torch.int32, torch.int64)
-    for size in (4, 1)
-    for early_stop in (True, False)
-    for freq in (1, 2)
-]
 
 
 def _run_all(policy_name, dtype, size, early_stop, freq):
@@ -64,7 +24,7 @@ def _run_all(policy_name, dtype, size, early_stop, freq):
     with ctx:
         ref = run_stack("no-ac", None, **kw)
         out = {
-            mode: run_stack(mode, POLICIES[policy_name](), early_stop=early_stop, freq=freq, **kw)
+            mode: run_stack(mode, FAULT_POLICIES[policy_name](), early_stop=early_stop, freq=freq, **kw)
             for mode in ("shared", "isolated", "global-disable")
         }
     return ref, out

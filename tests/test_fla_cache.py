@@ -1,10 +1,10 @@
 """fla_cache: the global switch, cache size, and the hit/miss probe against FLA's real helpers."""
 
+import fla.utils
 import pytest
 import torch
 from fla.ops.utils.index import prepare_chunk_indices, prepare_lens, prepare_position_ids
 
-import fla.utils
 from fla_ac_isolation.fla_cache import (
     cache_enabled,
     cache_size,

@@ -8,11 +8,12 @@ be bit-equal to the run without AC.
 
 import pytest
 import torch
+from helpers import HIDDEN, PACKED_LENS, loss_and_grads
 from torch import nn
 
-from conftest import HIDDEN, PACKED_LENS, loss_and_grads
+from fla_ac_isolation.modes import SharedSeqlens
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
-from fla_ac_isolation.seqlens import LayerLocalSeqlens, SharedSeqlens
+from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

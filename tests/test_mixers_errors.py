@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from helpers import FAMILIES, HIDDEN, PACKED_LENS, nemotron_h_config, qwen3_5_moe_config, qwen3_8_config
 
-from conftest import FAMILIES, HIDDEN, PACKED_LENS, nemotron_h_config, qwen3_5_moe_config, qwen3_8_config
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -159,8 +159,9 @@ def test_every_family_rejects_bad_hidden_size():
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_8", "nemotron_h"])
 def test_layer_idx_outside_the_configs_layer_types(name):
     """A config of a shallower model: a ValueError naming layer_idx, not a bare IndexError."""
+    from helpers import FAMILIES
+
     import fla_ac_isolation.mixers as mixers
-    from conftest import FAMILIES
 
     family = FAMILIES[name]
     config = family.config()
@@ -171,9 +172,9 @@ def test_layer_idx_outside_the_configs_layer_types(name):
 
 
 def test_qwen3_8_config_without_gate_fields():
-    from fla_ac_isolation.mixers import Qwen3_8FlashNextGatedDeltaNet
-
     from types import SimpleNamespace
+
+    from fla_ac_isolation.mixers import Qwen3_8FlashNextGatedDeltaNet
 
     fields = {k: v for k, v in qwen3_8_config().to_dict().items() if k != "hidden_act"}
     config = SimpleNamespace(**{**fields, "output_gate_type": None})

@@ -15,9 +15,9 @@ Run on a CUDA machine: ``python -m pytest -m gpu -s tests/test_mixers_gpu.py``.
 
 import pytest
 import torch
+from helpers import CORE_FAMILIES, FAMILIES, HIDDEN, loss_and_grads
 from torch import nn
 
-from conftest import CORE_FAMILIES, FAMILIES, HIDDEN, loss_and_grads
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 pytestmark = [
@@ -137,8 +137,8 @@ def test_layer_step_under_sac_syncs_only_where_fla_must(name):
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+    from fla_ac_isolation.modes import SharedSeqlens
     from fla_ac_isolation.policies import sac_context_fn, torchtitan_selective
-    from fla_ac_isolation.seqlens import SharedSeqlens
 
     device = torch.device("cuda")
     layer = FAMILIES[name].build(0, seed=0, backend="fla").to(device, torch.bfloat16)

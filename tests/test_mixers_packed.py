@@ -6,8 +6,8 @@ one packed document into the next.
 
 import pytest
 import torch
+from helpers import FAMILIES, HIDDEN, PACKED_LENS, split_documents
 
-from conftest import FAMILIES, HIDDEN, PACKED_LENS, split_documents
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 pytestmark = pytest.mark.usefixtures("single_thread")

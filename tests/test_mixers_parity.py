@@ -6,8 +6,7 @@ importable it would call FLA's Triton kernels, which have no CPU backend.
 
 import pytest
 import torch
-
-from conftest import FAMILIES, HIDDEN, qwen3_8_config
+from helpers import FAMILIES, HIDDEN, qwen3_8_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -119,9 +118,9 @@ def test_transformers_attributes_are_mirrored(family):
 
 
 def test_multimodal_config_is_reduced_to_its_text_config():
+    from helpers import qwen3_5_moe_config
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
 
-    from conftest import qwen3_5_moe_config
     from fla_ac_isolation.mixers import Qwen3_5MoeGatedDeltaNet
 
     config = Qwen3_5MoeConfig(text_config=qwen3_5_moe_config().to_dict())

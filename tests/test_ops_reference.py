@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import PACKED_LENS, split_documents
 
-from conftest import PACKED_LENS, split_documents
 from fla_ac_isolation import ops
 from fla_ac_isolation.fla_cache import clear_tensor_cache, probe_tensor_cache
 from fla_ac_isolation.ops import reference

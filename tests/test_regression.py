@@ -8,7 +8,7 @@ import torch
 
 from fla_ac_isolation.regression import report
 from fla_ac_isolation.regression.data import global_batch, rank_batch
-from fla_ac_isolation.regression.harness import ModeResult, RegressionResult, RegressionSpec
+from fla_ac_isolation.regression.spec import ModeResult, RegressionResult, RegressionSpec
 
 # ------------------------------------------------------------------------------------------------ data
 
@@ -202,7 +202,7 @@ def test_report_table_json_and_plot(tmp_path):
 
 
 def _parse(*argv):
-    from fla_ac_isolation.regression import cli
+    from fla_ac_isolation.cli import regress as cli
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)

@@ -22,8 +22,7 @@ import time
 
 import pytest
 
-from fla_ac_isolation.regression import report
-from fla_ac_isolation.regression.harness import RegressionSpec, run_regression
+from fla_ac_isolation.regression import RegressionSpec, report, run_regression
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

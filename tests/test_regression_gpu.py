@@ -18,8 +18,7 @@ notes say so. Run it with::
 import pytest
 import torch
 
-from fla_ac_isolation.regression import report
-from fla_ac_isolation.regression.harness import RegressionSpec, run_regression
+from fla_ac_isolation.regression import RegressionSpec, report, run_regression
 
 pytestmark = [
     pytest.mark.gpu,

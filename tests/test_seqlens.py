@@ -170,7 +170,7 @@ def test_local_stays_fresh_in_recompute_under_any_policy(policy_name):
 
 
 def test_shared_seqlens_hands_out_one_object_for_the_unsafe_mode():
-    from fla_ac_isolation.seqlens import SharedSeqlens
+    from fla_ac_isolation.modes import SharedSeqlens
 
     s = SharedSeqlens.from_seq_lens([3, 4])
     assert isinstance(s, LayerLocalSeqlens)
@@ -208,7 +208,7 @@ def test_chunk_indices_are_fresh_per_call_and_leave_fla_cache_untouched():
 
 
 def test_chunk_indices_can_be_turned_off_and_shared_path_has_none():
-    from fla_ac_isolation.seqlens import SharedSeqlens
+    from fla_ac_isolation.modes import SharedSeqlens
 
     assert LayerLocalSeqlens(cu(0, 3, 5), chunk_indices=False).local().chunk_indices is None
     assert LayerLocalSeqlens.from_seq_lens([3, 2], chunk_indices=False).local().chunk_indices is None
@@ -220,7 +220,7 @@ def test_chunk_indices_can_be_turned_off_and_shared_path_has_none():
 
 
 def test_chunk_indices_for_rejects_a_bad_chunk_size():
-    from fla_ac_isolation.seqlens import chunk_indices_for
+    from fla_ac_isolation.fla_seam.layout import chunk_indices_for
 
     assert chunk_indices_for([0, 3, 3, 9], chunk_size=4).tolist() == [[0, 0], [2, 0], [2, 1]]
     with pytest.raises(ValueError, match="chunk_size must be a positive int, got 0"):

@@ -13,9 +13,9 @@ Run on a CUDA machine: ``python -m pytest -m gpu -s tests/test_swap_gpu.py``.
 
 import pytest
 import torch
+from helpers import MODEL_FAMILIES, SWAP_POLICIES, max_grad_diff, packed_batch, set_checkpointing, train_step
 
 from fla_ac_isolation import swap_mixers
-from test_swap import FAMILIES, POLICIES, _max_grad_diff, _packed_batch, _set_checkpointing, _train_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,21 +33,21 @@ def hopper_guard_lifted():
 
 
 def _cuda_batch() -> dict:
-    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _packed_batch().items()}
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in packed_batch().items()}
 
 
 def _model(name: str, swapped: bool):
-    model = FAMILIES[name].model().to("cuda", torch.bfloat16)
+    model = MODEL_FAMILIES[name].model().to("cuda", torch.bfloat16)
     if swapped:
-        assert swap_mixers(model) == list(FAMILIES[name].paths)
+        assert swap_mixers(model) == list(MODEL_FAMILIES[name].paths)
     return model
 
 
 def _steps(model):
     """Two no-AC steps (their spread is the noise floor) and one under SAC ``save_all_copies``."""
-    first, second = _train_step(model, _cuda_batch()), _train_step(model, _cuda_batch())
-    _set_checkpointing(model, POLICIES["save-all-copies"]())
-    sac = _train_step(model, _cuda_batch())
+    first, second = train_step(model, _cuda_batch()), train_step(model, _cuda_batch())
+    set_checkpointing(model, SWAP_POLICIES["save-all-copies"]())
+    sac = train_step(model, _cuda_batch())
     assert first.error is None and second.error is None, (first.error, second.error)
     return first, second, sac
 
@@ -55,9 +55,9 @@ def _steps(model):
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "nemotron_h"])
 def test_swapped_model_on_fla_kernels_under_sac_matches_no_ac(name):
     first, second, sac = _steps(_model(name, swapped=True))
-    noise = _max_grad_diff(first, second)
+    noise = max_grad_diff(first, second)
     assert sac.error is None, sac.error
-    deviation = _max_grad_diff(sac, first)
+    deviation = max_grad_diff(sac, first)
     print(f"GPU_SWAP {name} swapped: loss {first.loss.item():.6f} / sac {sac.loss.item():.6f}; "
           f"max |grad diff| sac {deviation:.3e}, no-AC twice {noise:.3e}")
     assert torch.equal(sac.loss, first.loss) or abs((sac.loss - first.loss).item()) <= 1e-2 * abs(first.loss.item())
@@ -67,10 +67,10 @@ def test_swapped_model_on_fla_kernels_under_sac_matches_no_ac(name):
 def test_transformers_qwen_on_fla_kernels_under_sac_raises_or_diverges():
     """The control: the same model as transformers ships it (FLA kernels, shared cu_seq_lens_q)."""
     first, second, sac = _steps(_model("qwen3_5_moe", swapped=False))
-    noise = _max_grad_diff(first, second)
+    noise = max_grad_diff(first, second)
     if sac.error is not None:
         print(f"GPU_SWAP qwen3_5_moe unswapped: SAC raised {type(sac.error).__name__}: {sac.error}")
         return
-    deviation = _max_grad_diff(sac, first)
+    deviation = max_grad_diff(sac, first)
     print(f"GPU_SWAP qwen3_5_moe unswapped: max |grad diff| sac {deviation:.3e}, no-AC twice {noise:.3e}")
     assert deviation > max(10 * noise, 1e-3), "shared cu_seq_lens_q went unnoticed on the GPU"

@@ -1,6 +1,8 @@
 """Varlen operations behind the mixers, with a choice of backend.
 
-Three operations, each offered by two backends with identical signatures (``fla`` | ``reference``):
+Three operations, each offered by two backends with identical signatures: ``fla``
+(:mod:`fla_ac_isolation.fla_seam.kernels`, FLA's Triton kernels) | ``reference``
+(:mod:`fla_ac_isolation.ops.reference`, pure torch):
 
 * :func:`causal_conv1d`: FLA's ``fla.modules.causal_conv1d.causal_conv1d`` | per-document ``F.conv1d``;
 * :func:`chunk_gated_delta_rule`: FLA's ``chunk_gated_delta_rule`` | chunked WY form in torch;
@@ -21,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from fla_ac_isolation.ops import fla as fla_backend
+from fla_ac_isolation.fla_seam import kernels as fla_backend
 from fla_ac_isolation.ops import reference as reference_backend
 from fla_ac_isolation.seqlens import devices_match
 

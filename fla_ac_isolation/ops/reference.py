@@ -41,9 +41,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
-from fla_ac_isolation.seqlens import CHUNK_SIZE
+from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
 
 __all__ = ["CHUNK_SIZE", "causal_conv1d", "chunk_gated_delta_rule", "discretize_dt", "ssd"]
 

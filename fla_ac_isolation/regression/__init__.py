@@ -1,14 +1,20 @@
 """The EP regression: tiny MoE decoders trained a few steps under AC with real torchtitan expert parallelism.
 
-``fla-ac-isolation regress`` (:mod:`.cli`) runs it; the pieces:
+``fla-ac-isolation regress`` (:mod:`fla_ac_isolation.cli.regress`) runs it; the pieces:
 
-* :mod:`.model` - tiny decoders per family (``qwen3_5_moe``, ``qwen3_8``, ``nemotron_h``) built from the
+* :mod:`.spec` - what to run (:class:`RegressionSpec`) and what comes back (:class:`ModeResult`,
+  :class:`RegressionResult`);
+* :mod:`.run` - :func:`run_regression`, the entry point;
+* :mod:`.launch` - worker processes, one launch per mode, and how failures are collected;
+* :mod:`.torchrun` - the same under ``torchrun``;
+* :mod:`.train` - what one rank does in one mode (model, steps, gradient reduction and comparison);
+* :mod:`.model` - tiny decoders per family (:data:`fla_ac_isolation.families.FAMILIES`) built from the
   transformers config classes, with this package's mixers and torchtitan's MoE;
 * :mod:`.expert_parallel` - torchtitan's MoE, its EP sharding, and the environment it needs;
 * :mod:`.data` - deterministic packed batches, different per rank;
-* :mod:`.harness` - launches the ranks and trains each mode (``no-ac``, ``shared``, ``isolated``,
-  ``global-disable``);
 * :mod:`.report` - verdicts, the table, JSON and the loss plot.
+
+The modes are those of :mod:`fla_ac_isolation.modes`. Needs the ``ep`` extra (torchtitan, transformers).
 
 Example::
 
@@ -17,14 +23,8 @@ Example::
     verdicts(result)["isolated"].ok   # True: bit-exact with no-AC on the CPU reference backend
 """
 
-from fla_ac_isolation.regression.harness import MODES, ModeResult, RegressionResult, RegressionSpec, run_regression
+from fla_ac_isolation.regression.report import verdicts
+from fla_ac_isolation.regression.run import run_regression
+from fla_ac_isolation.regression.spec import ModeResult, RegressionResult, RegressionSpec
 
-__all__ = ["MODES", "ModeResult", "RegressionResult", "RegressionSpec", "run_regression", "verdicts"]
-
-
-def __getattr__(name: str):
-    if name == "verdicts":
-        from fla_ac_isolation.regression.report import verdicts
-
-        return verdicts
-    raise AttributeError(f"module 'fla_ac_isolation.regression' has no attribute {name!r}")
+__all__ = ["ModeResult", "RegressionResult", "RegressionSpec", "run_regression", "verdicts"]

@@ -18,7 +18,7 @@ is torchtitan's (:mod:`.expert_parallel`). Attention is causal *per document* (b
 ``cu_seqlens``), written with plain ``scaled_dot_product_attention`` and a boolean mask.
 
 The decoder builds nothing per layer: :meth:`TinyDecoder.forward` takes ONE ``LayerLocalSeqlens`` (or the
-unsafe :class:`~fla_ac_isolation.seqlens.SharedSeqlens`) for the whole forward and hands it to every
+unsafe :class:`~fla_ac_isolation.modes.SharedSeqlens`) for the whole forward and hands it to every
 layer; each mixer calls ``.local()`` inside its own forward.
 """
 
@@ -32,10 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fla_ac_isolation.families import FAMILIES
 from fla_ac_isolation.regression.expert_parallel import MoEShape, build_moe
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
-__all__ = ["FAMILIES", "ModelSize", "PackedAttention", "TinyDecoder", "build_model"]
+__all__ = ["RECIPES", "ModelSize", "PackedAttention", "TinyDecoder", "TinyDecoderRecipe", "build_model"]
 
 
 @dataclass(frozen=True)
@@ -240,10 +241,9 @@ class TinyDecoder(nn.Module):
 
 # ------------------------------------------------------------------------------------------- families
 @dataclass(frozen=True)
-class Family:
-    """How to build one tiny model family (see the module docstring)."""
+class TinyDecoderRecipe:
+    """How to build the tiny decoder of one family of :data:`fla_ac_isolation.families.FAMILIES`."""
 
-    name: str
     make_config: Callable[[ModelSize], Any]
     build_blocks: Callable[[Any, ModelSize, str, bool], list[DecoderBlock]]
     eps: Callable[[Any], float]
@@ -315,11 +315,9 @@ def _partial_rotary_factor(config: Any) -> float:
     return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.25)))
 
 
-def _qwen_blocks(mixer_cls_name: str) -> Callable[[Any, ModelSize, str, bool], list[DecoderBlock]]:
+def _qwen_blocks(family: str) -> Callable[[Any, ModelSize, str, bool], list[DecoderBlock]]:
     def build(config: Any, size: ModelSize, backend: str, ep_enabled: bool) -> list[DecoderBlock]:
-        import fla_ac_isolation.mixers as mixers
-
-        mixer_cls = getattr(mixers, mixer_cls_name)
+        mixer_cls = FAMILIES[family].mixer_class()
         blocks = []
         for i, kind in enumerate(config.layer_types):
             if kind == "linear_attention":
@@ -363,13 +361,12 @@ def _nemotron_h_config(size: ModelSize) -> Any:
 
 
 def _nemotron_h_blocks(config: Any, size: ModelSize, backend: str, ep_enabled: bool) -> list[DecoderBlock]:
-    from fla_ac_isolation.mixers import NemotronHMamba2Mixer
-
+    mamba2_cls = FAMILIES["nemotron_h"].mixer_class()
     eps = config.layer_norm_epsilon
     blocks = []
     for i, kind in enumerate(config.layers_block_type):
         if kind == "linear_attention":
-            blocks.append(DecoderBlock("mamba2", NemotronHMamba2Mixer(config, i, backend=backend), None,
+            blocks.append(DecoderBlock("mamba2", mamba2_cls(config, i, backend=backend), None,
                                        config.hidden_size, eps))
         elif kind == "full_attention":
             attention = PackedAttention(
@@ -392,13 +389,12 @@ def _nemotron_h_blocks(config: Any, size: ModelSize, backend: str, ep_enabled: b
     return blocks
 
 
-FAMILIES: dict[str, Family] = {
-    "qwen3_5_moe": Family("qwen3_5_moe", _qwen3_5_moe_config, _qwen_blocks("Qwen3_5MoeGatedDeltaNet"),
-                          lambda c: c.rms_norm_eps),
-    "qwen3_8": Family("qwen3_8", _qwen3_8_config, _qwen_blocks("Qwen3_8FlashNextGatedDeltaNet"),
-                      lambda c: c.rms_norm_eps),
-    "nemotron_h": Family("nemotron_h", _nemotron_h_config, _nemotron_h_blocks, lambda c: c.layer_norm_epsilon),
+RECIPES: dict[str, TinyDecoderRecipe] = {
+    "qwen3_5_moe": TinyDecoderRecipe(_qwen3_5_moe_config, _qwen_blocks("qwen3_5_moe"), lambda c: c.rms_norm_eps),
+    "qwen3_8": TinyDecoderRecipe(_qwen3_8_config, _qwen_blocks("qwen3_8"), lambda c: c.rms_norm_eps),
+    "nemotron_h": TinyDecoderRecipe(_nemotron_h_config, _nemotron_h_blocks, lambda c: c.layer_norm_epsilon),
 }
+"""The tiny decoder of every family in :data:`fla_ac_isolation.families.FAMILIES` (same keys)."""
 
 
 def build_model(
@@ -411,7 +407,7 @@ def build_model(
     (:func:`~fla_ac_isolation.regression.expert_parallel.apply_expert_parallel`).
 
     Args:
-        family: a key of :data:`FAMILIES`.
+        family: a key of :data:`fla_ac_isolation.families.FAMILIES`.
         size: model sizes.
         backend: the mixers' backend, ``"auto"`` | ``"fla"`` | ``"reference"``.
         ep_enabled: build the MoEs' expert-parallel sharding plan (EP > 1).
@@ -419,11 +415,11 @@ def build_model(
     Raises:
         ValueError: unknown ``family``; ``num_experts`` smaller than ``top_k``.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {family!r}")
+    if family not in RECIPES:
+        raise ValueError(f"model must be one of {sorted(RECIPES)}, got {family!r}")
     if size.top_k > size.num_experts:
         raise ValueError(f"top_k ({size.top_k}) must not exceed num_experts ({size.num_experts})")
-    spec = FAMILIES[family]
+    spec = RECIPES[family]
     config = spec.make_config(size)
     blocks = spec.build_blocks(config, size, backend, ep_enabled)
     model = TinyDecoder(family, config, blocks, size.vocab_size, spec.eps(config))

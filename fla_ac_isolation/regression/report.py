@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fla_ac_isolation.regression.harness import ModeResult, RegressionResult
+from fla_ac_isolation.regression.spec import ModeResult, RegressionResult
 
 __all__ = ["Verdict", "default_rtol", "exit_code", "print_report", "verdicts", "write_json", "write_plot"]
 

@@ -1,7 +1,9 @@
-"""Test support: nothing here is imported by library code.
+"""Test support: shims and switches for test runs; library code never imports this package.
 
-* :mod:`~fla_ac_isolation.testing.fault_stack` - a tiny layer stack reproducing the FLA cache fault on CPU
-  with FLA's real index helpers.
+It may patch FLA and Triton internals (that is its job); the library touches FLA only through
+:mod:`fla_ac_isolation.fla_seam`.
+
+* :mod:`~fla_ac_isolation.testing.autotune` - FLA's Triton autotuners cut to their first config.
 * :mod:`~fla_ac_isolation.testing.triton_interpret` - shims that let FLA's Triton kernels run on a CPU
   under ``TRITON_INTERPRET=1`` (first autotune config only; loop variables with a no-op ``.to()``).
 * :mod:`~fla_ac_isolation.testing.gpu` - GPU-harness switches, e.g. lifting FLA's Hopper/Triton guard

@@ -54,11 +54,9 @@ def lift_hopper_gdn_guard() -> Iterator[bool]:
     """
     import fla.ops.common.chunk_o as chunk_o
 
-    guarded = bool(
-        getattr(chunk_o, "IS_NVIDIA_HOPPER", False)
-        and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
-        and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
-    )
+    from fla_ac_isolation.fla_seam.versions import hopper_gdn_guard_active
+
+    guarded = hopper_gdn_guard_active()
     previous = getattr(chunk_o, "TRITON_ABOVE_3_7_1", None)
     if guarded:
         import triton

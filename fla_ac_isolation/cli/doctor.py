@@ -1,13 +1,17 @@
-"""Environment facts that decide whether and how the FLA cache fault can appear (``fla-ac-isolation doctor``)."""
+"""``fla-ac-isolation doctor``: the environment facts that decide whether and how the FLA cache fault can appear."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import platform
 
 import torch
 
-__all__ = ["environment_report", "sac_replay_semantics"]
+from fla_ac_isolation.cli.console import console, escape
+from fla_ac_isolation.fla_seam import cache, versions
+
+__all__ = ["add_arguments", "environment_report", "run", "sac_replay_semantics"]
 
 
 def _version(dist: str) -> str:
@@ -15,6 +19,23 @@ def _version(dist: str) -> str:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``doctor`` subcommand takes no options."""
+    parser.description = "Print versions, device, FLA cache state and torch's SAC replay semantics."
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print :func:`environment_report` as a table; return 0."""
+    from rich.table import Table
+
+    out = console("fla-ac-isolation doctor")
+    table = Table(title="fla-ac-isolation doctor", show_header=False)
+    for key, value in environment_report().items():
+        table.add_row(escape(key), escape(value))  # versions and device names are foreign text
+    out.print(table)
+    return 0
 
 
 def sac_replay_semantics() -> str:
@@ -35,14 +56,10 @@ def sac_replay_semantics() -> str:
 
 def environment_report() -> dict[str, str]:
     """Versions, device and FLA cache state, as ``{label: value}``."""
-    from fla_ac_isolation import fla_cache
-
     report = {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "fla (fla-core)": _version("fla-core") if _version("fla-core") != "not installed" else _version(
-            "flash-linear-attention"
-        ),
+        "fla (fla-core)": f"{versions.fla_version() or 'not installed'} (tested: {versions.TESTED})",
         "triton": _version("triton"),
         "transformers": _version("transformers"),
         "torchtitan": _version("torchtitan"),
@@ -54,9 +71,9 @@ def environment_report() -> dict[str, str]:
         "SAC replay semantics": sac_replay_semantics(),
     }
     try:
-        report["FLA tensor cache"] = "enabled" if fla_cache.cache_enabled() else "DISABLED (global)"
-        report["FLA tensor cache size"] = str(fla_cache.cache_size())
-        report["FLA cached helpers"] = str(len(fla_cache.cached_helpers()))
+        report["FLA tensor cache"] = "enabled" if cache.cache_enabled() else "DISABLED (global)"
+        report["FLA tensor cache size"] = str(cache.cache_size())
+        report["FLA cached helpers"] = str(len(cache.cached_helpers()))
     except ImportError as e:  # fla missing or broken
         report["FLA tensor cache"] = f"unavailable ({e})"
     return report

@@ -5,30 +5,25 @@ kernel wrapper does), then runs float and integer ``sub``s and ``_to_copy``s tha
 save. Handing every layer one shared ``cu_seqlens`` object makes a checkpointed layer's recompute skip
 (or add) the helpers' ops, which shifts SAC's replay; handing it a :class:`LayerLocalSeqlens` does not.
 
-Used by the core tests, the audit tests, the audit example and the benchmarks; not a model to train.
-
-Modes of :func:`run_stack`:
-    ``no-ac``          reference: no checkpointing, shared ``cu_seqlens``.
-    ``shared``         checkpointed, one shared ``cu_seqlens`` object (the unsafe path).
-    ``isolated``       checkpointed, one :class:`LayerLocalSeqlens`; each layer calls ``.local()``.
-    ``global-disable`` checkpointed, shared ``cu_seqlens``, FLA's cache disabled for forward + backward.
+Used by ``fla-ac-isolation audit --model fault-stack``, the core and audit tests and the audit example;
+not a model to train. :func:`run_stack` runs one step in any of the :mod:`~fla_ac_isolation.modes`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fla_ac_isolation.fla_cache import clear_tensor_cache, tensor_cache_disabled
+from fla_ac_isolation.failures import first_line
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
+from fla_ac_isolation.fla_seam.layout import prepare_chunk_indices, prepare_position_ids
+from fla_ac_isolation.modes import get_mode
 from fla_ac_isolation.policies import Policy, checkpoint_layers
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
-__all__ = ["MODES", "HelperLayer", "HelperStack", "StackResult", "run_stack"]
-
-MODES = ("no-ac", "shared", "isolated", "global-disable")
+__all__ = ["HelperLayer", "HelperStack", "StackResult", "run_stack"]
 
 
 class HelperLayer(nn.Module):
@@ -44,8 +39,7 @@ class HelperLayer(nn.Module):
         self.gate = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, seqlens: LayerLocalSeqlens | torch.Tensor) -> torch.Tensor:
-        from fla.ops.utils.index import prepare_chunk_indices, prepare_position_ids
-
+        # a raw tensor is what models pass today; SharedSeqlens.local() hands out the same object too
         cu = seqlens.local().cu_seqlens if isinstance(seqlens, LayerLocalSeqlens) else seqlens
         pos = prepare_position_ids(cu)  # [T] position inside each document
         chunks = prepare_chunk_indices(cu, self.chunk_size)  # [NC, 2] (document, chunk)
@@ -78,8 +72,6 @@ class HelperStack(nn.Module):
         for layer in self.layers:
             x = layer(x, seqlens)
         if evict_with is not None:
-            from fla.ops.utils.index import prepare_chunk_indices, prepare_position_ids
-
             prepare_position_ids(evict_with)
             prepare_chunk_indices(evict_with, self.chunk_size)
         return x
@@ -118,28 +110,25 @@ def run_stack(
     ``policy=None`` means full AC. Errors raised by the backward are caught and returned in ``error``
     (first line), so a fault matrix can assert on them.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    run_mode = get_mode(mode)
     torch.manual_seed(seed)
     model = HelperStack(num_layers=num_layers)
     x = torch.randn(sum(seq_lens), model.layers[0].proj.in_features)
-    if mode != "no-ac":
+    if run_mode.checkpointed:
         checkpoint_layers(
             model, mode="selective" if policy is not None else "full", policy=policy, freq=freq,
             early_stop=early_stop,
         )
-    seqlens = LayerLocalSeqlens.from_seq_lens(list(seq_lens), dtype=dtype, with_cpu=False)
-    cu = seqlens.local().cu_seqlens  # one object for the whole forward (the shared modes)
+    seqlens = run_mode.from_seq_lens(list(seq_lens), dtype=dtype, with_cpu=False)
     evict_with = LayerLocalSeqlens.from_seq_lens([3, 3], dtype=dtype).local().cu_seqlens if evict else None
     clear_tensor_cache()
-    ctx = tensor_cache_disabled() if mode == "global-disable" else contextlib.nullcontext()
     try:
-        with ctx, torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
-            out = model(x, seqlens if mode == "isolated" else cu, evict_with=evict_with)
+        with run_mode.cache_context(), torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            out = model(x, seqlens, evict_with=evict_with)
             loss = (out.float() ** 2).mean()
             loss.backward()
     except Exception as e:  # noqa: BLE001 - the fault matrix asserts on the error text
-        return StackResult(mode, None, None, f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        return StackResult(mode, None, None, first_line(e))
     # named_parameters() keeps checkpoint_wrapper's prefix; drop it so every mode uses the same names
     grads = {
         name.replace("._checkpoint_wrapped_module", ""): p.grad.detach().clone()

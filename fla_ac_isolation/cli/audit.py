@@ -6,9 +6,10 @@ backward on one packed batch in a single process (no expert parallelism: the aud
 recompute of each block, which EP does not change), and prints every checkpointed region's verdict with
 its FLA cache hits/misses per pass, then the explanation of each divergence.
 
-Models: the regression families (``qwen3_5_moe``, ``qwen3_8``, ``nemotron_h``; tiny decoders from
-:mod:`fla_ac_isolation.regression.model`, batch of step 0 of the 2-rank regression data) and
-``fault-stack`` (:mod:`fla_ac_isolation.testing.fault_stack`, FLA's index helpers without kernels).
+Models: the families of :data:`fla_ac_isolation.families.FAMILIES` (``qwen3_5_moe``, ``qwen3_8``,
+``nemotron_h``; tiny decoders from :mod:`fla_ac_isolation.regression.model`, batch of step 0 of the
+2-rank regression data; they need the ``ep`` extra) and ``fault-stack`` (:mod:`fla_ac_isolation.fault_stack`,
+FLA's index helpers without kernels). Modes: those of :mod:`fla_ac_isolation.modes` that checkpoint.
 
 Example::
 
@@ -22,28 +23,28 @@ invalid arguments. The unsafe ``shared`` mode never changes the exit code (it is
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from dataclasses import dataclass
 
-__all__ = ["AuditRun", "add_arguments", "audit_step", "run"]
+from fla_ac_isolation.audit import ReplayAudit
+from fla_ac_isolation.cli.console import add_policy_arguments, parse_modes
+from fla_ac_isolation.extras import require
+from fla_ac_isolation.failures import first_line
+from fla_ac_isolation.families import FAMILY_NAMES
+from fla_ac_isolation.modes import MODES, Mode, get_mode
+from fla_ac_isolation.ops import BACKENDS
+from fla_ac_isolation.policies import POLICIES
 
-AUDIT_MODES = ("shared", "isolated", "global-disable")
+__all__ = ["AUDIT_MODES", "AuditRun", "add_arguments", "audit_step", "run"]
+
+AUDIT_MODES: tuple[str, ...] = tuple(name for name, mode in MODES.items() if mode.checkpointed)
+"""The modes an audit can run: those that checkpoint (``no-ac`` has no recompute to compare)."""
 FAULT_STACK = "fault-stack"
-
-
-def _families() -> tuple[str, ...]:
-    try:
-        from fla_ac_isolation.regression.model import FAMILIES
-    except ImportError:  # regression extras (torchtitan) missing: the fault stack still works
-        return ()
-    return tuple(sorted(FAMILIES))
+MODELS: tuple[str, ...] = (*FAMILY_NAMES, FAULT_STACK)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``audit`` options to ``parser``."""
-    from fla_ac_isolation.policies import POLICIES
-
     parser.description = (
         "Run one training step of a tiny model under ReplayAudit in the unsafe 'shared' mode (one cu_seqlens "
         "object for every layer) and in 'isolated' mode (LayerLocalSeqlens), and print, per checkpointed "
@@ -51,15 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "FLA's index-helper cache hits/misses per pass."
     )
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    parser.add_argument("--model", choices=(*_families(), FAULT_STACK), default="qwen3_5_moe",
+    parser.add_argument("--model", choices=MODELS, default="qwen3_5_moe",
                         help="model family, or the FLA-helper fault stack")
-    parser.add_argument("--ac", choices=("full", "selective"), default="selective", help="activation checkpointing")
-    parser.add_argument("--policy", choices=sorted(POLICIES), default="save-all-copies",
-                        help="SAC policy (with --ac selective)")
-    parser.add_argument("--freq", type=int, choices=(1, 2, 4), default=1, help="checkpoint every N-th block")
+    add_policy_arguments(parser)
     parser.add_argument("--modes", default="shared,isolated",
                         help="comma-separated subset of " + ", ".join(AUDIT_MODES))
-    parser.add_argument("--backend", choices=("auto", "fla", "reference"), default="auto",
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="mixer backend of the families (auto: FLA kernels on CUDA, reference on CPU)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if present")
     parser.add_argument("--hidden-size", type=int, default=128, help="family model width")
@@ -76,7 +74,7 @@ class AuditRun:
     """One audited step: the mode, the audit (with its region reports) and the step's error, if any."""
 
     mode: str
-    audit: object  # ReplayAudit
+    audit: ReplayAudit
     error: str | None
 
     @property
@@ -84,41 +82,30 @@ class AuditRun:
         return self.audit.ok and bool(self.audit.regions)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+def _policy(args: argparse.Namespace):
+    return POLICIES[args.policy]() if args.ac == "selective" else None
 
 
-def _policy(ac: str, policy: str):
-    if ac == "full":
-        return None
-    from fla_ac_isolation.policies import POLICIES
-
-    return POLICIES[policy]()
-
-
-def _fault_stack_step(mode: str, args: argparse.Namespace) -> AuditRun:
-    from fla_ac_isolation.audit import ReplayAudit
-    from fla_ac_isolation.testing.fault_stack import run_stack
+def _fault_stack_step(mode: Mode, args: argparse.Namespace) -> AuditRun:
+    from fla_ac_isolation.fault_stack import run_stack
 
     with ReplayAudit(on_divergence="record") as audit:
-        res = run_stack(mode, _policy(args.ac, args.policy), num_layers=args.layers, freq=args.freq,
+        res = run_stack(mode.name, _policy(args), num_layers=args.layers, freq=args.freq,
                         early_stop=not args.no_early_stop, seed=args.seed)
-    return AuditRun(mode, audit, res.error)
+    return AuditRun(mode.name, audit, res.error)
 
 
-def _family_step(mode: str, args: argparse.Namespace) -> AuditRun:
-    """One step of a regression family on one process; the hook for new families is ``FAMILIES``."""
+def _family_step(mode: Mode, args: argparse.Namespace) -> AuditRun:
+    """One step of a regression family's tiny decoder on one process (no expert parallelism)."""
     import torch
     import torch.nn.functional as F
 
-    from fla_ac_isolation.audit import ReplayAudit
-    from fla_ac_isolation.fla_cache import clear_tensor_cache, tensor_cache_disabled
+    require("torchtitan", "ep", f"fla-ac-isolation audit --model {args.model}")
+    from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
     from fla_ac_isolation.policies import checkpoint_layers
     from fla_ac_isolation.regression.data import global_batch
     from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
     from fla_ac_isolation.regression.model import ModelSize, build_model
-    from fla_ac_isolation.seqlens import LayerLocalSeqlens, SharedSeqlens
 
     device = torch.device(args.device)
     ensure_torch_compat()
@@ -126,50 +113,42 @@ def _family_step(mode: str, args: argparse.Namespace) -> AuditRun:
     size = ModelSize(args.hidden_size, args.layers, args.experts, args.top_k)
     torch.manual_seed(args.seed)
     model = build_model(args.model, size, backend=args.backend, ep_enabled=False).to(device)
-    policy = _policy(args.ac, args.policy)
-    checkpoint_layers(model, mode="selective" if policy is not None else "full", policy=policy, freq=args.freq,
-                      early_stop=not args.no_early_stop)
+    checkpoint_layers(model, mode=args.ac, policy=_policy(args), freq=args.freq, early_stop=not args.no_early_stop)
     model.train()
     batch = global_batch(0, 2, seed=args.seed, vocab_size=size.vocab_size)
-    seqlens_cls = LayerLocalSeqlens if mode == "isolated" else SharedSeqlens
-    seqlens = seqlens_cls.from_seq_lens(list(batch.seq_lens), device=device)
+    seqlens = mode.from_seq_lens(list(batch.seq_lens), device=device)
     input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
     clear_tensor_cache()
-    disable = tensor_cache_disabled() if mode == "global-disable" else contextlib.nullcontext()
     error = None
-    with ReplayAudit(model, on_divergence="record") as audit, disable, \
+    with ReplayAudit(model, on_divergence="record") as audit, mode.cache_context(), \
             torch.utils.checkpoint.set_checkpoint_early_stop(not args.no_early_stop):
         try:
             logits = model(input_ids, seqlens)
             loss = F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
             (loss / batch.num_targets_global).backward()
         except Exception as err:  # noqa: BLE001 - reported next to the audit's verdicts
-            error = _first_line(err)
-    return AuditRun(mode, audit, error)
+            error = first_line(err)
+    return AuditRun(mode.name, audit, error)
 
 
 def audit_step(mode: str, args: argparse.Namespace) -> AuditRun:
-    """Run one audited step of ``args.model`` in ``mode`` (``shared`` | ``isolated`` | ``global-disable``).
+    """Run one audited step of ``args.model`` in ``mode`` (one of :data:`AUDIT_MODES`).
 
     Raises:
         ValueError: unknown mode or model.
     """
     if mode not in AUDIT_MODES:
         raise ValueError(f"mode must be one of {AUDIT_MODES}, got {mode!r}")
-    if args.model == FAULT_STACK:
-        return _fault_stack_step(mode, args)
-    if args.model not in _families():
-        raise ValueError(f"model must be one of {(*_families(), FAULT_STACK)}, got {args.model!r}")
-    return _family_step(mode, args)
+    if args.model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {args.model!r}")
+    step = _fault_stack_step if args.model == FAULT_STACK else _family_step
+    return step(get_mode(mode), args)
 
 
 def _validate(args: argparse.Namespace) -> list[str]:
     import torch
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in AUDIT_MODES]
-    if bad or not modes:
-        raise ValueError(f"--modes must be a non-empty subset of {', '.join(AUDIT_MODES)}, got {args.modes!r}")
+    modes = parse_modes(args.modes, AUDIT_MODES)
     for name in ("layers", "hidden_size", "experts", "top_k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -1,4 +1,4 @@
-"""``fla-ac-isolation regress``: the EP regression from the command line.
+"""``fla-ac-isolation regress``: the EP regression (:mod:`fla_ac_isolation.regression`) from the command line.
 
 Example (the README's main job; about a minute on a 2-core CPU machine)::
 
@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+
+from fla_ac_isolation.cli.console import add_policy_arguments, console, parse_modes
+from fla_ac_isolation.extras import require
+from fla_ac_isolation.families import FAMILY_NAMES
+from fla_ac_isolation.modes import MODE_NAMES
+from fla_ac_isolation.ops import BACKENDS
 
 __all__ = ["add_arguments", "run"]
 
@@ -30,10 +35,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``regress`` options to ``parser``."""
-    from fla_ac_isolation.policies import POLICIES
-    from fla_ac_isolation.regression.harness import MODES
-
-    families = ("qwen3_5_moe", "qwen3_8", "nemotron_h")
     parser.description = (
         "Train a tiny MoE model of a family a few AdamW steps under expert parallelism (torchtitan's MoE and "
         "all-to-all dispatcher) in four modes - no-ac (reference), shared (unsafe: one cu_seqlens object for "
@@ -41,14 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gradients. Exit 0 when isolated and global-disable match no-ac."
     )
     parser.formatter_class = _HelpFormatter
-    parser.add_argument("--model", choices=families, default="qwen3_5_moe", help="model family")
+    parser.add_argument("--model", choices=FAMILY_NAMES, default="qwen3_5_moe", help="model family")
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel degree = number of ranks")
     parser.add_argument("--steps", type=int, default=3, help="AdamW steps per mode")
-    parser.add_argument("--ac", choices=("full", "selective"), default="selective", help="activation checkpointing")
-    parser.add_argument("--policy", choices=sorted(POLICIES), default="save-all-copies",
-                        help="SAC policy (with --ac selective)")
-    parser.add_argument("--freq", type=int, choices=(1, 2, 4), default=1, help="checkpoint every N-th block")
-    parser.add_argument("--backend", choices=("auto", "fla", "reference"), default="auto",
+    add_policy_arguments(parser)
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="mixer backend (auto: FLA kernels on CUDA, reference on CPU)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda when at least --ep GPUs are visible, else cpu")
@@ -58,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4, help="decoder blocks")
     parser.add_argument("--experts", type=int, default=16, help="routed experts per MoE")
     parser.add_argument("--top-k", type=int, default=4, help="experts per token")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help="comma-separated subset of " + ", ".join(MODES) + " (no-ac always runs)")
+    parser.add_argument("--modes", default=",".join(MODE_NAMES),
+                        help="comma-separated subset of " + ", ".join(MODE_NAMES) + " (no-ac always runs)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--rtol", type=float, default=None,
@@ -76,14 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _spec(args: argparse.Namespace):
     import torch
 
-    from fla_ac_isolation.regression.harness import RegressionSpec
+    from fla_ac_isolation.regression.spec import RegressionSpec
 
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ep else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     hidden = args.hidden_size or (512 if device == "cuda" else 128)
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    modes = tuple(parse_modes(args.modes, MODE_NAMES))
     return RegressionSpec(
         model=args.model, ep=args.ep, steps=args.steps, ac=args.ac, policy=args.policy, freq=args.freq,
         backend=args.backend, device=device, dtype=dtype, hidden_size=hidden, num_layers=args.layers,
@@ -94,17 +92,16 @@ def _spec(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """Run the regression for parsed ``args``; print the report (rank 0); return the exit code."""
-    from rich.console import Console
-
+    out = console("fla-ac-isolation regress")
+    require("torchtitan", "ep", "fla-ac-isolation regress")
     from fla_ac_isolation.regression import report
-    from fla_ac_isolation.regression.harness import run_regression, under_torchrun
+    from fla_ac_isolation.regression.run import run_regression
+    from fla_ac_isolation.regression.torchrun import under_torchrun
 
-    # a wide console when writing to a pipe or CI log (rich would assume 80 columns)
-    console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
         spec = _spec(args)
     except ValueError as err:
-        console.print(f"[red]fla-ac-isolation regress: error:[/red] {err}")
+        out.print(f"[red]fla-ac-isolation regress: error:[/red] {err}")
         return 2
     is_rank0 = not under_torchrun() or os.environ.get("RANK") == "0"
     progress = None
@@ -112,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         progress = Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True)
+                            TimeElapsedColumn(), console=out, transient=True)
     modes = spec.ordered_modes
     total = len(modes) * spec.steps
 
@@ -129,11 +126,11 @@ def run(args: argparse.Namespace) -> int:
             result = run_regression(spec, on_step=on_step)
     code = report.exit_code(result, args.rtol)
     if is_rank0:
-        report.print_report(result, rtol=args.rtol, verbose=args.verbose, console=console)
+        report.print_report(result, rtol=args.rtol, verbose=args.verbose, console=out)
         if args.json:
             report.write_json(result, args.json, args.rtol)
-            console.print(f"wrote {args.json}")
+            out.print(f"wrote {args.json}")
         if args.plot:
             report.write_plot(result, args.plot, args.rtol)
-            console.print(f"wrote {args.plot}")
+            out.print(f"wrote {args.plot}")
     return code

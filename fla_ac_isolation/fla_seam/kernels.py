@@ -1,4 +1,4 @@
-"""FLA kernel backend: the three varlen operations of :mod:`fla_ac_isolation.ops` on FLA's Triton kernels.
+"""The ``fla`` backend of :mod:`fla_ac_isolation.ops`: its three varlen operations on FLA's Triton kernels.
 
 Each function has the signature and semantics of its twin in :mod:`~fla_ac_isolation.ops.reference`
 (the parity oracle); read that module for the maths. This one only maps our arguments onto FLA 0.6:
@@ -20,24 +20,23 @@ Each function has the signature and semantics of its twin in :mod:`~fla_ac_isola
 returned by :meth:`~fla_ac_isolation.LayerLocalSeqlens.local` so each layer gets its own objects.
 ``chunk_indices`` (the conv and the gated delta rule) is passed with ``chunk_size=CHUNK_SIZE`` where FLA
 takes a chunk size; FLA's conv has a fixed chunk size, so the schedule is only handed to it while that
-size (read from FLA's signature) is :data:`~fla_ac_isolation.seqlens.CHUNK_SIZE`, and otherwise left for
-FLA to compute. A schedule for another chunk size would be read silently wrong by the kernel.
+size is :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`
+(:func:`~fla_ac_isolation.fla_seam.layout.conv_takes_chunk_indices`), and otherwise left for FLA to
+compute. A schedule for another chunk size would be read silently wrong by the kernel.
 
-FLA is imported on first use, so importing this module costs nothing and works without a GPU. The
-kernels need CUDA tensors (or ``TRITON_INTERPRET=1`` with :mod:`fla_ac_isolation.testing` shims on CPU).
+FLA is imported inside each function, never at import. The kernels need CUDA tensors (or
+``TRITON_INTERPRET=1`` with :mod:`fla_ac_isolation.testing` shims on CPU).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import os
 
 import torch
 
+from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
 from fla_ac_isolation.ops.reference import discretize_dt
-from fla_ac_isolation.seqlens import CHUNK_SIZE
 
 __all__ = ["causal_conv1d", "chunk_gated_delta_rule", "ssd"]
 
@@ -49,19 +48,6 @@ def _check_device(t: torch.Tensor) -> None:
             "backend='fla' needs CUDA tensors (FLA's Triton kernels have no CPU backend); got CPU tensors. "
             "Use backend='reference' (or 'auto') on CPU, or TRITON_INTERPRET=1 for kernel tests."
         )
-
-
-@functools.cache
-def _conv_takes_our_chunks() -> bool:
-    """Whether FLA's Triton conv cuts time into :data:`CHUNK_SIZE`-token chunks in forward and backward."""
-    from fla.modules.causal_conv1d.ops import CausalConv1dFunction, causal_conv1d_bwd
-
-    sizes = {
-        inspect.signature(fn).parameters["chunk_size"].default
-        for fn in (CausalConv1dFunction.forward, inspect.unwrap(causal_conv1d_bwd))
-        if "chunk_size" in inspect.signature(fn).parameters
-    }
-    return sizes == {CHUNK_SIZE}
 
 
 def causal_conv1d(
@@ -89,7 +75,7 @@ def causal_conv1d(
         backend="triton",
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
-        chunk_indices=chunk_indices if _conv_takes_our_chunks() else None,
+        chunk_indices=chunk_indices if conv_takes_chunk_indices() else None,
     )
     return y
 

@@ -1,0 +1,60 @@
+"""The text of a divergence: what differed, why (FLA's cache, or other state), and the fix.
+
+:func:`explain` names the region, the op index, the innermost module running there, both ops, the FLA
+helpers whose cache state differed (when FLA is involved) and what to do. A divergence that no FLA helper
+explains is described as state that changed between forward and backward, without blaming FLA.
+"""
+
+from __future__ import annotations
+
+from fla_ac_isolation.audit.records import CacheDifference
+
+__all__ = ["explain"]
+
+
+VERBS = {"miss": "missed", "hit": "hit", "bypass": "bypassed the cache", "not called": "was not called"}
+
+
+def explain(label: str, where: str | None, idx: int, fwd_op: str, rec_op: str, diffs: list[CacheDifference]) -> str:
+    inside = f" (in {where})" if where and where != label else ""
+    lines = [f"ReplayAudit: region {label}: recompute op #{idx}{inside} is {rec_op}, forward had {fwd_op}."]
+    main = [d for d in diffs if "not called" not in (d.forward, d.recompute)] or diffs
+    if main:
+        groups: dict[tuple[str, str], list[str]] = {}
+        for d in main:
+            groups.setdefault((d.forward, d.recompute), []).append(d.helper)
+        for (f, r), helpers in groups.items():
+            lines.append(
+                f"FLA {', '.join(helpers)} {VERBS[f]} in forward and {VERBS[r]} in recompute."
+            )
+        if any(d.forward == "miss" and d.recompute == "hit" for d in main):
+            lines.append(
+                "The cu_seqlens object this region passed to FLA was already in FLA's tensor_cache when the "
+                "recompute ran, because it is shared with other layers."
+            )
+        if any(d.forward == "hit" and d.recompute == "miss" for d in main):
+            lines.append(
+                "An entry this region hit in forward was evicted from FLA's tensor_cache before its "
+                "recompute (other calls in between filled the queue)."
+            )
+        lines.append(
+            "Fix: give each layer its own cu_seqlens (build a LayerLocalSeqlens once per forward and call "
+            ".local() inside each layer's forward), or disable FLA's cache (tensor_cache_disabled())."
+        )
+    else:
+        lines.append(
+            "Something inside the region reads state that changed between forward and backward (a cache "
+            "keyed by object identity, a "
+            "memoised mask or index builder, a global flag or counter, data-dependent control flow)."
+        )
+        lines.append(
+            "Fix: make the checkpointed region a pure function of its inputs: build that state outside the "
+            "region and pass it in, or build it fresh inside the region on every call."
+        )
+    lines.append(
+        "Under selective AC the saved outputs after this point are replayed into the wrong ops (an error "
+        "later in backward, or silently wrong gradients); under full AC the recompute can save tensors "
+        "that do not match the forward's."
+    )
+    return "\n".join(lines)
+

@@ -1,0 +1,156 @@
+"""The dispatch mode that records one pass of one region and compares a recompute with its forward op by op."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fla_ac_isolation.audit.explain import explain
+from fla_ac_isolation.audit.records import OpRecord, Pass, Region, cache_differences, format_op, op_name, out_meta
+
+if TYPE_CHECKING:
+    from fla_ac_isolation.audit.replay_audit import ReplayAudit
+
+__all__ = ["PassRecorder", "ReplayDivergenceError", "ReplayDivergenceWarning"]
+
+
+class ReplayDivergenceError(RuntimeError):
+    """A recompute ran a different op than its forward at the same position (``on_divergence="raise"``)."""
+
+
+class ReplayDivergenceWarning(UserWarning):
+    """A recompute diverged from its forward (``on_divergence="warn"``)."""
+
+
+class PassRecorder(TorchDispatchMode):
+    """Records one pass (forward or recompute) of one region; enters the user's context around itself.
+
+    The user's context (e.g. SAC's caching/cached dispatch mode) is entered first, so this mode sits on
+    top of the mode stack and sees every op before SAC does, including ops SAC then answers from storage.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # as SAC: compiled graphs run whole (one inductor_compiled_code op)
+
+    def __init__(self, audit: ReplayAudit, region: Region, kind: str, inner: Any, label_from: Any) -> None:
+        super().__init__()
+        self._audit = audit
+        self._region = region
+        self._kind = kind
+        self._inner = inner
+        self._label_from = label_from
+        self._stack: contextlib.ExitStack | None = None
+        self._pass: Pass | None = None
+        self._forward_ops: list[OpRecord] = []
+        self._ignored = audit._ignored
+
+    # -- lifecycle
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        if self._inner is not None:
+            stack.enter_context(self._inner)
+        probe = self._audit._probe
+        if probe is None:  # used outside `with ReplayAudit()`: no shared probe, so no FLA telemetry
+            probe_events = None
+        else:
+            probe_events = probe.events
+        self._events_src = probe_events
+        self._events_start = len(probe_events) if probe_events is not None else 0
+        p = Pass(self._kind)  # type: ignore[arg-type]
+        self._pass = p
+        region = self._region
+        if self._kind == "forward":
+            region.forward = p
+            if region.label is None:
+                region.label = self._audit._namer.label_for(self._label_from, self._audit._next_index)
+            self._audit._add_region(region)
+        else:
+            if region.forward is None:
+                raise RuntimeError("ReplayAudit: a recompute started for a region whose forward was not recorded")
+            region.recomputes.append(p)
+            self._forward_ops = region.forward.ops
+        self._stack = stack
+        try:
+            return super().__enter__()
+        except BaseException:
+            stack.close()
+            raise
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            p = self._pass
+            self._collect_events()
+            p.done = True
+            p.complete = exc_type is None
+            if exc_type is not None:
+                from torch.utils.checkpoint import _StopRecomputationError
+
+                if issubclass(exc_type, _StopRecomputationError):
+                    p.stopped_early = True
+                elif not issubclass(exc_type, ReplayDivergenceError):
+                    p.error = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            try:
+                if (
+                    self._kind == "recompute"
+                    and p.complete
+                    and p.first_diff is None
+                    and len(p.ops) < len(self._forward_ops)
+                ):
+                    self._diverge(len(p.ops), None)  # the recompute ended before its forward did
+            finally:
+                stack, self._stack = self._stack, None
+                stack.__exit__(exc_type, exc, tb)
+        return False
+
+    def _collect_events(self) -> None:
+        if self._events_src is not None:
+            self._pass.events = self._events_src[self._events_start:]
+
+    # -- recording
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._ignored:
+            return func(*args, **kwargs)
+        p = self._pass
+        if self._kind == "forward":
+            out = func(*args, **kwargs)
+            p.ops.append((func, out_meta(out)))
+            return out
+        i = len(p.ops)
+        fwd = self._forward_ops
+        check = p.first_diff is None
+        if check and (i >= len(fwd) or fwd[i][0] is not func):
+            self._diverge(i, (func, None))  # before running it: SAC has not replayed anything yet
+            check = False
+        out = func(*args, **kwargs)
+        rec = (func, out_meta(out))
+        p.ops.append(rec)
+        if check and fwd[i][1] != rec[1]:
+            self._diverge(i, rec)
+        return out
+
+    def _diverge(self, i: int, rec: OpRecord | None) -> None:
+        p = self._pass
+        p.first_diff = i
+        fwd = self._forward_ops
+        fwd_op = format_op(fwd[i] if i < len(fwd) else None, f"<end of forward after {len(fwd)} ops>")
+        if rec is not None and rec[1] is None:
+            rec_op = op_name(rec[0])
+        else:
+            rec_op = format_op(rec, f"<end of recompute after {i} ops>")
+        self._collect_events()
+        if rec is not None:
+            p.where = self._audit._namer.where(self._region.label)
+        diffs = cache_differences(self._region.forward.events, p.events, rec_complete=rec is None)
+        p.message = explain(self._region.label, p.where, i, fwd_op, rec_op, diffs)
+        mode = self._audit.on_divergence
+        if mode == "raise":
+            raise ReplayDivergenceError(p.message)
+        if mode == "warn":
+            warnings.warn(p.message, ReplayDivergenceWarning, stacklevel=2)

@@ -1,0 +1,140 @@
+"""What the audit records: per region, each pass's ops (op, output metadata) and FLA cache events.
+
+* :data:`OpRecord` - one recorded op: ``(op overload, per output leaf (shape, dtype, device) or type name)``;
+  plain tuples keep the per-op cost and memory low, and nothing refers to a tensor.
+* :class:`Pass` / :class:`Region` - one forward or recompute, and one checkpointed call with its passes.
+* :class:`CacheDifference` and :func:`cache_differences` - FLA helpers whose hit/miss differed between the
+  forward and a recompute (the n-th call of each helper in one pass against its n-th call in the other).
+* :func:`ignored_ops`, :func:`out_meta`, :func:`format_op` - what is recorded and how an op is printed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from fla_ac_isolation.fla_seam.cache import CacheEvent
+
+__all__ = [
+    "CacheDifference",
+    "OpRecord",
+    "Pass",
+    "Region",
+    "by_helper",
+    "cache_differences",
+    "format_op",
+    "ignored_ops",
+    "op_name",
+    "out_meta",
+]
+
+
+def ignored_ops() -> frozenset:
+    """Ops SAC does not count (and neither do we): its own list where torch has one."""
+    import torch.utils.checkpoint as cp
+
+    ops = getattr(cp, "SAC_IGNORED_OPS", None)
+    if ops is None:  # older torch: detach and prim.device are the ones that differ between passes
+        ops = {torch.ops.aten.detach.default, torch.ops.prim.device.default}
+    return frozenset(ops)
+
+
+OpRecord = tuple[Any, tuple]
+
+
+def out_meta(out: Any) -> tuple:
+    meta = []
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            meta.append((tuple(leaf.shape), leaf.dtype, leaf.device))
+        else:
+            meta.append(type(leaf).__name__)
+    return tuple(meta)
+
+
+def format_op(rec: OpRecord | None, end_note: str = "") -> str:
+    if rec is None:
+        return end_note or "<nothing>"
+    op, meta = rec
+    outs = []
+    for m in meta:
+        if isinstance(m, tuple):
+            shape, dtype, device = m
+            outs.append(f"{list(shape)} {str(dtype).removeprefix('torch.')} {device}")
+        else:
+            outs.append(m)
+    return f"{op_name(op)} -> " + (", ".join(outs) if outs else "()")
+
+
+def op_name(op: Any) -> str:
+    name = str(op)
+    return name if name.startswith(("aten.", "prim.", "prims.")) else getattr(op, "__name__", name)
+
+
+@dataclass(frozen=True)
+class CacheDifference:
+    """An FLA cached helper whose cache state differed between the forward and a recompute.
+
+    ``forward`` / ``recompute`` are ``"hit"``, ``"miss"``, ``"bypass"`` or ``"not called"`` (its n-th
+    call happened in one pass only; nested helper calls, e.g. ``prepare_lens`` inside a missing
+    ``prepare_chunk_indices``, show up that way).
+    """
+
+    helper: str
+    forward: str
+    recompute: str
+
+
+@dataclass
+class Pass:
+    kind: Literal["forward", "recompute"]
+    ops: list[OpRecord] = field(default_factory=list)
+    events: list[CacheEvent] = field(default_factory=list)
+    done: bool = False
+    complete: bool = False  # ran to its end (no early stop, no error)
+    stopped_early: bool = False
+    error: str | None = None
+    first_diff: int | None = None  # recompute only
+    where: str | None = None  # innermost module running at the first divergent op
+    message: str | None = None
+
+
+@dataclass
+class Region:
+    index: int
+    label: str | None
+    forward: Pass | None = None
+    recomputes: list[Pass] = field(default_factory=list)
+
+
+def by_helper(events: list[CacheEvent]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for e in events:
+        out.setdefault(e.helper, {"hit": 0, "miss": 0, "bypass": 0})[e.outcome] += 1
+    return out
+
+
+def cache_differences(fwd: list[CacheEvent], rec: list[CacheEvent], rec_complete: bool) -> list[CacheDifference]:
+    """Pair each helper's n-th call in forward with its n-th call in the recompute; list the mismatches."""
+    per_fwd: dict[str, list[str]] = {}
+    per_rec: dict[str, list[str]] = {}
+    for e in fwd:
+        per_fwd.setdefault(e.helper, []).append(e.outcome)
+    for e in rec:
+        per_rec.setdefault(e.helper, []).append(e.outcome)
+    order = list(dict.fromkeys([e.helper for e in rec] + [e.helper for e in fwd]))
+    diffs = []
+    for helper in order:
+        f, r = per_fwd.get(helper, []), per_rec.get(helper, [])
+        pair = next(((a, b) for a, b in zip(f, r) if a != b), None)
+        if pair is not None:
+            diffs.append(CacheDifference(helper, *pair))
+        elif len(r) > len(f):
+            diffs.append(CacheDifference(helper, "not called", r[len(f)]))
+        elif len(f) > len(r) and rec_complete:
+            diffs.append(CacheDifference(helper, f[len(r)], "not called"))
+    return diffs
+

@@ -1,0 +1,43 @@
+"""The ``fla-ac-isolation`` command: ``doctor | regress | audit``, each subcommand in its own module.
+
+* :mod:`~fla_ac_isolation.cli.doctor` - versions, device, FLA cache state, SAC replay semantics;
+* :mod:`~fla_ac_isolation.cli.regress` - the EP regression (:mod:`fla_ac_isolation.regression`);
+* :mod:`~fla_ac_isolation.cli.audit` - one step of a tiny model under :class:`~fla_ac_isolation.ReplayAudit`;
+* :mod:`~fla_ac_isolation.cli.console` - what they share: the console, policy lookup, foreign-text escaping.
+
+Each subcommand module has ``add_arguments(parser)`` and ``run(args) -> exit code``; this module only
+parses and dispatches. The command needs the ``cli`` extra (rich, matplotlib); ``regress`` and the family
+models of ``audit`` also need ``ep`` (torchtitan). A missing extra is reported with the ``pip install``
+that brings it (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from fla_ac_isolation.cli import audit, doctor, regress
+from fla_ac_isolation.extras import MissingExtraError
+
+__all__ = ["main"]
+
+_SUBCOMMANDS = {"doctor": doctor, "regress": regress, "audit": audit}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand, return its exit code."""
+    parser = argparse.ArgumentParser(
+        prog="fla-ac-isolation",
+        description="Make FLA layers safe under activation checkpointing: check, regress, audit.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module in _SUBCOMMANDS.items():
+        module.add_arguments(sub.add_parser(name))
+    args = parser.parse_args(argv)
+    try:
+        return int(_SUBCOMMANDS[args.command].run(args) or 0)
+    except MissingExtraError as err:
+        print(f"fla-ac-isolation {args.command}: error: {err}", file=sys.stderr)
+        return 2
+

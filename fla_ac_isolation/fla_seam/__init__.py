@@ -1,0 +1,16 @@
+"""The seam to flash-linear-attention (FLA): the only place in the package that imports ``fla``.
+
+Everything this project knows about FLA (fla-core 0.6) lives in the modules of this package:
+
+* :mod:`~fla_ac_isolation.fla_seam.cache` - FLA's identity-keyed ``tensor_cache``: the global switch, the
+  queue size, the hit/miss probe (public as :mod:`fla_ac_isolation.fla_cache`).
+* :mod:`~fla_ac_isolation.fla_seam.layout` - FLA's chunk layout: :data:`~.layout.CHUNK_SIZE`, the chunk
+  schedule (:func:`~.layout.chunk_indices_for`) and FLA's own index helpers, for the reference backend.
+* :mod:`~fla_ac_isolation.fla_seam.kernels` - the calls into FLA's Triton kernels (causal conv, gated delta
+  rule, simple GLA as the Mamba2 SSD): the ``fla`` backend of :mod:`fla_ac_isolation.ops`.
+* :mod:`~fla_ac_isolation.fla_seam.versions` - the installed fla-core version, the range we test, and
+  FLA's Hopper/Triton guard (its issue #640).
+
+Importing any of them imports nothing from FLA: each reaches FLA inside the function that needs it, so
+``import fla_ac_isolation`` stays cheap and works where FLA's Triton kernels cannot run (a CPU).
+"""

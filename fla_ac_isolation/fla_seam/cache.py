@@ -1,0 +1,301 @@
+"""FLA's identity-keyed ``tensor_cache``: global disable, size, hit/miss probe.
+
+FLA wraps its index helpers (``fla.ops.utils.index.prepare_chunk_indices``, ``prepare_lens``,
+``prepare_position_ids``, ... and ``fla.ops.cp.context.get_cp_cu_seqlens``) with
+``fla.utils.tensor_cache``: each helper keeps a ``deque`` of its last ``FLA_TENSOR_CACHE_SIZE`` (default 4)
+``(args, kwargs, result)`` entries and returns a stored result when every argument ``is`` the stored one.
+
+This module is the only place in the package that touches that machinery (and the only one holding
+module-level mutable state). Its public names are re-exported as :mod:`fla_ac_isolation.fla_cache`. It offers:
+
+* :func:`tensor_cache_disabled` - the blunt global switch (``fla.utils.FLA_DISABLE_TENSOR_CACHE``).
+* :func:`cache_enabled`, :func:`cache_size`, :func:`tensor_cache_size` (temporarily resize every
+  helper's queue, e.g. to 1 to provoke evictions), :func:`clear_tensor_cache`.
+* :func:`probe_tensor_cache` - records, for a block of code, every helper call as ``hit``, ``miss`` or
+  ``bypass`` (cache disabled), in call order.
+
+How the probe works: for the duration of the block, each cached helper's queue (a closure cell of FLA's
+wrapper) is swapped for a ``deque`` subclass that reports lookups; a lookup that runs off the end of the
+queue is a miss, any other lookup a hit. The helper's underlying function (another closure cell) is
+wrapped to see calls made while the cache is disabled. The queue's contents are carried over and put
+back on exit, so probing does not change FLA's behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "CacheEvent",
+    "CacheProbe",
+    "cache_enabled",
+    "cache_size",
+    "cached_helpers",
+    "clear_tensor_cache",
+    "probe_tensor_cache",
+    "tensor_cache_disabled",
+    "tensor_cache_size",
+]
+
+Outcome = Literal["hit", "miss", "bypass"]
+
+# Modules whose helpers matter; importing them registers their tensor_cache wrappers.
+_HELPER_MODULES = ("fla.ops.utils.index", "fla.ops.cp.context", "fla.modules.token_shift")
+
+
+def _utils():
+    import fla.utils
+
+    return fla.utils
+
+
+def cache_enabled() -> bool:
+    """Whether FLA's tensor cache is in force (``fla.utils.FLA_DISABLE_TENSOR_CACHE`` is false)."""
+    return not bool(getattr(_utils(), "FLA_DISABLE_TENSOR_CACHE", False))
+
+
+@contextlib.contextmanager
+def tensor_cache_disabled() -> Iterator[None]:
+    """Disable FLA's tensor cache process-wide inside the block (the global-disable strategy).
+
+    Every index helper then recomputes its result on each call, so forward and recompute always run the
+    same ops; the price is the helpers' work (and on GPU, host syncs) in every layer and pass. The prior
+    value of ``fla.utils.FLA_DISABLE_TENSOR_CACHE`` is restored on exit, also when the block raises.
+    """
+    utils = _utils()
+    prior = getattr(utils, "FLA_DISABLE_TENSOR_CACHE", False)
+    utils.FLA_DISABLE_TENSOR_CACHE = True
+    try:
+        yield
+    finally:
+        utils.FLA_DISABLE_TENSOR_CACHE = prior
+
+
+# ------------------------------------------------------------------------------------ helper discovery
+@dataclass(frozen=True)
+class _Helper:
+    name: str
+    wrapper: Callable[..., Any]
+    cached_cell: Any  # closure cell holding the deque
+    fn_cell: Any  # closure cell holding the undecorated function
+
+
+def _wrapper_code():
+    from fla.utils import tensor_cache
+
+    return tensor_cache(lambda: None).__code__
+
+
+# module name -> (module object, the helpers found in it): each module is scanned once rather than on
+# every probe and clear_tensor_cache(), which the regression harness calls every step
+_scanned: dict[str, tuple[object, tuple[_Helper, ...]]] = {}
+
+
+def _helpers_in(module: object, code) -> tuple[_Helper, ...]:
+    found = []
+    for obj in list(vars(module).values()):
+        if getattr(obj, "__code__", None) is code:
+            cells = dict(zip(code.co_freevars, obj.__closure__))
+            found.append(_Helper(obj.__name__, obj, cells["cached"], cells["fn"]))
+    return tuple(found)
+
+
+def cached_helpers() -> list[_Helper]:
+    """Every function wrapped by FLA's ``tensor_cache`` in the imported ``fla`` modules."""
+    for name in _HELPER_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    code = _wrapper_code()
+    found: dict[int, _Helper] = {}
+    for mod_name, mod in sys.modules.copy().items():  # a snapshot; list(items()) costs ~50x more here
+        if mod is None or not (mod_name == "fla" or mod_name.startswith("fla.")):
+            continue
+        seen = _scanned.get(mod_name)
+        if seen is None or seen[0] is not mod:
+            seen = (mod, _helpers_in(mod, code))
+            if not getattr(getattr(mod, "__spec__", None), "_initializing", False):
+                _scanned[mod_name] = seen  # a module still importing may gain helpers: rescan it later
+        for helper in seen[1]:
+            found.setdefault(id(helper.wrapper), helper)
+    return sorted(found.values(), key=lambda h: h.name)
+
+
+def cache_size() -> int:
+    """Current capacity of FLA's per-helper queues (``FLA_TENSOR_CACHE_SIZE``, default 4)."""
+    helpers = cached_helpers()
+    if helpers:
+        return helpers[0].cached_cell.cell_contents.maxlen
+    return int(getattr(_utils(), "FLA_TENSOR_CACHE_SIZE", 4))
+
+
+def clear_tensor_cache() -> None:
+    """Empty every helper's queue (tests use it to start from a known state)."""
+    for helper in cached_helpers():
+        helper.cached_cell.cell_contents.clear()
+
+
+@contextlib.contextmanager
+def tensor_cache_size(size: int) -> Iterator[None]:
+    """Give every FLA helper a fresh, empty queue of ``size`` entries inside the block.
+
+    FLA reads ``FLA_TENSOR_CACHE_SIZE`` once, at import; this changes it for already-imported helpers.
+    ``size=1`` makes evictions easy to provoke (a forward hit followed by a recompute miss). The
+    original queues, with their contents, are put back on exit.
+
+    Raises:
+        ValueError: ``size`` < 1.
+        RuntimeError: called while :func:`probe_tensor_cache` is active.
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be an int >= 1, got {size!r}")
+    if _probe_state.sinks:
+        raise RuntimeError("tensor_cache_size() must be entered outside probe_tensor_cache()")
+    helpers = cached_helpers()
+    originals = [h.cached_cell.cell_contents for h in helpers]
+    for h in helpers:
+        h.cached_cell.cell_contents = deque(maxlen=size)
+    try:
+        yield
+    finally:
+        for h, original in zip(helpers, originals):
+            h.cached_cell.cell_contents = original
+
+
+# ------------------------------------------------------------------------------------------- probe
+@dataclass(frozen=True)
+class CacheEvent:
+    """One call of an FLA cached helper: its name and whether it hit, missed or bypassed the cache."""
+
+    helper: str
+    outcome: Outcome
+
+
+@dataclass
+class CacheProbe:
+    """Events recorded by :func:`probe_tensor_cache`, in call order.
+
+    Nested helper calls (``prepare_chunk_indices`` calls ``prepare_lens`` on a miss) appear after the
+    outer call's own event.
+    """
+
+    events: list[CacheEvent] = field(default_factory=list)
+
+    @property
+    def hits(self) -> int:
+        return sum(e.outcome == "hit" for e in self.events)
+
+    @property
+    def misses(self) -> int:
+        return sum(e.outcome == "miss" for e in self.events)
+
+    @property
+    def bypasses(self) -> int:
+        return sum(e.outcome == "bypass" for e in self.events)
+
+    def by_helper(self) -> dict[str, dict[str, int]]:
+        """``{helper: {"hit": n, "miss": n, "bypass": n}}`` for the helpers that were called."""
+        out: dict[str, dict[str, int]] = {}
+        for e in self.events:
+            out.setdefault(e.helper, {"hit": 0, "miss": 0, "bypass": 0})[e.outcome] += 1
+        return out
+
+    def mark(self) -> int:
+        """Position in :attr:`events`, to slice out what a later block recorded."""
+        return len(self.events)
+
+
+class _ProbeState:
+    def __init__(self) -> None:
+        self.sinks: list[list[CacheEvent]] = []  # the ``events`` lists of the active probes
+        self.installed: list[tuple[_Helper, deque, Callable[..., Any]]] = []
+
+    def emit(self, helper: str, outcome: Outcome) -> list[tuple[list[CacheEvent], int]]:
+        """Append an event to every active probe; return where it went, so it can be amended."""
+        event = CacheEvent(helper, outcome)
+        where = []
+        for sink in self.sinks:
+            where.append((sink, len(sink)))
+            sink.append(event)
+        return where
+
+
+_probe_state = _ProbeState()
+
+
+class _ProbingDeque(deque):
+    """A helper's queue that reports each lookup: running off its end is a miss, else a hit."""
+
+    def __init__(self, items, maxlen: int, name: str, pending: list[bool]) -> None:
+        super().__init__(items, maxlen)
+        self._name = name
+        self._pending = pending  # set on a miss, consumed by the wrapped fn to tell a miss from a bypass
+
+    def __iter__(self):
+        # Recorded as a hit at lookup time (so nested helper calls come after it) ...
+        where = _probe_state.emit(self._name, "hit")
+        yield from super().__iter__()
+        # ... and amended when FLA's wrapper runs off the end: no entry matched, the helper will run.
+        for sink, pos in where:
+            sink[pos] = CacheEvent(self._name, "miss")
+        self._pending.append(True)
+
+
+def _install() -> None:
+    for helper in cached_helpers():
+        original = helper.cached_cell.cell_contents
+        fn = helper.fn_cell.cell_contents
+        pending: list[bool] = []
+        probing = _ProbingDeque(original, original.maxlen, helper.name, pending)
+
+        def counting_fn(*args, _fn=fn, _name=helper.name, _pending=pending, **kwargs):
+            if _pending:
+                _pending.pop()
+            else:
+                _probe_state.emit(_name, "bypass")
+            return _fn(*args, **kwargs)
+
+        helper.cached_cell.cell_contents = probing
+        helper.fn_cell.cell_contents = counting_fn
+        _probe_state.installed.append((helper, original, fn))
+
+
+def _uninstall() -> None:
+    for helper, original, fn in _probe_state.installed:
+        probing = helper.cached_cell.cell_contents
+        original.clear()
+        original.extend(probing)
+        helper.cached_cell.cell_contents = original
+        helper.fn_cell.cell_contents = fn
+    _probe_state.installed.clear()
+
+
+@contextlib.contextmanager
+def probe_tensor_cache() -> Iterator[CacheProbe]:
+    """Record every FLA cached-helper call made inside the block as a hit, a miss or a bypass.
+
+    Example::
+
+        with probe_tensor_cache() as probe:
+            loss = model(batch).sum(); loss.backward()
+        probe.by_helper()   # {'prepare_chunk_indices': {'hit': 6, 'miss': 2, 'bypass': 0}, ...}
+
+    Probes nest; each sees every event made while it is active. Overhead: one Python generator per
+    helper lookup (about a microsecond), none outside the block.
+    """
+    probe = CacheProbe()
+    if not _probe_state.sinks:
+        _install()
+    _probe_state.sinks.append(probe.events)
+    try:
+        yield probe
+    finally:
+        # by identity: two probes' event lists may be equal
+        _probe_state.sinks[:] = [s for s in _probe_state.sinks if s is not probe.events]
+        if not _probe_state.sinks:
+            _uninstall()

@@ -1,0 +1,128 @@
+"""The four ways every regression, audit, benchmark and test runs a model: no-ac, shared, isolated, global-disable.
+
+A *mode* says three things: whether the layers are checkpointed, what ``cu_seqlens`` object the layers
+receive, and in which FLA cache context the step runs.
+
+* ``no-ac``: not checkpointed; one :class:`SharedSeqlens` (harmless without AC); the reference.
+* ``shared``: checkpointed; one :class:`SharedSeqlens` for every layer: the UNSAFE path, on purpose.
+* ``isolated``: checkpointed; one :class:`~fla_ac_isolation.LayerLocalSeqlens`, each layer calls ``.local()``.
+* ``global-disable``: checkpointed; one :class:`SharedSeqlens`, FLA's tensor cache off process-wide.
+
+``no-ac`` is the reference; ``isolated`` is this package's fix; ``global-disable`` the blunt alternative
+(:func:`~fla_ac_isolation.fla_cache.tensor_cache_disabled`); ``shared`` is what models do today (one
+``cu_seqlens`` object for every layer), run so that each check shows the fault it guards against.
+
+Example::
+
+    mode = MODES["isolated"]
+    seqlens = mode.from_seq_lens([5, 0, 17], device="cuda")
+    with mode.cache_context():
+        loss = model(input_ids, seqlens).sum()
+        loss.backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fla_ac_isolation.fla_seam.cache import tensor_cache_disabled
+from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens
+
+__all__ = ["MODES", "MODE_NAMES", "Mode", "SharedSeqlens", "get_mode"]
+
+
+class SharedSeqlens(LayerLocalSeqlens):
+    """The UNSAFE path, on purpose: :meth:`local` returns the same tensor objects on every call.
+
+    This is what a model does when it hands one ``cu_seqlens`` object to every layer. It exists so that
+    regressions, audits and benchmarks can run the shared path through the very same mixers and compare
+    it with :class:`~fla_ac_isolation.LayerLocalSeqlens`; never use it to train. Validation and attributes
+    are those of :class:`~fla_ac_isolation.LayerLocalSeqlens`; ``chunk_indices`` defaults to ``False``
+    here, as models that share one ``cu_seqlens`` object do not precompute FLA's chunk schedule either
+    (with it, the conv and the gated delta rule skip ``prepare_chunk_indices``, which hides part of the
+    fault this class exists to show).
+    """
+
+    __slots__ = ("_shared",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("chunk_indices", False)
+        super().__init__(*args, **kwargs)
+        self._shared = LocalSeqlens(
+            self._cu_seqlens, self._cu_seqlens_cpu if self._host_given else None, self.max_seqlen, self._chunk_indices
+        )
+
+    def local(self) -> LocalSeqlens:
+        """The same objects on every call (the shared, unsafe behaviour)."""
+        return self._shared
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One mode: whether layers are checkpointed, which ``seqlens`` they get, which cache context runs.
+
+    Attributes:
+        name: ``"no-ac"``, ``"shared"``, ``"isolated"`` or ``"global-disable"``.
+        summary: one line for help texts and reports.
+        checkpointed: the layers run under activation checkpointing.
+        isolated: every layer gets fresh ``cu_seqlens`` objects (:class:`~fla_ac_isolation.LayerLocalSeqlens`).
+        cache_disabled: FLA's tensor cache is disabled process-wide while the step runs.
+    """
+
+    name: str
+    summary: str
+    checkpointed: bool
+    isolated: bool
+    cache_disabled: bool
+
+    @property
+    def seqlens_class(self) -> type[LayerLocalSeqlens]:
+        """:class:`~fla_ac_isolation.LayerLocalSeqlens` when isolated, else :class:`SharedSeqlens`."""
+        return LayerLocalSeqlens if self.isolated else SharedSeqlens
+
+    def seqlens(self, cu_seqlens: torch.Tensor, **kwargs: Any) -> LayerLocalSeqlens:
+        """This mode's ``seqlens`` for offsets ``cu_seqlens`` (keywords as :class:`~fla_ac_isolation.LayerLocalSeqlens`)."""
+        return self.seqlens_class(cu_seqlens, **kwargs)
+
+    def from_seq_lens(
+        self, seq_lens: Sequence[int], device: torch.device | str | None = None, **kwargs: Any
+    ) -> LayerLocalSeqlens:
+        """This mode's ``seqlens`` for document lengths (see :meth:`~fla_ac_isolation.LayerLocalSeqlens.from_seq_lens`)."""
+        return self.seqlens_class.from_seq_lens(seq_lens, device, **kwargs)
+
+    def cache_context(self) -> contextlib.AbstractContextManager:
+        """:func:`~fla_ac_isolation.fla_cache.tensor_cache_disabled` for ``global-disable``, else a no-op context."""
+        return tensor_cache_disabled() if self.cache_disabled else contextlib.nullcontext()
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("no-ac", "reference: no checkpointing", checkpointed=False, isolated=False, cache_disabled=False),
+        Mode("shared", "UNSAFE: one cu_seqlens object for every layer", checkpointed=True, isolated=False,
+             cache_disabled=False),
+        Mode("isolated", "LayerLocalSeqlens: fresh cu_seqlens per layer call", checkpointed=True, isolated=True,
+             cache_disabled=False),
+        Mode("global-disable", "FLA's tensor cache disabled process-wide", checkpointed=True, isolated=False,
+             cache_disabled=True),
+    )
+}
+"""Every mode by name, in the order they run (``no-ac`` first: it is the reference)."""
+
+MODE_NAMES: tuple[str, ...] = tuple(MODES)
+
+
+def get_mode(name: str) -> Mode:
+    """The :class:`Mode` called ``name``.
+
+    Raises:
+        ValueError: naming ``name`` and the known modes.
+    """
+    if name not in MODES:
+        raise ValueError(f"mode must be one of {MODE_NAMES}, got {name!r}")
+    return MODES[name]

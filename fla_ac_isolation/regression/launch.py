@@ -1,0 +1,191 @@
+"""The launcher: one set of ``spec.ep`` worker processes per mode, and how their failures are collected.
+
+:func:`run_spawned` starts ``spec.ep`` worker processes per mode (on CPU from a ``forkserver`` preloaded
+with torch, FLA, torchtitan and transformers, so that a start costs about a second; on CUDA by
+``spawn``); gloo on CPU, NCCL on CUDA (one GPU per rank). One launch per mode keeps modes independent: a
+mode that crashes, on one rank or all, is recorded as failed; its surviving ranks are killed within
+``FAILURE_GRACE_S`` seconds (they would otherwise wait in a collective until the process-group timeout),
+and the next mode starts fresh. The ``no-ac`` workers write their per-step gradients to a temporary
+folder; later modes compare against them on each rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import queue as queue_module
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict
+
+import torch
+
+from fla_ac_isolation.failures import first_line
+from fla_ac_isolation.regression.spec import ModeResult, RegressionResult, RegressionSpec
+from fla_ac_isolation.regression.train import RankContext, run_mode_on_rank, setup_process
+
+__all__ = ["FAILURE_GRACE_S", "run_spawned"]
+
+FAILURE_GRACE_S = 3.0
+"""Seconds the surviving ranks of a failed mode get before they are killed."""
+
+
+def _worker_main(rank: int, world: int, port: int, spec: RegressionSpec, mode: str, workdir: str, events) -> None:
+    """Entry point of one spawned rank for one mode. Reports through ``events``; never hangs on failure."""
+    import torch.distributed as dist
+
+    try:
+        device, notes, _rank_context = setup_process(spec, rank)
+        for note in notes:
+            events.put(("note", rank, note))
+        group = None
+        if world > 1:
+            dist.init_process_group(
+                "nccl" if spec.device == "cuda" else "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=spec.timeout_s),
+                device_id=device if spec.device == "cuda" else None,
+            )
+            group = dist.group.WORLD
+        ctx = RankContext(rank, world, device, group)
+        reference = None
+        ref_path = os.path.join(workdir, f"no-ac.rank{rank}.pt")
+        if mode != "no-ac" and os.path.exists(ref_path):
+            reference = torch.load(ref_path)
+        on_step = (lambda step: events.put(("step", rank, step))) if rank == 0 else None
+        result, grads = run_mode_on_rank(spec, mode, ctx, reference, on_step)
+        if mode == "no-ac":
+            torch.save(grads, ref_path)
+        events.put(("result", rank, asdict(result)))
+        if world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, then this rank exits
+        events.put(("error", rank, (first_line(err), traceback.format_exc())))
+        events.close()
+        events.join_thread()
+        os._exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: list[str],
+                 on_step: Callable[[str, int], None] | None) -> ModeResult:
+    world = spec.ep
+    events = mp_ctx.Queue()
+    port = _free_port()
+    procs = [
+        mp_ctx.Process(target=_worker_main, args=(r, world, port, spec, mode, workdir, events), daemon=True,
+                       name=f"fla-ac-regress-{mode}-rank{r}")
+        for r in range(world)
+    ]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    errors: dict[int, tuple[str, str]] = {}  # in order of arrival: the first is the cause
+    first_failure: float | None = None
+    timed_out = False
+    while True:
+        try:
+            kind, rank, payload = events.get(timeout=0.05)
+        except queue_module.Empty:
+            kind = None
+        if kind == "note" and payload not in notes:
+            notes.append(payload)
+        elif kind == "step" and on_step is not None:
+            on_step(mode, payload)
+        elif kind == "result":
+            results[rank] = payload
+        elif kind == "error":
+            errors.setdefault(rank, payload)
+            first_failure = first_failure or time.monotonic()
+        if kind is not None:
+            continue  # drain queued events before judging the processes
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if p.exitcode not in (None, 0) and r not in errors:
+                first_failure = first_failure or now
+                if now - first_failure > 0.5:  # its own report had time to arrive
+                    errors[r] = (f"rank {r} died (exit code {p.exitcode})", "")
+        if all(p.exitcode is not None for p in procs):
+            break
+        if first_failure is not None and now - first_failure > FAILURE_GRACE_S:
+            break
+        if now - start > spec.timeout_s:
+            timed_out = True
+            break
+    _stop(procs)
+    with contextlib.suppress(Exception):
+        events.close()
+
+    merged = ModeResult(mode, seconds=time.monotonic() - start)
+    if 0 in results:
+        merged = ModeResult(**{**results[0], "seconds": merged.seconds})
+        merged.cache = {}
+        merged.cache_by_helper = {}
+        for payload in results.values():
+            for outcome, n in payload["cache"].items():
+                merged.cache[outcome] = merged.cache.get(outcome, 0) + n
+            for helper, counts in payload["cache_by_helper"].items():
+                mine = merged.cache_by_helper.setdefault(helper, {})
+                for outcome, n in counts.items():
+                    mine[outcome] = mine.get(outcome, 0) + n
+    if errors:
+        first = next(iter(errors))  # later errors are usually consequences (a peer's connection reset)
+        merged.error = f"rank {first}: {errors[first][0]}" if world > 1 else errors[first][0]
+        merged.traceback = errors[first][1] or None
+        merged.failed_ranks = list(errors)
+    elif timed_out:
+        merged.error = f"timed out after {spec.timeout_s:.0f} s"
+    elif len(results) < world:
+        merged.error = "ranks exited without a result"
+    return merged
+
+
+def _mp_context(device: str):
+    """``forkserver`` preloaded with the heavy imports on CPU; plain ``spawn`` on CUDA.
+
+    On CUDA the preload would be unsafe: importing FLA queries the GPU (its Hopper/Triton checks), which
+    initialises CUDA in the fork server, and forked children could then not use CUDA.
+    """
+    import multiprocessing
+
+    if device == "cuda":
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["fla_ac_isolation.regression._preload"])
+    return ctx
+
+
+def run_spawned(spec: RegressionSpec, on_step: Callable[[str, int], None] | None) -> RegressionResult:
+    """Run every mode of ``spec`` in freshly launched worker processes, one launch per mode."""
+    mp_ctx = _mp_context(spec.device)
+    notes: list[str] = []
+    modes: dict[str, ModeResult] = {}
+    with tempfile.TemporaryDirectory(prefix="fla-ac-regress-") as workdir:
+        for mode in spec.ordered_modes:
+            modes[mode] = _launch_mode(mp_ctx, spec, mode, workdir, notes, on_step)
+    return RegressionResult(spec, modes, notes)

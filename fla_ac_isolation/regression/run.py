@@ -1,0 +1,52 @@
+"""The entry point of the regression: :func:`run_regression` runs every mode of a spec and collects the results.
+
+Every mode of :mod:`fla_ac_isolation.modes` (``no-ac`` first, the reference) trains the same tiny model
+from the same seed on the same batches; each rank's gradients are compared with ``no-ac``'s at every step.
+The ranks come from :mod:`.launch` (worker processes started here, one launch per mode) or, under
+``torchrun``, from :mod:`.torchrun` (the processes already running).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from fla_ac_isolation.regression.launch import run_spawned
+from fla_ac_isolation.regression.spec import RegressionResult, RegressionSpec
+from fla_ac_isolation.regression.torchrun import run_under_torchrun, under_torchrun
+
+__all__ = ["run_regression"]
+
+
+def run_regression(
+    spec: RegressionSpec, *, on_step: Callable[[str, int], None] | None = None
+) -> RegressionResult:
+    """Run every mode of ``spec`` and return the results.
+
+    Launches ``spec.ep`` processes per mode itself, or, under ``torchrun``, uses the current processes
+    (then every rank returns the same result; print it on rank 0).
+
+    Args:
+        spec: what to run (validated here).
+        on_step: called as ``on_step(mode, step)`` after each completed step (rank 0), e.g. for a
+            progress bar.
+
+    Raises:
+        ValueError: an invalid spec.
+    """
+    spec.validate()
+    result = run_under_torchrun(spec, on_step) if under_torchrun() else run_spawned(spec, on_step)
+    result.environment = _environment()
+    return result
+
+
+def _environment() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    env = {"torch": torch.__version__}
+    for dist_name in ("fla-core", "flash-linear-attention", "torchtitan", "transformers", "triton"):
+        with contextlib.suppress(PackageNotFoundError):
+            env[dist_name] = version(dist_name)
+    return env

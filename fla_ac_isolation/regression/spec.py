@@ -1,0 +1,162 @@
+"""What a regression run is asked to do and what it returns: :class:`RegressionSpec`, :class:`ModeResult`, :class:`RegressionResult`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from fla_ac_isolation.families import FAMILIES
+from fla_ac_isolation.modes import MODE_NAMES, MODES
+from fla_ac_isolation.ops import BACKENDS
+from fla_ac_isolation.policies import POLICIES
+
+__all__ = ["DTYPES", "ModeResult", "RegressionResult", "RegressionSpec"]
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Parameter/activation dtypes by the names a spec takes."""
+
+
+@dataclass(frozen=True)
+class RegressionSpec:
+    """What to run.
+
+    Attributes:
+        model: family name, a key of :data:`fla_ac_isolation.families.FAMILIES`.
+        ep: expert-parallel degree = number of ranks.
+        steps: AdamW steps per mode.
+        ac: ``"full"`` or ``"selective"`` checkpointing for the AC modes.
+        policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`), used with ``ac="selective"``.
+        freq: checkpoint every ``freq``-th block.
+        backend: mixers' backend, ``auto`` | ``fla`` | ``reference``.
+        device: ``cpu`` or ``cuda``.
+        dtype: parameter/activation dtype name (``float32``, ``bfloat16``).
+        hidden_size, num_layers, num_experts, top_k: model sizes.
+        data_ranks: number of ranks the data is generated for; ``None`` = ``ep``. With ``ep=1`` and
+            ``data_ranks=2`` the single rank trains on both ranks' documents (the same global batch).
+        seed: weights and data.
+        lr: AdamW learning rate.
+        modes: modes to run; ``no-ac`` is always run first (it is the reference).
+        timeout_s: wall-clock limit per mode (also the process-group timeout).
+        early_stop: torch's checkpoint early stop.
+        fail_on: testing hook, ``(mode, rank)``: that rank raises ``RuntimeError`` between the first
+            forward and backward of that mode, to show that one failing rank ends all ranks promptly.
+        rank_setup: ``"module:function"`` called in every rank process before training, e.g. a GPU test
+            harness switch such as ``"fla_ac_isolation.testing.gpu:lift_hopper_gdn_guard"``; when it
+            returns a context manager, that is entered and kept for the life of the process.
+    """
+
+    model: str = "qwen3_5_moe"
+    ep: int = 2
+    steps: int = 3
+    ac: str = "selective"
+    policy: str = "save-all-copies"
+    freq: int = 1
+    backend: str = "auto"
+    device: str = "cpu"
+    dtype: str = "float32"
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_experts: int = 16
+    top_k: int = 4
+    data_ranks: int | None = None
+    seed: int = 0
+    lr: float = 1e-3
+    modes: tuple[str, ...] = MODE_NAMES
+    timeout_s: float = 300.0
+    early_stop: bool = True
+    fail_on: tuple[str, int] | None = None
+    rank_setup: str | None = None
+
+    def validate(self) -> RegressionSpec:
+        """Return self after checking every field; errors name the field (``ValueError``)."""
+        if self.model not in FAMILIES:
+            raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {self.model!r}")
+        for name in ("ep", "steps", "freq", "hidden_size", "num_layers", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.ac not in ("full", "selective"):
+            raise ValueError(f"ac must be 'full' or 'selective', got {self.ac!r}")
+        if self.ac == "selective" and self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.num_experts % self.ep:
+            raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of ep ({self.ep})")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
+        if self.data_ranks is not None and self.data_ranks < self.ep:
+            raise ValueError(f"data_ranks ({self.data_ranks}) must be >= ep ({self.ep})")
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ValueError(f"modes must be a non-empty subset of {MODE_NAMES}, got {self.modes!r}")
+        if self.rank_setup is not None and ":" not in self.rank_setup:
+            raise ValueError(f"rank_setup must be 'module:function', got {self.rank_setup!r}")
+        if self.device == "cuda" and torch.cuda.device_count() < self.ep:
+            raise ValueError(f"ep={self.ep} needs {self.ep} CUDA devices, found {torch.cuda.device_count()}")
+        return self
+
+    @property
+    def ordered_modes(self) -> tuple[str, ...]:
+        return ("no-ac",) + tuple(m for m in MODE_NAMES[1:] if m in self.modes)
+
+
+@dataclass
+class ModeResult:
+    """Outcome of one mode, reduced over all ranks.
+
+    Attributes:
+        mode: the mode.
+        losses: global loss per completed step.
+        grad_norms: global gradient norm per completed step.
+        grad_diffs: per completed step, max ``|grad - grad_no_ac|`` over ranks and parameters
+            (``None`` for ``no-ac`` itself, or when the reference is missing).
+        ref_grad_max: per step, max ``|grad_no_ac|`` (the scale for relative differences).
+        idle_experts: per step, the largest number of experts without any token in one MoE layer.
+        cache: FLA tensor-cache events summed over ranks and steps, ``{"hit": .., "miss": .., "bypass": ..}``.
+        cache_by_helper: the same per helper name.
+        error: ``"<Type>: <first line>"`` of the first failure, else ``None``.
+        failed_ranks: ranks that raised (or died), in order of arrival; the first one's error is ``error``.
+        traceback: full traceback text of the first failure (for ``--verbose``/JSON).
+        seconds: wall time of the mode.
+        step_seconds: per completed step, the forward + backward wall time of the slowest rank
+            (device synchronised before and after; excludes data, gradient reduction and optimizer).
+    """
+
+    mode: str
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    grad_diffs: list[float | None] = field(default_factory=list)
+    ref_grad_max: list[float | None] = field(default_factory=list)
+    idle_experts: list[int] = field(default_factory=list)
+    cache: dict[str, int] = field(default_factory=dict)
+    cache_by_helper: dict[str, dict[str, int]] = field(default_factory=dict)
+    error: str | None = None
+    failed_ranks: list[int] = field(default_factory=list)
+    traceback: str | None = None
+    seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RegressionResult:
+    """Every mode's :class:`ModeResult`, the spec, and notes (e.g. compatibility shims applied)."""
+
+    spec: RegressionSpec
+    modes: dict[str, ModeResult]
+    notes: list[str] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "spec": asdict(self.spec),
+            "modes": {name: asdict(r) for name, r in self.modes.items()},
+            "notes": list(self.notes),
+            "environment": dict(self.environment),
+        }

@@ -1,0 +1,233 @@
+"""One rank trains one mode: build the model, run ``spec.steps`` AdamW steps, reduce and compare gradients.
+
+Per step, each rank: builds its packed batch (:mod:`.data`), runs forward and backward in the mode's
+cache context (:mod:`fla_ac_isolation.modes`) with FLA's cache probe on, sums the non-expert gradients over
+ranks (the data-parallel reduction FSDP would do; expert gradients are complete on their owning rank),
+compares every gradient with the ``no-ac`` reference of the same rank and step, and takes an AdamW step.
+Losses, norms and differences are all-reduced, so every rank returns the global numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache, probe_tensor_cache
+from fla_ac_isolation.modes import Mode, get_mode
+from fla_ac_isolation.policies import POLICIES, checkpoint_layers
+from fla_ac_isolation.regression.data import PackedBatch, global_batch, rank_batch
+from fla_ac_isolation.regression.expert_parallel import apply_expert_parallel, is_expert_param
+from fla_ac_isolation.regression.model import ModelSize, build_model
+from fla_ac_isolation.regression.spec import DTYPES, ModeResult, RegressionSpec
+
+__all__ = ["RankContext", "run_mode_on_rank", "setup_process"]
+
+
+@dataclass
+class RankContext:
+    """Where this rank runs: its rank, the world size, its device and the group for the harness's reductions."""
+
+    rank: int
+    world: int
+    device: torch.device
+    group: Any  # process group for the harness's own reductions (None when world == 1)
+
+
+@dataclass
+class _Trainee:
+    """The model of one mode on one rank, with its optimizer and its parameters split by reduction."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    dense: list[torch.Tensor]  # replicated: summed over ranks
+    experts: list[torch.Tensor]  # expert-parallel shards: complete on their rank
+
+
+def setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[str], object]:
+    """Device, notes for the report, and the entered ``rank_setup`` context (hold it while training:
+    a generator-based context manager that is garbage-collected runs its exit and undoes the setup)."""
+    import warnings
+
+    from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
+
+    warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
+    warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
+    notes = ensure_torch_compat()
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)  # ranks share the cores; one thread each is also deterministic
+        device = torch.device("cpu")
+    setup_torchtitan(spec.device)
+    out = None
+    if spec.rank_setup is not None:
+        import importlib
+
+        module, _, name = spec.rank_setup.partition(":")
+        out = getattr(importlib.import_module(module), name)()
+        if hasattr(out, "__enter__"):
+            out.__enter__()  # kept entered until the process ends; the caller holds `out`
+    return device, notes, out
+
+
+def all_reduce(t: torch.Tensor, ctx: RankContext, op: str = "sum") -> torch.Tensor:
+    """Sum (or max) ``t`` over the ranks of ``ctx`` in place; a no-op on one rank."""
+    if ctx.world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=ctx.group)
+    return t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _build_trainee(spec: RegressionSpec, mode: Mode, ctx: RankContext) -> _Trainee:
+    size = ModelSize(spec.hidden_size, spec.num_layers, spec.num_experts, spec.top_k)
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model, size, backend=spec.backend, ep_enabled=ctx.world > 1)
+    model.to(device=ctx.device, dtype=DTYPES[spec.dtype])
+    if ctx.world > 1:
+        apply_expert_parallel(model.moes(), ctx.world)
+    if mode.checkpointed:
+        policy = POLICIES[spec.policy]() if spec.ac == "selective" else None
+        checkpoint_layers(model, mode=spec.ac, policy=policy, freq=spec.freq, early_stop=spec.early_stop)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return _Trainee(
+        model=model,
+        optimizer=torch.optim.AdamW(params, lr=spec.lr, foreach=False),
+        params=params,
+        dense=[p for p in params if not is_expert_param(p)],
+        experts=[p for p in params if is_expert_param(p)],
+    )
+
+
+def _batch(spec: RegressionSpec, step: int, ctx: RankContext) -> PackedBatch:
+    data_ranks = spec.data_ranks or spec.ep
+    vocab = ModelSize().vocab_size
+    if ctx.world == 1:
+        return global_batch(step, data_ranks, seed=spec.seed, vocab_size=vocab)
+    return rank_batch(step, ctx.rank, data_ranks, seed=spec.seed, vocab_size=vocab)
+
+
+def _forward_backward(
+    spec: RegressionSpec, mode: Mode, ctx: RankContext, trainee: _Trainee, batch: PackedBatch
+) -> tuple[torch.Tensor, float, dict[str, dict[str, int]]]:
+    """One forward and backward of ``batch``: ``(loss, slowest rank's seconds, FLA cache counts per helper)``."""
+    input_ids, labels = batch.input_ids.to(ctx.device), batch.labels.to(ctx.device)
+    seqlens = mode.from_seq_lens(batch.seq_lens, device=ctx.device)
+    clear_tensor_cache()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    started = time.perf_counter()
+    with probe_tensor_cache() as probe, mode.cache_context(), torch.utils.checkpoint.set_checkpoint_early_stop(
+        spec.early_stop
+    ):
+        logits = trainee.model(input_ids, seqlens)
+        loss = F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum") / batch.num_targets_global
+        if spec.fail_on is not None and tuple(spec.fail_on) == (mode.name, ctx.rank):
+            raise RuntimeError(f"injected failure on rank {ctx.rank} in mode {mode.name!r} (RegressionSpec.fail_on)")
+        loss.backward()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    seconds = torch.tensor([time.perf_counter() - started], device=ctx.device)
+    all_reduce(seconds, ctx, op="max")
+    return loss, float(seconds[0]), probe.by_helper()
+
+
+def _reduce_gradients(trainee: _Trainee, ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the dense gradients over ranks (one buffer) and write them back; return ``(dense, expert)`` flat."""
+    for p in trainee.params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    dense_flat = all_reduce(torch.cat([p.grad.reshape(-1).float() for p in trainee.dense]), ctx)
+    offset = 0
+    for p in trainee.dense:
+        p.grad.copy_(dense_flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+    expert_flat = (
+        torch.cat([_local(p.grad).reshape(-1).float() for p in trainee.experts])
+        if trainee.experts else dense_flat.new_zeros(0)
+    )
+    return dense_flat, expert_flat
+
+
+def _compare(flat: torch.Tensor, reference: torch.Tensor | None, ctx: RankContext) -> tuple[float | None, float | None]:
+    """``(max |grad - ref|, max |ref|)`` over all ranks, or ``(None, None)`` without a reference."""
+    if reference is None:
+        return None, None
+    ref = reference.to(flat.device)
+    if ref.shape == flat.shape:
+        maxes = torch.stack([(flat - ref).abs().max(), ref.abs().max()])
+    else:
+        maxes = torch.tensor([float("inf"), 0.0], device=flat.device)
+    all_reduce(maxes, ctx, op="max")
+    return float(maxes[0]), float(maxes[1])
+
+
+def _idle_experts(trainee: _Trainee, ctx: RankContext) -> int:
+    """The largest number of experts without any token in one MoE layer (all ranks); resets the counts."""
+    moes = trainee.model.moes()
+    counts = all_reduce(torch.stack([m.tokens_per_expert_E.detach().float() for m in moes]), ctx)  # [L, E]
+    for m in moes:
+        m.tokens_per_expert_E.zero_()
+    return int((counts == 0).sum(-1).max()) if counts.numel() else 0
+
+
+def _add_cache_counts(result: ModeResult, counts: dict[str, dict[str, int]]) -> None:
+    for helper, by_outcome in counts.items():
+        mine = result.cache_by_helper.setdefault(helper, {"hit": 0, "miss": 0, "bypass": 0})
+        for outcome, n in by_outcome.items():
+            mine[outcome] = mine.get(outcome, 0) + n
+            result.cache[outcome] = result.cache.get(outcome, 0) + n
+
+
+def run_mode_on_rank(
+    spec: RegressionSpec,
+    mode_name: str,
+    ctx: RankContext,
+    reference: list[torch.Tensor] | None,
+    on_step: Callable[[int], None] | None = None,
+) -> tuple[ModeResult, list[torch.Tensor]]:
+    """Train ``spec.steps`` steps of ``mode_name`` on this rank.
+
+    Returns the mode's :class:`ModeResult` (global losses, norms and gradient differences to
+    ``reference``; this rank's own FLA cache counts, which the caller sums over ranks) and, for ``no-ac``,
+    this rank's flat gradients per step (the reference of the other modes).
+    """
+    mode = get_mode(mode_name)
+    trainee = _build_trainee(spec, mode, ctx)
+    result = ModeResult(mode.name, cache={"hit": 0, "miss": 0, "bypass": 0})
+    flat_grads: list[torch.Tensor] = []
+    for step in range(spec.steps):
+        loss, seconds, cache_counts = _forward_backward(spec, mode, ctx, trainee, _batch(spec, step, ctx))
+        result.step_seconds.append(seconds)
+        _add_cache_counts(result, cache_counts)
+        dense_flat, expert_flat = _reduce_gradients(trainee, ctx)
+        flat = torch.cat([dense_flat, expert_flat])
+        if not mode.checkpointed:  # the reference every other mode is compared with
+            flat_grads.append(flat.cpu())
+        stats = all_reduce(torch.stack([loss.detach().float().reshape(()), expert_flat.pow(2).sum()]), ctx)
+        diff, ref_max = _compare(flat, reference[step] if reference is not None and step < len(reference) else None,
+                                 ctx)
+        result.losses.append(float(stats[0]))
+        result.grad_norms.append(float((dense_flat.pow(2).sum() + stats[1]).sqrt()))
+        result.grad_diffs.append(diff)
+        result.ref_grad_max.append(ref_max)
+        result.idle_experts.append(_idle_experts(trainee, ctx))
+        trainee.optimizer.step()
+        trainee.optimizer.zero_grad(set_to_none=False)
+        if on_step is not None:
+            on_step(step)
+    return result, flat_grads
