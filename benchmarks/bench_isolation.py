@@ -64,6 +64,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import itertools
 import json
 import statistics
 import time
@@ -174,11 +175,14 @@ def doc_lengths(tokens: int, docs: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     cuts = sorted(torch.randint(1, tokens, (docs - 1,), generator=g).tolist())
     bounds = [0, *cuts, tokens]
-    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 # the benchmark's variants of the isolated mode: extra keywords for LayerLocalSeqlens
-VARIANTS = {"isolated+cpu": ("isolated", {"with_host": True}), "isolated-no-indices": ("isolated", {"chunk_indices": False})}
+VARIANTS = {
+    "isolated+cpu": ("isolated", {"with_host": True}),
+    "isolated-no-indices": ("isolated", {"chunk_indices": False}),
+}
 
 
 def base_mode(mode: str):

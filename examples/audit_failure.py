@@ -73,7 +73,7 @@ def qwen_step(args: argparse.Namespace, isolated: bool, on_divergence: str | Non
             logits = model(batch.input_ids, seqlens)
             loss = F.cross_entropy(logits[0], batch.labels[0], ignore_index=-100)
             loss.backward()
-    except Exception as err:  # noqa: BLE001 - shown to the reader
+    except Exception as err:
         text = str(err) if isinstance(err, ReplayDivergenceError) else str(err).splitlines()[0]
         return f"{type(err).__name__}: {text}", audit
     return None, audit

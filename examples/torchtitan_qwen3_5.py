@@ -82,7 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.doc_lens = [int(n) for n in args.doc_lens.split(",")]
     if min(args.doc_lens) < 1:
-        parser.error("--doc-lens: torchtitan finds documents where positions restart at 0, so every length must be >= 1")
+        parser.error(
+            "--doc-lens: torchtitan finds documents where positions restart at 0, so every length must be >= 1"
+        )
     return args
 
 
@@ -204,7 +206,7 @@ def train_step(args: argparse.Namespace, policy: str | None, variant: str) -> di
             logits = model(tokens, attention_masks=masks, positions=positions, special_tokens=SPECIAL_TOKENS)
             loss = F.cross_entropy(logits[0, :-1], tokens[0, 1:])
             loss.backward()
-        except Exception as err:  # noqa: BLE001 - the shared path may fail; reported with the audit
+        except Exception as err:
             error = f"{type(err).__name__}: {str(err).splitlines()[0]}"[:160]
     out = {"error": error, "divergent": [r.label for r in audit.divergent], "audit": audit.summary()}
     if error is None:

@@ -86,13 +86,13 @@ class Mode:
         return LayerLocalSeqlens if self.isolated else SharedSeqlens
 
     def seqlens(self, cu_seqlens: torch.Tensor, **kwargs: Any) -> LayerLocalSeqlens:
-        """This mode's ``seqlens`` for offsets ``cu_seqlens`` (keywords as :class:`~fla_ac_isolation.LayerLocalSeqlens`)."""
+        """This mode's ``seqlens`` for ``cu_seqlens`` (keywords of :class:`~fla_ac_isolation.LayerLocalSeqlens`)."""
         return self.seqlens_class(cu_seqlens, **kwargs)
 
     def from_seq_lens(
         self, seq_lens: Sequence[int], device: torch.device | str | None = None, **kwargs: Any
     ) -> LayerLocalSeqlens:
-        """This mode's ``seqlens`` for document lengths (see :meth:`~fla_ac_isolation.LayerLocalSeqlens.from_seq_lens`)."""
+        """This mode's ``seqlens`` for document lengths (:meth:`~fla_ac_isolation.LayerLocalSeqlens.from_seq_lens`)."""
         return self.seqlens_class.from_seq_lens(seq_lens, device, **kwargs)
 
     def cache_context(self) -> contextlib.AbstractContextManager:

@@ -17,6 +17,7 @@ Vocabulary: ``cu_seqlens`` ``[N + 1]`` integer offsets of ``N`` packed sequences
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -40,9 +41,10 @@ class LocalSeqlens(NamedTuple):
             :class:`~fla_ac_isolation.modes.SharedSeqlens` built without host offsets.
         max_seqlen: length of the longest document, in tokens.
         chunk_indices: ``[NT, 2]`` rows ``(document, chunk within the document)`` of FLA's
-            :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`-token chunks, dtype of ``cu_seqlens``, on its device (a new object per
-            call); FLA's ``chunk_indices`` argument, so the kernel skips ``prepare_chunk_indices`` and its
-            host-to-device copy. ``None`` when the :class:`LayerLocalSeqlens` was built with
+            :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`-token chunks, dtype of ``cu_seqlens``, on its
+            device (a new object per call); FLA's ``chunk_indices`` argument, so the kernel skips
+            ``prepare_chunk_indices`` and its host-to-device copy. ``None`` when the
+            :class:`LayerLocalSeqlens` was built with
             ``chunk_indices=False`` and from :class:`~fla_ac_isolation.modes.SharedSeqlens`.
     """
 
@@ -101,9 +103,11 @@ class LayerLocalSeqlens:
             device-to-host syncs; pass it when you have it.
         device: optional device the activations live on; ``cu_seqlens`` must be on it.
         num_tokens: optional packed token count ``T``; when given, the last offset must equal it.
-        chunk_indices: precompute FLA's chunk schedule (:func:`~fla_ac_isolation.fla_seam.layout.chunk_indices_for`, :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`)
-            once, here, and hand each layer a fresh copy as ``LocalSeqlens.chunk_indices``. The mixers
-            pass it to FLA's conv and gated delta rule, which then skip ``prepare_chunk_indices`` and the
+        chunk_indices: precompute FLA's chunk schedule
+            (:func:`~fla_ac_isolation.fla_seam.layout.chunk_indices_for`, of
+            :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`-token chunks) once, here, and hand each
+            layer a fresh copy as ``LocalSeqlens.chunk_indices``. The mixers pass it to FLA's conv and
+            gated delta rule, which then skip ``prepare_chunk_indices`` and the
             blocking host-to-device copy it ends with (a stream synchronisation per call). ``False``
             restores FLA's own computation inside every layer call.
 
@@ -177,7 +181,7 @@ class LayerLocalSeqlens:
         offsets = host.tolist()
         if offsets[0] != 0:
             raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
-        lens = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        lens = [b - a for a, b in itertools.pairwise(offsets)]
         bad = next((i for i, n in enumerate(lens) if n < 0), None)
         if bad is not None:
             raise ValueError(
@@ -333,7 +337,7 @@ class LayerLocalSeqlens:
     def seq_lens(self) -> list[int]:
         """Document lengths in tokens, from the host offsets (no sync)."""
         offsets = self._cu_seqlens_cpu.tolist()
-        return [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        return [b - a for a, b in itertools.pairwise(offsets)]
 
     def __repr__(self) -> str:
         return (

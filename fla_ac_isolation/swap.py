@@ -49,7 +49,9 @@ _ORIGINAL_ATTR = "_fla_ac_original"
 
 
 SUPPORTED_MIXERS: tuple[UpstreamMixer, ...] = tuple(upstream for upstream, _ in upstream_mixers())
-"""Upstream mixer classes :func:`swap_mixers` replaces (matched by module and class name); see :mod:`~fla_ac_isolation.families`."""
+"""Upstream mixer classes :func:`swap_mixers` replaces (matched by module and class name).
+
+Read from :mod:`fla_ac_isolation.families`, the one registry of families."""
 
 
 def _family_of(module: nn.Module) -> tuple[UpstreamMixer, Family] | None:

@@ -201,7 +201,7 @@ def test_regions_without_backward_are_not_recomputed_and_summary_lists_them():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="on_divergence must be one of"):
         ReplayAudit(on_divergence="ignore")
-    with pytest.raises(TypeError, match="model must be an nn.Module"):
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         ReplayAudit(model="layers")
     audit = ReplayAudit()
     with audit, pytest.raises(RuntimeError, match="not reentrant"):

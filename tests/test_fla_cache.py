@@ -21,10 +21,9 @@ def offsets():
 
 def test_tensor_cache_disabled_restores_prior_value_also_on_error():
     assert cache_enabled()
-    with pytest.raises(KeyError):
-        with tensor_cache_disabled():
-            assert fla.utils.FLA_DISABLE_TENSOR_CACHE is True and not cache_enabled()
-            raise KeyError("boom")
+    with pytest.raises(KeyError), tensor_cache_disabled():
+        assert fla.utils.FLA_DISABLE_TENSOR_CACHE is True and not cache_enabled()
+        raise KeyError("boom")
     assert fla.utils.FLA_DISABLE_TENSOR_CACHE is False and cache_enabled()
     fla.utils.FLA_DISABLE_TENSOR_CACHE = True  # a user who disabled it globally keeps it disabled
     try:
@@ -92,9 +91,7 @@ def test_tensor_cache_size_evicts_and_restores():
         prepare_lens(cu2)  # evicts cu1
         assert prepare_lens(cu1) is not x
     assert cache_size() == 4
-    with pytest.raises(ValueError, match="size must be an int >= 1"):
-        with tensor_cache_size(0):
-            pass
-    with probe_tensor_cache(), pytest.raises(RuntimeError, match="outside probe_tensor_cache"):
-        with tensor_cache_size(2):
-            pass
+    with pytest.raises(ValueError, match="size must be an int >= 1"), tensor_cache_size(0):
+        pass
+    with probe_tensor_cache(), pytest.raises(RuntimeError, match="outside probe_tensor_cache"), tensor_cache_size(2):
+        pass

@@ -52,17 +52,17 @@ def test_batch_above_one_with_cu_seqlens(mixer):
 def test_float_cu_seqlens(mixer):
     with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
         LayerLocalSeqlens(torch.tensor([0.0, 5.0, 64.0]))
-    with pytest.raises(TypeError, match="cu_seq_lens_q is not valid packed-sequence offsets: .*int32 or int64"):
+    with pytest.raises(TypeError, match=r"cu_seq_lens_q is not valid packed-sequence offsets: .*int32 or int64"):
         mixer(torch.randn(1, T, HIDDEN), cu_seq_lens_q=torch.tensor([0.0, 5.0, 64.0]))
 
 
 def test_decreasing_cu_seq_lens_q(mixer):
-    with pytest.raises(ValueError, match="cu_seq_lens_q is not valid .*non-decreasing"):
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q is not valid .*non-decreasing"):
         mixer(torch.randn(1, T, HIDDEN), cu_seq_lens_q=torch.tensor([0, 30, 20, 64], dtype=torch.int32))
 
 
 def test_seqlens_of_the_wrong_type(mixer):
-    with pytest.raises(TypeError, match="seqlens must be a fla_ac_isolation.LayerLocalSeqlens"):
+    with pytest.raises(TypeError, match=r"seqlens must be a fla_ac_isolation\.LayerLocalSeqlens"):
         mixer(torch.randn(1, T, HIDDEN), torch.tensor([0, T], dtype=torch.int32))
 
 

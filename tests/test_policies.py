@@ -112,7 +112,7 @@ def test_checkpoint_layers_rejects_bad_arguments(kwargs, match):
 
 
 def test_checkpoint_layers_needs_layers():
-    with pytest.raises(ValueError, match="ModuleList/nn.Sequential/nn.ModuleDict"):
+    with pytest.raises(ValueError, match=r"ModuleList/nn\.Sequential/nn\.ModuleDict"):
         checkpoint_layers(nn.Linear(2, 2))
 
 

@@ -55,7 +55,7 @@ def test_max_seqlen_upper_bound_is_accepted_and_kept():
 def test_from_seq_lens_matches_cumulative_sum(dtype):
     lens = [5, 0, 17, 1, 41]
     s = LayerLocalSeqlens.from_seq_lens(lens, dtype=dtype)
-    expected = torch.cumsum(torch.tensor([0] + lens), 0).to(dtype)
+    expected = torch.cumsum(torch.tensor([0, *lens]), 0).to(dtype)
     local = s.local()
     assert local.cu_seqlens.dtype == dtype
     assert torch.equal(local.cu_seqlens, expected)

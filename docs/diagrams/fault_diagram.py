@@ -8,8 +8,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 FLA = "#f4a261"  # ops FLA's index helpers run on a cache miss
 OWN = "#8ecae6"  # the layer's own ops
@@ -35,7 +35,8 @@ def main(out: Path) -> None:
     recompute_local = forward
 
     for ax, title, rec, bad in (
-        (axes[0], "shared cu_seqlens: layer 0 misses FLA's cache in forward, hits it in the recompute", recompute_shared, True),
+        (axes[0], "shared cu_seqlens: layer 0 misses FLA's cache in forward, hits it in the recompute",
+         recompute_shared, True),
         (axes[1], "LayerLocalSeqlens: a fresh cu_seqlens per layer call, both passes miss", recompute_local, False),
     ):
         ax.set_xlim(-2.2, 14.2)

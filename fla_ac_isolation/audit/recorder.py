@@ -53,11 +53,8 @@ class PassRecorder(TorchDispatchMode):
         stack = contextlib.ExitStack()
         if self._inner is not None:
             stack.enter_context(self._inner)
-        probe = self._audit._probe
-        if probe is None:  # used outside `with ReplayAudit()`: no shared probe, so no FLA telemetry
-            probe_events = None
-        else:
-            probe_events = probe.events
+        probe = self._audit._probe  # None outside `with ReplayAudit()`: no shared probe, so no FLA telemetry
+        probe_events = None if probe is None else probe.events
         self._events_src = probe_events
         self._events_start = len(probe_events) if probe_events is not None else 0
         p = Pass(self._kind)  # type: ignore[arg-type]

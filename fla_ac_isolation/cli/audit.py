@@ -126,7 +126,7 @@ def _family_step(mode: Mode, args: argparse.Namespace) -> AuditRun:
             logits = model(input_ids, seqlens)
             loss = F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
             (loss / batch.num_targets_global).backward()
-        except Exception as err:  # noqa: BLE001 - reported next to the audit's verdicts
+        except Exception as err:
             error = first_line(err)
     return AuditRun(mode.name, audit, error)
 

@@ -28,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print :func:`environment_report` as a table; return 0."""
+    out = console("fla-ac-isolation doctor")
     from rich.table import Table
 
-    out = console("fla-ac-isolation doctor")
     table = Table(title="fla-ac-isolation doctor", show_header=False)
     for key, value in environment_report().items():
         table.add_row(escape(key), escape(value))  # versions and device names are foreign text

@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the regression for parsed ``args``; print the report (rank 0); return the exit code."""
     out = console("fla-ac-isolation regress")
     require("torchtitan", "ep", "fla-ac-isolation regress")
+    if args.plot:
+        require("matplotlib", "cli", "fla-ac-isolation regress --plot")
     from fla_ac_isolation.regression import report
     from fla_ac_isolation.regression.run import run_regression
     from fla_ac_isolation.regression.torchrun import under_torchrun

@@ -10,14 +10,14 @@ warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
 warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
 
 
-import torch  # noqa: E402,F401
+import torch  # noqa: E402
 import torch.distributed  # noqa: E402,F401
-import torchtitan.models.common.moe  # noqa: E402,F401
+import torchtitan.models.common.moe  # noqa: E402
 import torchtitan.models.common.token_dispatcher  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
-import fla_ac_isolation.mixers  # noqa: E402,F401
-import fla_ac_isolation.regression.model  # noqa: E402,F401
+import fla_ac_isolation.mixers  # noqa: E402
+import fla_ac_isolation.regression.model  # noqa: E402
 import fla_ac_isolation.regression.run  # noqa: E402,F401
 from fla_ac_isolation.fla_seam.cache import cached_helpers  # noqa: E402
 

@@ -20,7 +20,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -66,7 +66,7 @@ def _worker_main(rank: int, world: int, port: int, spec: RegressionSpec, mode: s
         if world > 1:
             dist.barrier()
             dist.destroy_process_group()
-    except BaseException as err:  # noqa: BLE001 - reported to the parent, then this rank exits
+    except BaseException as err:
         events.put(("error", rank, (first_line(err), traceback.format_exc())))
         events.close()
         events.join_thread()
@@ -91,23 +91,21 @@ def _stop(procs) -> None:
             p.join(1.0)
 
 
-def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: list[str],
-                 on_step: Callable[[str, int], None] | None) -> ModeResult:
-    world = spec.ep
-    events = mp_ctx.Queue()
-    port = _free_port()
-    procs = [
-        mp_ctx.Process(target=_worker_main, args=(r, world, port, spec, mode, workdir, events), daemon=True,
-                       name=f"fla-ac-regress-{mode}-rank{r}")
-        for r in range(world)
-    ]
+@dataclass
+class _Outcome:
+    """What the ranks of one launch reported: results and errors by rank (errors in order of arrival)."""
+
+    results: dict[int, dict] = field(default_factory=dict)
+    errors: dict[int, tuple[str, str]] = field(default_factory=dict)  # the first is the cause
+    timed_out: bool = False
+
+
+def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str],
+           on_step: Callable[[str, int], None] | None) -> _Outcome:
+    """Read the ranks' events until every rank exited, a failure's grace ran out, or the mode timed out."""
+    out = _Outcome()
     start = time.monotonic()
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    errors: dict[int, tuple[str, str]] = {}  # in order of arrival: the first is the cause
     first_failure: float | None = None
-    timed_out = False
     while True:
         try:
             kind, rank, payload = events.get(timeout=0.05)
@@ -118,51 +116,70 @@ def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: l
         elif kind == "step" and on_step is not None:
             on_step(mode, payload)
         elif kind == "result":
-            results[rank] = payload
+            out.results[rank] = payload
         elif kind == "error":
-            errors.setdefault(rank, payload)
+            out.errors.setdefault(rank, payload)
             first_failure = first_failure or time.monotonic()
         if kind is not None:
             continue  # drain queued events before judging the processes
         now = time.monotonic()
         for r, p in enumerate(procs):
-            if p.exitcode not in (None, 0) and r not in errors:
+            if p.exitcode not in (None, 0) and r not in out.errors:
                 first_failure = first_failure or now
                 if now - first_failure > 0.5:  # its own report had time to arrive
-                    errors[r] = (f"rank {r} died (exit code {p.exitcode})", "")
+                    out.errors[r] = (f"rank {r} died (exit code {p.exitcode})", "")
         if all(p.exitcode is not None for p in procs):
-            break
+            return out
         if first_failure is not None and now - first_failure > FAILURE_GRACE_S:
-            break
+            return out
         if now - start > spec.timeout_s:
-            timed_out = True
-            break
+            out.timed_out = True
+            return out
+
+
+def _merge(outcome: _Outcome, spec: RegressionSpec, mode: str, seconds: float) -> ModeResult:
+    """One :class:`ModeResult` of a launch: rank 0's numbers, cache counts summed over ranks, the first error."""
+    merged = ModeResult(mode, seconds=seconds)
+    if 0 in outcome.results:
+        merged = ModeResult(**{**outcome.results[0], "seconds": seconds, "cache": {}, "cache_by_helper": {}})
+        for payload in outcome.results.values():
+            for outcome_name, n in payload["cache"].items():
+                merged.cache[outcome_name] = merged.cache.get(outcome_name, 0) + n
+            for helper, counts in payload["cache_by_helper"].items():
+                mine = merged.cache_by_helper.setdefault(helper, {})
+                for outcome_name, n in counts.items():
+                    mine[outcome_name] = mine.get(outcome_name, 0) + n
+    if outcome.errors:
+        first = next(iter(outcome.errors))  # later errors are usually consequences (a peer's connection reset)
+        text, trace = outcome.errors[first]
+        merged.error = f"rank {first}: {text}" if spec.ep > 1 else text
+        merged.traceback = trace or None
+        merged.failed_ranks = list(outcome.errors)
+    elif outcome.timed_out:
+        merged.error = f"timed out after {spec.timeout_s:.0f} s"
+    elif len(outcome.results) < spec.ep:
+        merged.error = "ranks exited without a result"
+    return merged
+
+
+def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: list[str],
+                 on_step: Callable[[str, int], None] | None) -> ModeResult:
+    """Start ``spec.ep`` workers for ``mode``, watch them, stop the survivors, merge what they reported."""
+    events = mp_ctx.Queue()
+    port = _free_port()
+    procs = [
+        mp_ctx.Process(target=_worker_main, args=(r, spec.ep, port, spec, mode, workdir, events), daemon=True,
+                       name=f"fla-ac-regress-{mode}-rank{r}")
+        for r in range(spec.ep)
+    ]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    outcome = _watch(procs, events, spec, mode, notes, on_step)
     _stop(procs)
     with contextlib.suppress(Exception):
         events.close()
-
-    merged = ModeResult(mode, seconds=time.monotonic() - start)
-    if 0 in results:
-        merged = ModeResult(**{**results[0], "seconds": merged.seconds})
-        merged.cache = {}
-        merged.cache_by_helper = {}
-        for payload in results.values():
-            for outcome, n in payload["cache"].items():
-                merged.cache[outcome] = merged.cache.get(outcome, 0) + n
-            for helper, counts in payload["cache_by_helper"].items():
-                mine = merged.cache_by_helper.setdefault(helper, {})
-                for outcome, n in counts.items():
-                    mine[outcome] = mine.get(outcome, 0) + n
-    if errors:
-        first = next(iter(errors))  # later errors are usually consequences (a peer's connection reset)
-        merged.error = f"rank {first}: {errors[first][0]}" if world > 1 else errors[first][0]
-        merged.traceback = errors[first][1] or None
-        merged.failed_ranks = list(errors)
-    elif timed_out:
-        merged.error = f"timed out after {spec.timeout_s:.0f} s"
-    elif len(results) < world:
-        merged.error = "ranks exited without a result"
-    return merged
+    return _merge(outcome, spec, mode, time.monotonic() - start)
 
 
 def _mp_context(device: str):

@@ -192,10 +192,7 @@ class DecoderBlock(nn.Module):
     ) -> torch.Tensor:
         if self.mixer is not None:
             h = self.input_layernorm(hidden_states)
-            if isinstance(self.mixer, PackedAttention):
-                h = self.mixer(h, layout)
-            else:
-                h = self.mixer(h, seqlens)
+            h = self.mixer(h, layout) if isinstance(self.mixer, PackedAttention) else self.mixer(h, seqlens)
             hidden_states = hidden_states + h
         if self.mlp is not None:
             hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))

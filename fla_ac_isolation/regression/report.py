@@ -16,6 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from fla_ac_isolation.extras import require
 from fla_ac_isolation.regression.spec import ModeResult, RegressionResult
 
 __all__ = ["Verdict", "default_rtol", "exit_code", "print_report", "verdicts", "write_json", "write_plot"]
@@ -161,7 +162,8 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
         _print_cache(result, console)
         for name, mode in result.modes.items():
             if mode.traceback:
-                console.print(f"[red]{name}[/red] traceback (rank {mode.failed_ranks[0] if mode.failed_ranks else '?'}):")
+                rank = mode.failed_ranks[0] if mode.failed_ranks else "?"
+                console.print(f"[red]{name}[/red] traceback (rank {rank}):")
                 console.print(mode.traceback, markup=False, highlight=False)
 
 
@@ -211,8 +213,7 @@ def write_json(result: RegressionResult, path: str, rtol: float | None = None) -
 
 def write_plot(result: RegressionResult, path: str, rtol: float | None = None) -> None:
     """Write a PNG of the loss per step per mode; a failed mode ends with an ``x`` at its last step."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "cli", "the regression's --plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

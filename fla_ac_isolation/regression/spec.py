@@ -1,4 +1,5 @@
-"""What a regression run is asked to do and what it returns: :class:`RegressionSpec`, :class:`ModeResult`, :class:`RegressionResult`."""
+"""What a regression run is asked to do (:class:`RegressionSpec`) and what it returns (:class:`ModeResult`,
+:class:`RegressionResult`)."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ class RegressionSpec:
 
     @property
     def ordered_modes(self) -> tuple[str, ...]:
-        return ("no-ac",) + tuple(m for m in MODE_NAMES[1:] if m in self.modes)
+        return ("no-ac", *tuple(m for m in MODE_NAMES[1:] if m in self.modes))
 
 
 @dataclass

@@ -58,14 +58,14 @@ def run_under_torchrun(spec: RegressionSpec, on_step) -> RegressionResult:
             store.set(f"fla-ac-regress/{mode}/{rank}", "ok")
             if mode == "no-ac":
                 reference = grads
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             result = ModeResult(mode, error=first_line(err), traceback=traceback.format_exc(), failed_ranks=[rank])
             store.set(f"fla-ac-regress/{mode}/{rank}", "error:" + first_line(err))
         # every rank reports; a rank stuck in a collective never does -> end the job with the error
         keys = [f"fla-ac-regress/{mode}/{r}" for r in range(world)]
         try:
             store.wait(keys, datetime.timedelta(seconds=FAILURE_GRACE_S if result.error else spec.timeout_s))
-        except Exception:  # noqa: BLE001
+        except Exception:
             print(f"fla-ac-isolation regress: mode {mode!r} failed on rank {rank} while other ranks still wait "
                   f"in a collective; ending the job. Error: {result.error}", flush=True)
             os._exit(1)
