@@ -14,9 +14,9 @@ def test_host_sync_sites_counts_sync_warnings_only_and_restores_the_mode(monkeyp
     def step():
         # what torch emits: a one-time notice on the first "warn", then one warning per synchronising call
         warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
-                      "synchronizing operations", UserWarning, stacklevel=2)
-        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=2)
-        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=2)
+                      "synchronizing operations", UserWarning, stacklevel=1)
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
 
     with gpu.host_sync_sites() as sites:
         step()
