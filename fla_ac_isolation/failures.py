@@ -3,7 +3,7 @@
 The regression, the audit command and the fault stack catch errors that the unsafe mode raises on
 purpose (and any other) and report them next to their verdicts; they all use :func:`first_line`, so a
 report, a JSON document and a test see the same text. The text is the error's own: whoever prints it
-with markup (``rich``) must escape it (:func:`fla_ac_isolation.cli._console.escape_foreign`).
+with markup (``rich``) must escape it (:func:`fla_ac_isolation.cli.console.escape`).
 """
 
 from __future__ import annotations

@@ -31,3 +31,27 @@ def test_audit_cli_regression_family_names_the_mixer(capsys):
     assert "recompute op #24 (in layers.0.mixer)" in out
     assert "FLA prepare_chunk_indices, prepare_chunk_offsets missed in forward and hit in recompute." in out
     assert "== qwen3_5_moe | isolated | SAC policy save-all-copies | freq 1: aligned" in out
+
+
+@pytest.mark.parametrize(("failing", "expected_code"), [("isolated", 1), ("shared", 0)])
+def test_audit_cli_a_mode_that_raises_is_reported_and_the_others_still_print(failing, expected_code, monkeypatch,
+                                                                            capsys):
+    import fla_ac_isolation.fault_stack as fault_stack
+
+    real = fault_stack.run_stack
+    text = "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed [bold]"
+
+    def run_stack(mode, *args, **kwargs):
+        if mode == failing:
+            raise RuntimeError(text.removeprefix("RuntimeError: "))
+        return real(mode, *args, **kwargs)
+
+    monkeypatch.setattr(fault_stack, "run_stack", run_stack)
+    code = main(["audit", "--model", "fault-stack", "--ac", "full", "--modes", "shared,isolated,global-disable"])
+    out = capsys.readouterr().out
+    assert code == expected_code
+    assert f"== fault-stack | {failing} | full AC | freq 1: FAILED: {text}" in out
+    assert "== fault-stack | global-disable | full AC | freq 1: aligned" in out
+    other = "isolated" if failing == "shared" else "shared"
+    verdict = "aligned" if other == "isolated" else "1 divergent region(s)"
+    assert f"== fault-stack | {other} | full AC | freq 1: {verdict}" in out

@@ -221,3 +221,46 @@ def test_cli_invalid_arguments_exit_2(capsys):
     cli, args = _parse("--experts", "15")
     assert cli.run(args) == 2
     assert "num_experts (15) must be a multiple of ep (2)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["--timeout", "0"], "--timeout must be a number of seconds > 0, got 0.0", id="timeout-0"),
+        pytest.param(["--timeout", "-5"], "--timeout must be a number of seconds > 0, got -5.0", id="timeout-neg"),
+        pytest.param(["--timeout", "nan"], "--timeout must be a number of seconds > 0, got nan", id="timeout-nan"),
+        pytest.param(["--rtol", "-0.1"], "--rtol must be a finite number >= 0, got -0.1", id="rtol-neg"),
+        pytest.param(["--json", "{missing}/r.json"], "--json {missing}/r.json: the folder {missing} does not exist",
+                     id="json-missing-folder"),
+        pytest.param(["--plot", "{missing}/r.png"], "--plot {missing}/r.png: the folder {missing} does not exist",
+                     id="plot-missing-folder"),
+        pytest.param(["--json", "{tmp}"], "--json {tmp}: is a folder; give a file path", id="json-is-a-folder"),
+        # /sys refuses new files even to root (permission bits would not tell)
+        pytest.param(["--plot", "/sys/r.png"], "--plot /sys/r.png: the folder /sys is not writable", id="plot-unwritable"),
+    ],
+)
+def test_cli_bad_flags_exit_2_before_any_work(argv, message, tmp_path, monkeypatch, capsys):
+    import time
+
+    from fla_ac_isolation.cli import main
+    from fla_ac_isolation.regression import run as regression_run
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("run_regression was called: the flag was not checked before the run")
+
+    monkeypatch.setattr(regression_run, "run_regression", must_not_run)
+    fill = {"missing": str(tmp_path / "no-such-folder"), "tmp": str(tmp_path)}
+    start = time.monotonic()
+    code = main(["regress", *(a.format(**fill) for a in argv)])
+    assert time.monotonic() - start < 1.0
+    assert code == 2
+    assert f"fla-ac-isolation regress: error: {message.format(**fill)}" in " ".join(capsys.readouterr().out.split())
+
+
+def test_timeout_and_rtol_are_checked_in_the_python_api_too():
+    with pytest.raises(ValueError, match=r"timeout_s must be a finite number of seconds > 0, got 0"):
+        RegressionSpec(timeout_s=0).validate()
+    with pytest.raises(ValueError, match=r"rtol must be a finite number >= 0 \(relative tolerance\), got -1"):
+        report.verdicts(_result(isolated={}), rtol=-1)
+    with pytest.raises(ValueError, match=r"fail_on must be \(mode, rank\) or \(mode, rank, message\)"):
+        RegressionSpec(fail_on=("isolated", 2)).validate()

@@ -18,6 +18,8 @@ Example::
 
 Exit codes: 0 when every region of ``isolated`` and ``global-disable`` is aligned; 1 otherwise; 2 for
 invalid arguments. The unsafe ``shared`` mode never changes the exit code (it is expected to diverge).
+A mode that raises (building its model, or its step) is reported as failed with the first line of the
+error, printed as it is, and the other modes still run and print.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 from fla_ac_isolation.audit import ReplayAudit
 from fla_ac_isolation.cli.console import add_policy_arguments, parse_modes
-from fla_ac_isolation.extras import require
+from fla_ac_isolation.extras import MissingExtraError, require
 from fla_ac_isolation.failures import first_line
 from fla_ac_isolation.families import FAMILY_NAMES
 from fla_ac_isolation.modes import MODES, Mode, get_mode
@@ -172,7 +174,15 @@ def run(args: argparse.Namespace) -> int:
     what = "full AC" if args.ac == "full" else f"SAC policy {args.policy}"
     code = 0
     for mode in modes:
-        result = audit_step(mode, args)
+        try:
+            result = audit_step(mode, args)
+        except MissingExtraError:
+            raise  # exit code 2 with the pip install that brings it (cli.main)
+        except Exception as err:  # the other modes still run and print
+            print(f"== {args.model} | {mode} | {what} | freq {args.freq}: FAILED: {first_line(err)}\n")
+            if mode != "shared":
+                code = 1
+            continue
         audit = result.audit
         n_bad = len(audit.divergent)
         verdict = f"{n_bad} divergent region(s)" if n_bad else ("aligned" if audit.regions else "no region ran")

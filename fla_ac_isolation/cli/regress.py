@@ -7,15 +7,19 @@ Example (the README's main job; about a minute on a 2-core CPU machine)::
     torchrun --nproc-per-node 2 -m fla_ac_isolation.cli regress --device cuda --ep 2   # ranks from torchrun
 
 Exit codes: 0 when ``isolated`` and ``global-disable`` match ``no-ac``; 1 when one of them (or
-``no-ac``) does not; 2 for invalid arguments. The unsafe ``shared`` mode never changes the exit code.
+``no-ac``) does not; 2 for invalid arguments, refused before any rank starts (``--timeout <= 0``,
+``--rtol < 0``, a ``--json``/``--plot`` path whose folder does not exist or is not writable, an invalid
+spec). The unsafe ``shared`` mode never changes the exit code. A rank that raises or dies fails its mode
+only: the table, the JSON document and the plot are still written, the failure named in them.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
-from fla_ac_isolation.cli.console import add_policy_arguments, console, parse_modes
+from fla_ac_isolation.cli.console import add_policy_arguments, console, escape, parse_modes
 from fla_ac_isolation.extras import require
 from fla_ac_isolation.families import FAMILY_NAMES
 from fla_ac_isolation.modes import MODE_NAMES
@@ -71,6 +75,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def check_output_path(path: str, flag: str) -> None:
+    """Refuse, before any work, an output path that could not be written at the end of the run.
+
+    Raises:
+        ValueError: naming ``flag``: ``path`` is a folder, its folder does not exist or is not a folder,
+            or the folder (or an existing file at ``path``) is not writable.
+    """
+    import tempfile
+
+    full = os.path.abspath(path)
+    folder = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise ValueError(f"{flag} {path}: is a folder; give a file path")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    try:  # a real write (permission bits do not tell for root, read-only mounts, /sys, ...)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable ({type(err).__name__})") from None
+    if os.path.exists(full) and not os.access(full, os.W_OK):
+        raise ValueError(f"{flag} {path}: the file is not writable")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The checks that need no import and no process: ``--timeout``, ``--rtol``, ``--json``, ``--plot``.
+
+    Raises:
+        ValueError: naming the flag and what it must be.
+    """
+    if not 0 < args.timeout < math.inf:
+        raise ValueError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
+    if args.rtol is not None and not 0 <= args.rtol < math.inf:
+        raise ValueError(f"--rtol must be a finite number >= 0, got {args.rtol}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_output_path(path, flag)
+
+
 def _spec(args: argparse.Namespace):
     import torch
 
@@ -91,8 +134,17 @@ def _spec(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the regression for parsed ``args``; print the report (rank 0); return the exit code."""
+    """Run the regression for parsed ``args``; print the report (rank 0); return the exit code.
+
+    Invalid arguments return 2 before any import or process; the JSON document is written before the
+    table is printed, so that nothing the run measured is lost.
+    """
     out = console("fla-ac-isolation regress")
+    try:
+        check_arguments(args)
+    except ValueError as err:
+        out.print(f"[red]fla-ac-isolation regress: error:[/red] {escape(str(err))}")
+        return 2
     require("torchtitan", "ep", "fla-ac-isolation regress")
     if args.plot:
         require("matplotlib", "cli", "fla-ac-isolation regress --plot")
@@ -103,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = _spec(args)
     except ValueError as err:
-        out.print(f"[red]fla-ac-isolation regress: error:[/red] {err}")
+        out.print(f"[red]fla-ac-isolation regress: error:[/red] {escape(str(err))}")
         return 2
     is_rank0 = not under_torchrun() or os.environ.get("RANK") == "0"
     progress = None
@@ -128,11 +180,12 @@ def run(args: argparse.Namespace) -> int:
             result = run_regression(spec, on_step=on_step)
     code = report.exit_code(result, args.rtol)
     if is_rank0:
-        report.print_report(result, rtol=args.rtol, verbose=args.verbose, console=out)
         if args.json:
             report.write_json(result, args.json, args.rtol)
-            out.print(f"wrote {args.json}")
+        report.print_report(result, rtol=args.rtol, verbose=args.verbose, console=out)
         if args.plot:
             report.write_plot(result, args.plot, args.rtol)
-            out.print(f"wrote {args.plot}")
+        for path in (args.json, args.plot):
+            if path:
+                out.print(f"wrote {escape(path)}")
     return code

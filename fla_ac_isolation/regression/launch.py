@@ -7,6 +7,13 @@ mode that crashes, on one rank or all, is recorded as failed; its surviving rank
 ``FAILURE_GRACE_S`` seconds (they would otherwise wait in a collective until the process-group timeout),
 and the next mode starts fresh. The ``no-ac`` workers write their per-step gradients to a temporary
 folder; later modes compare against them on each rank.
+
+A rank reports through a queue: ``("started", rank, pid)`` once its process group is up, then notes,
+steps, and its result or its error. A rank that dies without a report (a signal, the OOM killer) is
+recorded as ``process died (killed by SIGKILL)`` or ``(exit code N)``, ahead of the errors its peers then
+raise (a connection reset is a consequence). Whatever happens, every worker of a mode is stopped and
+reaped before the next mode starts, and an error of the launcher itself is recorded as that mode's
+failure, so the report is always complete.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import contextlib
 import datetime
 import os
 import queue as queue_module
+import signal
 import socket
 import tempfile
 import time
@@ -53,6 +61,7 @@ def _worker_main(rank: int, world: int, port: int, spec: RegressionSpec, mode: s
                 device_id=device if spec.device == "cuda" else None,
             )
             group = dist.group.WORLD
+        events.put(("started", rank, os.getpid()))
         ctx = RankContext(rank, world, device, group)
         reference = None
         ref_path = os.path.join(workdir, f"no-ac.rank{rank}.pt")
@@ -73,6 +82,14 @@ def _worker_main(rank: int, world: int, port: int, spec: RegressionSpec, mode: s
         os._exit(1)
 
 
+@dataclass(frozen=True)
+class _Hooks:
+    """The caller's callbacks: ``on_step(mode, step)`` (rank 0) and ``on_rank_start(mode, rank, pid)``."""
+
+    on_step: Callable[[str, int], None] | None = None
+    on_rank_start: Callable[[str, int, int], None] | None = None
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -80,6 +97,8 @@ def _free_port() -> int:
 
 
 def _stop(procs) -> None:
+    """Terminate (then kill) the workers still alive and reap every started one."""
+    procs = [p for p in procs if p.pid is not None]  # a process whose start failed has nothing to reap
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -91,6 +110,17 @@ def _stop(procs) -> None:
             p.join(1.0)
 
 
+def _death(exitcode: int) -> str:
+    """How a worker that reported nothing ended: ``process died (killed by SIGKILL)`` or ``(exit code 3)``."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"process died (killed by {name})"
+    return f"process died (exit code {exitcode})"
+
+
 @dataclass
 class _Outcome:
     """What the ranks of one launch reported: results and errors by rank (errors in order of arrival)."""
@@ -100,8 +130,14 @@ class _Outcome:
     timed_out: bool = False
 
 
-def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str],
-           on_step: Callable[[str, int], None] | None) -> _Outcome:
+def _record_killed(procs, out: _Outcome) -> None:
+    """Record ranks already ended by a signal (they never report): the cause, ahead of their peers' errors."""
+    for r, p in enumerate(procs):
+        if p.exitcode is not None and p.exitcode < 0 and r not in out.errors:
+            out.errors[r] = (_death(p.exitcode), "")
+
+
+def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str], hooks: _Hooks) -> _Outcome:
     """Read the ranks' events until every rank exited, a failure's grace ran out, or the mode timed out."""
     out = _Outcome()
     start = time.monotonic()
@@ -111,13 +147,16 @@ def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str],
             kind, rank, payload = events.get(timeout=0.05)
         except queue_module.Empty:
             kind = None
-        if kind == "note" and payload not in notes:
+        if kind == "started" and hooks.on_rank_start is not None:
+            hooks.on_rank_start(mode, rank, payload)
+        elif kind == "note" and payload not in notes:
             notes.append(payload)
-        elif kind == "step" and on_step is not None:
-            on_step(mode, payload)
+        elif kind == "step" and hooks.on_step is not None:
+            hooks.on_step(mode, payload)
         elif kind == "result":
             out.results[rank] = payload
         elif kind == "error":
+            _record_killed(procs, out)  # a peer killed before this error caused it
             out.errors.setdefault(rank, payload)
             first_failure = first_failure or time.monotonic()
         if kind is not None:
@@ -126,8 +165,8 @@ def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str],
         for r, p in enumerate(procs):
             if p.exitcode not in (None, 0) and r not in out.errors:
                 first_failure = first_failure or now
-                if now - first_failure > 0.5:  # its own report had time to arrive
-                    out.errors[r] = (f"rank {r} died (exit code {p.exitcode})", "")
+                if p.exitcode < 0 or now - first_failure > 0.5:  # a signal; else its own report had time
+                    out.errors[r] = (_death(p.exitcode), "")
         if all(p.exitcode is not None for p in procs):
             return out
         if first_failure is not None and now - first_failure > FAILURE_GRACE_S:
@@ -162,23 +201,28 @@ def _merge(outcome: _Outcome, spec: RegressionSpec, mode: str, seconds: float) -
     return merged
 
 
-def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: list[str],
-                 on_step: Callable[[str, int], None] | None) -> ModeResult:
-    """Start ``spec.ep`` workers for ``mode``, watch them, stop the survivors, merge what they reported."""
+def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: list[str], hooks: _Hooks) -> ModeResult:
+    """Start ``spec.ep`` workers for ``mode``, watch them, stop the survivors, merge what they reported.
+
+    The workers are stopped and reaped however this ends (a hook that raises, ``KeyboardInterrupt``).
+    """
     events = mp_ctx.Queue()
-    port = _free_port()
-    procs = [
-        mp_ctx.Process(target=_worker_main, args=(r, spec.ep, port, spec, mode, workdir, events), daemon=True,
-                       name=f"fla-ac-regress-{mode}-rank{r}")
-        for r in range(spec.ep)
-    ]
+    procs = []
     start = time.monotonic()
-    for p in procs:
-        p.start()
-    outcome = _watch(procs, events, spec, mode, notes, on_step)
-    _stop(procs)
-    with contextlib.suppress(Exception):
-        events.close()
+    try:
+        port = _free_port()
+        procs = [
+            mp_ctx.Process(target=_worker_main, args=(r, spec.ep, port, spec, mode, workdir, events), daemon=True,
+                           name=f"fla-ac-regress-{mode}-rank{r}")
+            for r in range(spec.ep)
+        ]
+        for p in procs:
+            p.start()
+        outcome = _watch(procs, events, spec, mode, notes, hooks)
+    finally:
+        _stop(procs)
+        with contextlib.suppress(Exception):
+            events.close()
     return _merge(outcome, spec, mode, time.monotonic() - start)
 
 
@@ -197,12 +241,26 @@ def _mp_context(device: str):
     return ctx
 
 
-def run_spawned(spec: RegressionSpec, on_step: Callable[[str, int], None] | None) -> RegressionResult:
-    """Run every mode of ``spec`` in freshly launched worker processes, one launch per mode."""
+def run_spawned(
+    spec: RegressionSpec,
+    on_step: Callable[[str, int], None] | None,
+    on_rank_start: Callable[[str, int, int], None] | None = None,
+) -> RegressionResult:
+    """Run every mode of ``spec`` in freshly launched worker processes, one launch per mode.
+
+    ``on_step(mode, step)`` is called after each step of rank 0, ``on_rank_start(mode, rank, pid)`` when
+    a rank's process group is up. An ``Exception`` of the launcher itself (or of a hook) during one mode
+    is recorded as that mode's failure and the next mode runs; ``KeyboardInterrupt`` stops the run
+    (after the workers are stopped).
+    """
     mp_ctx = _mp_context(spec.device)
+    hooks = _Hooks(on_step, on_rank_start)
     notes: list[str] = []
     modes: dict[str, ModeResult] = {}
     with tempfile.TemporaryDirectory(prefix="fla-ac-regress-") as workdir:
         for mode in spec.ordered_modes:
-            modes[mode] = _launch_mode(mp_ctx, spec, mode, workdir, notes, on_step)
+            try:
+                modes[mode] = _launch_mode(mp_ctx, spec, mode, workdir, notes, hooks)
+            except Exception as err:
+                modes[mode] = ModeResult(mode, error=f"launcher: {first_line(err)}", traceback=traceback.format_exc())
     return RegressionResult(spec, modes, notes)

@@ -19,7 +19,7 @@ from typing import Any
 from fla_ac_isolation.extras import require
 from fla_ac_isolation.regression.spec import ModeResult, RegressionResult
 
-__all__ = ["Verdict", "default_rtol", "exit_code", "print_report", "verdicts", "write_json", "write_plot"]
+__all__ = ["Verdict", "check_rtol", "default_rtol", "exit_code", "print_report", "verdicts", "write_json", "write_plot"]
 
 #: modes whose mismatch fails the run
 REQUIRED = ("isolated", "global-disable")
@@ -64,8 +64,26 @@ def _deviation(mode: ModeResult, ref: ModeResult) -> tuple[float, str]:
     return (loss_dev, "loss") if loss_dev >= grad_dev else (grad_dev, "grad")
 
 
+def check_rtol(rtol: float | None, name: str = "rtol") -> None:
+    """Accept ``None`` (the default tolerance) or a finite number >= 0.
+
+    Raises:
+        ValueError: naming ``name`` (the CLI passes ``--rtol``) for a negative, infinite or NaN value
+            or a non-number.
+    """
+    if rtol is None:
+        return
+    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0 (relative tolerance), got {rtol!r}")
+
+
 def verdicts(result: RegressionResult, rtol: float | None = None) -> dict[str, Verdict]:
-    """A :class:`Verdict` per mode of ``result`` (``rtol``: see the module docstring)."""
+    """A :class:`Verdict` per mode of ``result`` (``rtol``: see the module docstring).
+
+    Raises:
+        ValueError: ``rtol`` is negative, infinite or NaN.
+    """
+    check_rtol(rtol)
     spec = result.spec
     rtol = default_rtol(spec.device, spec.dtype) if rtol is None else rtol
     ref = result.modes.get("no-ac")
@@ -109,9 +127,18 @@ def _fmt(x: float | None, spec: str = ".6g") -> str:
 
 
 def print_report(result: RegressionResult, *, rtol: float | None = None, verbose: bool = False, console=None) -> None:
-    """Print the header, the per-step table, the verdict summary and (``verbose``) FLA cache counts."""
+    """Print the header, the per-step table, the verdict summary and (``verbose``) FLA cache counts.
+
+    Every foreign string (error messages of the ranks, notes) is escaped, so text such as gloo's
+    ``[/pytorch/third_party/gloo/.../pair.cc:537]`` or ``[bold]`` prints as it is, never as rich markup.
+
+    Raises:
+        ValueError: ``rtol`` is negative or not a number (see :func:`verdicts`).
+    """
     from rich.console import Console
     from rich.table import Table
+
+    from fla_ac_isolation.cli.console import escape
 
     console = console or Console()
     spec = result.spec
@@ -122,18 +149,19 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
         f"{spec.device}/{spec.dtype}  hidden={spec.hidden_size}  {spec.num_experts} experts top-{spec.top_k}"
     )
     for note in result.notes:
-        console.print(f"[yellow]note:[/yellow] {note}")
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
     seconds = ", ".join(f"{name} {mode.seconds:.1f}" for name, mode in result.modes.items())
     caption = (
         "max |grad - ref|: largest gradient difference to no-ac over all ranks and parameters; idle experts: "
         f"most experts without any token in one MoE layer (all ranks). Seconds per mode: {seconds}."
     )
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    table = Table(title=escape(title), title_justify="left", caption=escape(caption), caption_justify="left")
     for col, justify in (("mode", "left"), ("step", "right"), ("loss", "right"), ("grad norm", "right"),
                          ("max |grad - ref|", "right"), ("idle experts", "right"), ("verdict", "left")):
         table.add_column(col, justify=justify)
     for name, mode in result.modes.items():
         verdict = found[name]
+        text = escape(verdict.text)
         style = {"matches": "green", "reference": "cyan", "failed": "red", "diverged": "red"}.get(verdict.status, "")
         rows = max(len(mode.losses), 1)
         for i in range(rows):
@@ -145,19 +173,11 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
                 _fmt(mode.grad_norms[i], ".6g") if done else "-",
                 _fmt(mode.grad_diffs[i], ".3e") if done and name != "no-ac" else "-",
                 str(mode.idle_experts[i]) if done else "-",
-                f"[{style}]{verdict.text}[/{style}]" if i == 0 and style else (verdict.text if i == 0 else ""),
+                f"[{style}]{text}[/{style}]" if i == 0 and style else (text if i == 0 else ""),
                 end_section=i == rows - 1,
             )
     console.print(table)
-    for name in REQUIRED:
-        if name in found:
-            ok = found[name].ok
-            console.print(f"{name:>15}: {'[green]PASS[/green]' if ok else '[red]FAIL[/red]'}  {found[name].text}")
-    if "shared" in found:
-        reproduced = fault_reproduced(result, rtol)
-        what = {True: "[magenta]fault reproduced[/magenta]", False: "fault NOT reproduced under this policy",
-                None: "not judged"}[reproduced]
-        console.print(f"{'shared (unsafe)':>15}: {what}  {found['shared'].text}  (does not affect the exit code)")
+    _print_verdicts(result, found, rtol, console)
     if verbose:
         _print_cache(result, console)
         for name, mode in result.modes.items():
@@ -167,8 +187,26 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
                 console.print(mode.traceback, markup=False, highlight=False)
 
 
+def _print_verdicts(result: RegressionResult, found: dict[str, Verdict], rtol: float | None, console) -> None:
+    """One line per required mode (PASS/FAIL) and one for ``shared`` (whether it reproduced the fault)."""
+    from fla_ac_isolation.cli.console import escape
+
+    for name in REQUIRED:
+        if name in found:
+            mark = "[green]PASS[/green]" if found[name].ok else "[red]FAIL[/red]"
+            console.print(f"{name:>15}: {mark}  {escape(found[name].text)}")
+    if "shared" in found:
+        reproduced = fault_reproduced(result, rtol)
+        what = {True: "[magenta]fault reproduced[/magenta]", False: "fault NOT reproduced under this policy",
+                None: "not judged"}[reproduced]
+        text = escape(found["shared"].text)
+        console.print(f"{'shared (unsafe)':>15}: {what}  {text}  (does not affect the exit code)")
+
+
 def _print_cache(result: RegressionResult, console) -> None:
     from rich.table import Table
+
+    from fla_ac_isolation.cli.console import escape
 
     table = Table(title="FLA tensor-cache lookups per mode (summed over ranks and steps)", title_justify="left")
     for col in ("mode", "helper", "hit", "miss", "bypass"):
@@ -176,7 +214,8 @@ def _print_cache(result: RegressionResult, console) -> None:
     for name, mode in result.modes.items():
         helpers = sorted(mode.cache_by_helper.items())
         for i, (helper, counts) in enumerate(helpers):
-            table.add_row(name if i == 0 else "", helper, *(str(counts.get(k, 0)) for k in ("hit", "miss", "bypass")))
+            counted = (str(counts.get(k, 0)) for k in ("hit", "miss", "bypass"))
+            table.add_row(name if i == 0 else "", escape(helper), *counted)
         table.add_row(
             name if not helpers else "", "[bold]total[/bold]",
             *(str(mode.cache.get(k, 0)) for k in ("hit", "miss", "bypass")), end_section=True,
@@ -226,6 +265,7 @@ def write_plot(result: RegressionResult, path: str, rtol: float | None = None) -
         label = f"{name}: {found[name].text}"
         if len(label) > 70:
             label = label[:67] + "..."
+        label = label.replace("$", r"\$")  # foreign text: a '$' would start matplotlib's mathtext
         steps = list(range(len(mode.losses)))
         if steps:
             ax.plot(steps, mode.losses, line, color=color, linewidth=width, marker="o", markersize=4, label=label)

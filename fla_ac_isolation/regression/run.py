@@ -21,23 +21,32 @@ __all__ = ["run_regression"]
 
 
 def run_regression(
-    spec: RegressionSpec, *, on_step: Callable[[str, int], None] | None = None
+    spec: RegressionSpec,
+    *,
+    on_step: Callable[[str, int], None] | None = None,
+    on_rank_start: Callable[[str, int, int], None] | None = None,
 ) -> RegressionResult:
     """Run every mode of ``spec`` and return the results.
 
     Launches ``spec.ep`` processes per mode itself, or, under ``torchrun``, uses the current processes
-    (then every rank returns the same result; print it on rank 0).
+    (then every rank returns the same result; print it on rank 0). A mode whose rank raises, dies or
+    hangs is recorded as failed (:attr:`ModeResult.error` names the rank and the first error line) and
+    the next mode runs: the result always holds every mode of ``spec``.
 
     Args:
         spec: what to run (validated here).
         on_step: called as ``on_step(mode, step)`` after each completed step (rank 0), e.g. for a
             progress bar.
+        on_rank_start: spawned ranks only (not under ``torchrun``): called as ``on_rank_start(mode,
+            rank, pid)`` in this process once that rank's process group is up, e.g. for a test that
+            kills a rank.
 
     Raises:
         ValueError: an invalid spec.
     """
     spec.validate()
-    result = run_under_torchrun(spec, on_step) if under_torchrun() else run_spawned(spec, on_step)
+    spawned = not under_torchrun()
+    result = run_spawned(spec, on_step, on_rank_start) if spawned else run_under_torchrun(spec, on_step)
     result.environment = _environment()
     return result
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,10 +40,11 @@ class RegressionSpec:
         seed: weights and data.
         lr: AdamW learning rate.
         modes: modes to run; ``no-ac`` is always run first (it is the reference).
-        timeout_s: wall-clock limit per mode (also the process-group timeout).
+        timeout_s: wall-clock limit per mode in seconds, > 0 (also the process-group timeout).
         early_stop: torch's checkpoint early stop.
-        fail_on: testing hook, ``(mode, rank)``: that rank raises ``RuntimeError`` between the first
-            forward and backward of that mode, to show that one failing rank ends all ranks promptly.
+        fail_on: testing hook, ``(mode, rank)`` or ``(mode, rank, message)``: that rank raises
+            ``RuntimeError(message)`` between the first forward and backward of that mode, to show that
+            one failing rank ends all ranks promptly and that its error text reaches the report verbatim.
         rank_setup: ``"module:function"`` called in every rank process before training, e.g. a GPU test
             harness switch such as ``"fla_ac_isolation.testing.gpu:lift_hopper_gdn_guard"``; when it
             returns a context manager, that is entered and kept for the life of the process.
@@ -67,7 +69,7 @@ class RegressionSpec:
     modes: tuple[str, ...] = MODE_NAMES
     timeout_s: float = 300.0
     early_stop: bool = True
-    fail_on: tuple[str, int] | None = None
+    fail_on: tuple[str, int] | tuple[str, int, str] | None = None
     rank_setup: str | None = None
 
     def validate(self) -> RegressionSpec:
@@ -97,11 +99,29 @@ class RegressionSpec:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ValueError(f"modes must be a non-empty subset of {MODE_NAMES}, got {self.modes!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not (
+            0 < self.timeout_s < math.inf
+        ):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        self._validate_fail_on()
         if self.rank_setup is not None and ":" not in self.rank_setup:
             raise ValueError(f"rank_setup must be 'module:function', got {self.rank_setup!r}")
         if self.device == "cuda" and torch.cuda.device_count() < self.ep:
             raise ValueError(f"ep={self.ep} needs {self.ep} CUDA devices, found {torch.cuda.device_count()}")
         return self
+
+    def _validate_fail_on(self) -> None:
+        if self.fail_on is None:
+            return
+        fail_on = tuple(self.fail_on)
+        ok = len(fail_on) in (2, 3) and fail_on[0] in MODES and isinstance(fail_on[1], int) and (
+            not isinstance(fail_on[1], bool) and 0 <= fail_on[1] < self.ep
+        )
+        if not ok or (len(fail_on) == 3 and not isinstance(fail_on[2], str)):
+            raise ValueError(
+                f"fail_on must be (mode, rank) or (mode, rank, message) with a mode of {MODE_NAMES} and "
+                f"0 <= rank < ep={self.ep}, got {self.fail_on!r}"
+            )
 
     @property
     def ordered_modes(self) -> tuple[str, ...]:

@@ -136,8 +136,9 @@ def _forward_backward(
     ):
         logits = trainee.model(input_ids, seqlens)
         loss = F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum") / batch.num_targets_global
-        if spec.fail_on is not None and tuple(spec.fail_on) == (mode.name, ctx.rank):
-            raise RuntimeError(f"injected failure on rank {ctx.rank} in mode {mode.name!r} (RegressionSpec.fail_on)")
+        if spec.fail_on is not None and tuple(spec.fail_on[:2]) == (mode.name, ctx.rank):
+            default = f"injected failure on rank {ctx.rank} in mode {mode.name!r} (RegressionSpec.fail_on)"
+            raise RuntimeError(spec.fail_on[2] if len(spec.fail_on) == 3 else default)
         loss.backward()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
