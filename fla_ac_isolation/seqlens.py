@@ -18,7 +18,8 @@ Vocabulary: ``cu_seqlens`` ``[N + 1]`` integer offsets of ``N`` packed sequences
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -102,7 +103,9 @@ class LayerLocalSeqlens:
             int64, either way: FLA only reads it on the host). FLA uses host offsets to avoid
             device-to-host syncs; pass it when you have it.
         device: optional device the activations live on; ``cu_seqlens`` must be on it.
-        num_tokens: optional packed token count ``T``; when given, the last offset must equal it.
+        num_tokens: optional packed token count ``T`` (``hidden_states.shape[1]``); when given, the last
+            offset must equal it, checked before anything proportional to the offsets is allocated (see
+            "Chunk schedule" below). Pass it whenever you have it.
         chunk_indices: precompute FLA's chunk schedule
             (:func:`~fla_ac_isolation.fla_seam.layout.chunk_indices_for`, of
             :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`-token chunks) once, here, and hand each
@@ -113,11 +116,24 @@ class LayerLocalSeqlens:
 
     Raises:
         TypeError: ``cu_seqlens``/``cu_seqlens_cpu`` is not a tensor, or not int32/int64; ``max_seqlen``
-            is not an ``int``; ``chunk_indices`` is not a bool.
+            or ``num_tokens`` is not an ``int``; ``chunk_indices`` is not a bool.
         ValueError: ``cu_seqlens`` is not 1-D with at least 2 entries, does not start at 0, decreases,
             is a meta tensor, sits on another device than ``device``, or its last value differs from ``num_tokens``;
-            ``cu_seqlens_cpu`` is not on the CPU or differs in shape or values; ``max_seqlen`` is smaller
-            than the longest document.
+            ``cu_seqlens_cpu`` is not on the CPU or differs in shape or values (compared as int64, so an
+            int32 copy of larger offsets cannot pass); ``max_seqlen`` is smaller than the longest
+            document; ``num_tokens`` is negative; ``device`` is not a device.
+
+    Ownership: the object keeps its own snapshot, one clone of ``cu_seqlens`` (and of
+    ``cu_seqlens_cpu``) taken here and validated; mutating or reusing the caller's tensors afterwards
+    changes nothing that :meth:`local` hands out. On a GPU the clone is ordered on the current stream,
+    so it sees the values written before this call and adds no synchronisation.
+
+    Chunk schedule: ``sum(ceil(len / CHUNK_SIZE))`` rows over the documents, at most
+    ``T / CHUNK_SIZE + N`` for consistent offsets (``T = cu_seqlens[-1]``). Every check on the values
+    runs before it is allocated; with ``num_tokens`` given, a last offset that is not the token count is
+    refused first, so one bad value cannot allocate a schedule sized by it. Without ``num_tokens``,
+    ``cu_seqlens[-1]`` is trusted as ``T``. The mixers pass ``hidden_states.shape[1]`` when they wrap
+    transformers' ``cu_seq_lens_q``.
 
     Cost: validation reads the offsets on the host once. With ``cu_seqlens`` on a GPU and no
     ``cu_seqlens_cpu`` that is one device-to-host copy (kept, and handed to every layer as
@@ -153,46 +169,20 @@ class LayerLocalSeqlens:
         _check_index_tensor(cu_seqlens, "cu_seqlens")
         if not isinstance(chunk_indices, bool):
             raise TypeError(f"chunk_indices must be a bool (precompute FLA's chunk schedule), got {chunk_indices!r}")
-        if device is not None and not devices_match(cu_seqlens.device, torch.device(device)):
+        if device is not None and not devices_match(cu_seqlens.device, _parse_device(device)):
             raise ValueError(
                 f"cu_seqlens must be on the activations' device {torch.device(device)}, got {cu_seqlens.device}"
             )
         if cu_seqlens.device.type == "meta":
             raise ValueError("cu_seqlens is a meta tensor, which holds no values; build it on the activations' device")
-        if cu_seqlens_cpu is not None:
-            _check_index_tensor(cu_seqlens_cpu, "cu_seqlens_cpu")
-            if cu_seqlens_cpu.device.type != "cpu":
-                raise ValueError(f"cu_seqlens_cpu must be a CPU tensor, got device {cu_seqlens_cpu.device}")
-            if cu_seqlens_cpu.shape != cu_seqlens.shape:
-                raise ValueError(
-                    f"cu_seqlens_cpu must have the shape of cu_seqlens {tuple(cu_seqlens.shape)}, "
-                    f"got {tuple(cu_seqlens_cpu.shape)}"
-                )
-            host = cu_seqlens_cpu
-            device_values = cu_seqlens.to(device="cpu", dtype=host.dtype)
-            if not torch.equal(device_values, host):
-                i = int(torch.nonzero(device_values != host)[0])
-                raise ValueError(
-                    f"cu_seqlens_cpu must hold the same values as cu_seqlens, but cu_seqlens_cpu[{i}]="
-                    f"{int(host[i])} != cu_seqlens[{i}]={int(device_values[i])}"
-                )
-        else:
-            host = cu_seqlens.detach().cpu()
+        _check_num_tokens(num_tokens)
+        # The snapshot: one clone of each caller tensor, validated and then kept, so that the caller may
+        # reuse or mutate its own tensors afterwards. On a GPU the clone is stream-ordered (no sync).
+        own = cu_seqlens.detach().clone()
+        own_host = None if cu_seqlens_cpu is None else _checked_host_copy(cu_seqlens_cpu, own)
+        host = own_host if own_host is not None else (own if own.device.type == "cpu" else own.cpu())
         offsets = host.tolist()
-        if offsets[0] != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
-        lens = [b - a for a, b in itertools.pairwise(offsets)]
-        bad = next((i for i, n in enumerate(lens) if n < 0), None)
-        if bad is not None:
-            raise ValueError(
-                f"cu_seqlens must be non-decreasing, but cu_seqlens[{bad + 1}]={offsets[bad + 1]} < "
-                f"cu_seqlens[{bad}]={offsets[bad]}"
-            )
-        if num_tokens is not None and offsets[-1] != num_tokens:
-            raise ValueError(
-                f"cu_seqlens[-1] must equal the packed token count num_tokens={num_tokens} (hidden_states.shape[1] "
-                f"when packed), got {offsets[-1]}"
-            )
+        lens = _check_offsets(offsets, num_tokens)
         longest = max(lens)
         if max_seqlen is None:
             max_seqlen = longest
@@ -201,14 +191,14 @@ class LayerLocalSeqlens:
         elif max_seqlen < longest:
             raise ValueError(f"max_seqlen={max_seqlen} is smaller than the longest document ({longest} tokens)")
 
-        self._cu_seqlens = cu_seqlens.detach()
-        self._cu_seqlens_cpu = cu_seqlens_cpu.detach() if cu_seqlens_cpu is not None else host
+        self._cu_seqlens = own
+        self._cu_seqlens_cpu = host
         self._host_given = cu_seqlens_cpu is not None
         self.max_seqlen: int = max_seqlen
         self.num_tokens: int = offsets[-1]
         self.num_seqs: int = len(lens)
         self._chunk_indices = (
-            _to_device(chunk_indices_for(host).to(cu_seqlens.dtype), cu_seqlens.device) if chunk_indices else None
+            _to_device(chunk_indices_for(offsets).to(own.dtype), own.device) if chunk_indices else None
         )
 
     # ----------------------------------------------------------------------------------------- builders
@@ -225,7 +215,9 @@ class LayerLocalSeqlens:
         """Build from document lengths, e.g. ``[5, 0, 17]`` -> ``cu_seqlens = [0, 5, 5, 22]``.
 
         Args:
-            seq_lens: non-negative document lengths in tokens (zero is legal).
+            seq_lens: non-negative document lengths in tokens (zero is legal): Python ints or numpy
+                integer scalars (``np.int64``, ... are exact integers and accepted); not floats, bools
+                or tensors (pass a tensor as ``seq_lens.tolist()``).
             device: device of the activations (``cu_seqlens`` is created there); CPU when ``None``.
             dtype: ``torch.int32`` (FLA's and flash-attn's convention) or ``torch.int64``.
             with_cpu: also keep the host offsets as ``cu_seqlens_cpu`` (no sync needed later).
@@ -233,25 +225,23 @@ class LayerLocalSeqlens:
                 (``True``; ``False`` for :class:`~fla_ac_isolation.modes.SharedSeqlens`).
 
         Raises:
-            ValueError: ``seq_lens`` is empty or holds a negative length.
-            TypeError: ``dtype`` is not int32/int64 or a length is not an int.
+            TypeError: ``seq_lens`` is not an iterable of lengths (``None``, a string), a length is not an
+                integer, or ``dtype`` is not int32/int64.
+            ValueError: ``seq_lens`` is empty or holds a negative length; the lengths add up to more
+                than ``dtype`` can hold (``[2**31]`` with int32); ``device`` is not a device, or a CUDA
+                device this process cannot use.
         """
-        lens = list(seq_lens)
-        if not lens:
-            raise ValueError("seq_lens must hold at least one document length")
-        for i, n in enumerate(lens):
-            if isinstance(n, bool) or not isinstance(n, int):
-                hint = " (pass a tensor as seq_lens.tolist())" if isinstance(n, torch.Tensor) else ""
-                raise TypeError(f"seq_lens[{i}] must be an int, got {type(n).__name__}{hint}")
-            if n < 0:
-                raise ValueError(f"seq_lens[{i}] must be >= 0, got {n}")
+        lens = _lengths(seq_lens)
         if dtype not in _INDEX_DTYPES:
             raise TypeError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
-        offsets = [0]
-        for n in lens:
-            offsets.append(offsets[-1] + n)
+        offsets = [0, *itertools.accumulate(lens)]
+        _check_fits(offsets[-1], dtype, "seq_lens")
+        target = None
+        if device is not None:
+            target = _parse_device(device)
+            _check_available(target)
         host = torch.tensor(offsets, dtype=dtype)
-        cu = host.to(device) if device is not None else host.clone()
+        cu = host.to(target) if target is not None else host
         return cls(cu, cu_seqlens_cpu=host if with_cpu else None, **_given(chunk_indices=chunk_indices))
 
     @classmethod
@@ -261,33 +251,39 @@ class LayerLocalSeqlens:
         """Build from packed ``position_ids`` (the transformers convention).
 
         A new document starts wherever ``position_ids`` is 0, as transformers' packing collator writes it
-        (``DataCollatorWithFlattening``). Zero-length documents cannot be expressed this way.
+        (``DataCollatorWithFlattening``); within a document the positions count up by one. Zero-length
+        documents cannot be expressed this way.
 
         Args:
-            position_ids: ``[T]`` or ``[1, T]`` integer tensor whose first value is 0.
+            position_ids: ``[T]`` or ``[1, T]`` integer tensor: ``0, 1, 2, ...`` per document.
             dtype: dtype of the resulting ``cu_seqlens`` (int32 or int64).
             chunk_indices: precompute FLA's chunk schedule (see the class); ``None``: the class default
                 (``True``; ``False`` for :class:`~fla_ac_isolation.modes.SharedSeqlens`).
 
         Raises:
             TypeError: ``position_ids`` is not an integer tensor.
-            ValueError: batch size > 1, empty, or the first position is not 0.
+            ValueError: batch size > 1, empty, a meta tensor, or positions that do not start each
+                document at 0 and count up by one (``[0, 1, 2, 1, 2]``, ``[0, 1, 5, 6]``, negatives): the
+                message names the first bad index; more tokens than ``dtype`` can hold.
         """
         if not isinstance(position_ids, torch.Tensor):
             raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
         if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
             raise TypeError(f"position_ids must be an integer tensor, got dtype {position_ids.dtype}")
+        name = "position_ids"
         if position_ids.dim() == 2:
             if position_ids.shape[0] != 1:
                 raise ValueError(
                     f"position_ids of packed sequences must have batch size 1, got shape {tuple(position_ids.shape)}"
                 )
-            position_ids = position_ids[0]
+            position_ids, name = position_ids[0], "position_ids[0]"
         if position_ids.dim() != 1 or position_ids.numel() == 0:
             raise ValueError(f"position_ids must be [T] or [1, T] with T > 0, got shape {tuple(position_ids.shape)}")
+        if position_ids.device.type == "meta":
+            raise ValueError("position_ids is a meta tensor, which holds no values; pass the batch's real positions")
         host = position_ids.detach().cpu()
-        if int(host[0]) != 0:
-            raise ValueError(f"position_ids must start at 0 (a document start), got {int(host[0])}")
+        _check_positions(host, name)
+        _check_fits(host.numel(), dtype, name)
         starts = torch.nonzero(host == 0).flatten()
         offsets = torch.cat([starts, torch.tensor([host.numel()])]).to(dtype)
         return cls(offsets.to(position_ids.device), cu_seqlens_cpu=offsets, **_given(chunk_indices=chunk_indices))
@@ -353,6 +349,42 @@ def _given(**kwargs: object) -> dict[str, object]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def _lengths(seq_lens: object) -> list[int]:
+    """``seq_lens`` as a list of Python ints, each checked (see :meth:`LayerLocalSeqlens.from_seq_lens`)."""
+    if isinstance(seq_lens, (str, bytes)) or not isinstance(seq_lens, Iterable):
+        raise TypeError(f"seq_lens must be a sequence of document lengths (ints), got {type(seq_lens).__name__}")
+    lens = list(seq_lens)
+    if not lens:
+        raise ValueError("seq_lens must hold at least one document length")
+    out = []
+    for i, n in enumerate(lens):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):  # numpy integers are Integral
+            hint = " (pass a tensor as seq_lens.tolist())" if isinstance(n, torch.Tensor) else ""
+            raise TypeError(f"seq_lens[{i}] must be an int, got {type(n).__name__}{hint}")
+        if n < 0:
+            raise ValueError(f"seq_lens[{i}] must be >= 0, got {n}")
+        out.append(int(n))
+    return out
+
+
+def _check_positions(host: torch.Tensor, name: str) -> None:
+    """Every position is 0 (a document starts) or the previous one plus 1.
+
+    Raises:
+        ValueError: naming the first index that breaks the rule, its value and what was expected.
+    """
+    if int(host[0]) != 0:
+        raise ValueError(f"position_ids must start at 0 (a document start), got {name}[0]={int(host[0])}")
+    ok = (host[1:] == 0) | (host[1:] == host[:-1] + 1)
+    if not bool(ok.all()):
+        i = int(torch.nonzero(~ok)[0]) + 1
+        prev, value = int(host[i - 1]), int(host[i])
+        raise ValueError(
+            f"position_ids must restart at 0 and count up by 1 within a document, but {name}[{i}]={value} "
+            f"follows {name}[{i - 1}]={prev} (expected 0 or {prev + 1})"
+        )
+
+
 def _check_index_tensor(t: object, name: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32/int64 offsets, got {type(t).__name__}")
@@ -361,4 +393,103 @@ def _check_index_tensor(t: object, name: str) -> None:
     if t.dim() != 1 or t.numel() < 2:
         raise ValueError(
             f"{name} must be 1-D with N + 1 >= 2 offsets for N documents, got shape {tuple(t.shape)}"
+        )
+
+
+def _parse_device(device: torch.device | str, name: str = "device") -> torch.device:
+    """``torch.device(device)``, with an error naming ``name`` for a string torch cannot parse.
+
+    Raises:
+        ValueError: e.g. ``device="gpu"``.
+    """
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"{name} must be a torch.device or a device string such as 'cuda:0', got {device!r}") from err
+
+
+def _check_available(device: torch.device, name: str = "device") -> None:
+    """Refuse a CUDA device this process cannot use (no CUDA build or driver, or an index out of range).
+
+    Raises:
+        ValueError: naming ``name`` and what is available.
+    """
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"{name}={str(device)!r} but CUDA is not available here (torch.cuda.is_available() is False)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{name}={str(device)!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def _check_num_tokens(num_tokens: object) -> None:
+    if num_tokens is None:
+        return
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise TypeError(
+            f"num_tokens must be an int (the packed token count, hidden_states.shape[1]), got "
+            f"{type(num_tokens).__name__}"
+        )
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+
+
+def _checked_host_copy(cu_seqlens_cpu: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """Validate ``cu_seqlens_cpu`` against the snapshot ``own`` of ``cu_seqlens``; return its own clone."""
+    _check_index_tensor(cu_seqlens_cpu, "cu_seqlens_cpu")
+    if cu_seqlens_cpu.device.type != "cpu":
+        raise ValueError(f"cu_seqlens_cpu must be a CPU tensor, got device {cu_seqlens_cpu.device}")
+    if cu_seqlens_cpu.shape != own.shape:
+        raise ValueError(
+            f"cu_seqlens_cpu must have the shape of cu_seqlens {tuple(own.shape)}, got {tuple(cu_seqlens_cpu.shape)}"
+        )
+    host = cu_seqlens_cpu.detach().clone()
+    device_values = own.to(device="cpu", dtype=torch.int64)  # int64: an int32 copy could wrap and hide a mismatch
+    if not torch.equal(device_values, host.to(torch.int64)):
+        i = int(torch.nonzero(device_values != host.to(torch.int64))[0])
+        raise ValueError(
+            f"cu_seqlens_cpu must hold the same values as cu_seqlens, but cu_seqlens_cpu[{i}]="
+            f"{int(host[i])} != cu_seqlens[{i}]={int(device_values[i])}"
+        )
+    return host
+
+
+def _check_offsets(offsets: list[int], num_tokens: int | None) -> list[int]:
+    """Document lengths of ``offsets`` (the values of ``cu_seqlens``) after every check on their values.
+
+    Everything the chunk schedule's size depends on is checked here, before it is allocated: with
+    ``num_tokens`` given, a last offset that is not the packed token count is refused, so one bad value
+    (``[0, 5, 2**33]`` for 10 tokens) cannot make a schedule of ``2**27`` rows.
+
+    Raises:
+        ValueError: a first offset other than 0, a decrease, or a last offset other than ``num_tokens``.
+    """
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
+    lens = [b - a for a, b in itertools.pairwise(offsets)]
+    bad = next((i for i, n in enumerate(lens) if n < 0), None)
+    if bad is not None:
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, but cu_seqlens[{bad + 1}]={offsets[bad + 1]} < "
+            f"cu_seqlens[{bad}]={offsets[bad]}"
+        )
+    if num_tokens is not None and offsets[-1] != num_tokens:
+        raise ValueError(
+            f"cu_seqlens[-1] must equal the packed token count num_tokens={num_tokens} (hidden_states.shape[1] "
+            f"when packed), got {offsets[-1]}"
+        )
+    return lens
+
+
+def _check_fits(last_offset: int, dtype: torch.dtype, name: str) -> None:
+    """Refuse offsets that ``dtype`` cannot hold (``from_seq_lens([2**31])`` with int32 would wrap).
+
+    Raises:
+        ValueError: naming ``name`` and the dtype that would hold them.
+    """
+    limit = torch.iinfo(dtype).max
+    if last_offset > limit:
+        raise ValueError(
+            f"{name} add up to {last_offset} tokens, more than {dtype} offsets can hold ({limit}); "
+            "pass dtype=torch.int64"
         )

@@ -232,3 +232,159 @@ def test_from_seq_lens_given_a_tensor_suggests_tolist():
         LayerLocalSeqlens.from_seq_lens(torch.tensor([3, 4]))
     with pytest.raises(ValueError, match="cu_seqlens is a meta tensor"):
         LayerLocalSeqlens.from_seq_lens([3, 4], device="meta")
+
+
+# ------------------------------------------------------------------- ownership, sizes, bad builders
+def _clones_during(build):
+    """Run ``build()`` under a dispatch mode; return its result and the number of ``aten.clone`` it ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    clones = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.clone.default:
+                clones.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        out = build()
+    return out, len(clones)
+
+
+@pytest.mark.parametrize("with_host", [True, False], ids=["with-cu_seqlens_cpu", "device-offsets-only"])
+def test_mutating_the_callers_offsets_after_construction_changes_nothing(with_host):
+    offsets = cu(0, 3, 7, 7, 12)
+    host = offsets.clone()
+    s, clones = _clones_during(lambda: LayerLocalSeqlens(offsets, cu_seqlens_cpu=host if with_host else None))
+    assert clones == (2 if with_host else 1), "one snapshot clone of each caller tensor"
+    offsets[1], offsets[-1], host[1] = 1, 99, 1  # the caller reuses its buffers for the next batch
+    for local in (s.local(), s.local()):
+        assert local.cu_seqlens.tolist() == [0, 3, 7, 7, 12]
+        assert local.cu_seqlens_cpu.tolist() == [0, 3, 7, 7, 12]
+        assert local.chunk_indices.tolist() == [[0, 0], [1, 0], [3, 0]]
+    assert s.seq_lens() == [3, 4, 0, 5] and s.num_tokens == 12
+
+
+def test_shared_seqlens_keeps_its_own_snapshot_too():
+    from fla_ac_isolation.modes import SharedSeqlens
+
+    offsets = cu(0, 3, 7)
+    s = SharedSeqlens(offsets)
+    offsets[1] = 5
+    assert s.local().cu_seqlens.tolist() == [0, 3, 7]
+    assert s.local().cu_seqlens is s.local().cu_seqlens, "still one object for every layer (the unsafe path)"
+
+
+def test_int32_offsets_that_would_overflow_are_refused_naming_seq_lens():
+    with pytest.raises(ValueError, match=r"seq_lens add up to 2147483648 tokens, more than torch\.int32 offsets can "
+                                         r"hold \(2147483647\); pass dtype=torch\.int64"):
+        LayerLocalSeqlens.from_seq_lens([2**31])
+    with pytest.raises(ValueError, match=r"seq_lens add up to 2147483648 tokens"):
+        LayerLocalSeqlens.from_seq_lens([2**30, 2**30])
+    s = LayerLocalSeqlens.from_seq_lens([2**31], dtype=torch.int64, chunk_indices=False)
+    assert s.local().cu_seqlens.tolist() == [0, 2**31]
+
+
+def test_host_offsets_that_equal_the_device_offsets_only_after_an_int32_wrap_are_refused():
+    """int64 offsets beyond int32 and an int32 host copy that wrapped: compared as int64, they differ."""
+    with pytest.raises(ValueError, match=r"cu_seqlens_cpu\[1\]=5 != cu_seqlens\[1\]=4294967301"):
+        LayerLocalSeqlens(cu(0, 2**32 + 5, dtype=torch.int64), cu_seqlens_cpu=cu(0, 5))
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "error", "match"),
+    [
+        (5.0, TypeError, r"num_tokens must be an int \(the packed token count, hidden_states.shape\[1\]\), got float"),
+        (True, TypeError, r"num_tokens must be an int .*got bool"),
+        (torch.tensor(5), TypeError, r"num_tokens must be an int .*got Tensor"),
+        (-1, ValueError, r"num_tokens must be >= 0, got -1"),
+        (4, ValueError, r"cu_seqlens\[-1\] must equal the packed token count num_tokens=4 .*got 5"),
+    ],
+)
+def test_num_tokens_is_checked_naming_it(num_tokens, error, match):
+    with pytest.raises(error, match=match):
+        LayerLocalSeqlens(cu(0, 3, 5), num_tokens=num_tokens)
+
+
+def test_a_bad_last_offset_is_refused_before_the_chunk_schedule_is_allocated(monkeypatch):
+    """One bad value ([0, 5, 2**33] for 10 tokens) would make a 2**27-row schedule (4.6 GB peak measured)."""
+    import fla_ac_isolation.seqlens as seqlens_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the chunk schedule was built before the offsets were checked")
+
+    monkeypatch.setattr(seqlens_module, "chunk_indices_for", never)
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must equal the packed token count num_tokens=10 "):
+        LayerLocalSeqlens(cu(0, 5, 2**33, dtype=torch.int64), num_tokens=10)
+
+
+def test_chunk_indices_for_refuses_decreasing_offsets_before_allocating():
+    from fla_ac_isolation.fla_seam.layout import chunk_indices_for
+
+    # the positive step alone would be 2**27 chunks: refused from the [N] counts, not met in repeat_interleave
+    with pytest.raises(ValueError, match=r"offsets must be non-decreasing, but offsets\[2\]=5 < offsets\[1\]=8589934592"):
+        chunk_indices_for([0, 2**33, 5])
+    with pytest.raises(ValueError, match=r"offsets must be 1-D with N \+ 1 >= 1 entries, got shape \(1, 2\)"):
+        chunk_indices_for(torch.tensor([[0, 3]]))
+    assert chunk_indices_for([0]).shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    ("pos", "match"),
+    [
+        ([0, 1, 2, 1, 2], r"position_ids\[3\]=1 follows position_ids\[2\]=2 \(expected 0 or 3\)"),
+        ([0, 1, 5, 6], r"position_ids\[2\]=5 follows position_ids\[1\]=1 \(expected 0 or 2\)"),
+        ([0, -1, 0], r"position_ids\[1\]=-1 follows position_ids\[0\]=0 \(expected 0 or 1\)"),
+        ([[0, 1, 0, 2]], r"position_ids\[0\]\[3\]=2 follows position_ids\[0\]\[2\]=0 \(expected 0 or 1\)"),
+        ([-1, 0], r"position_ids must start at 0 \(a document start\), got position_ids\[0\]=-1"),
+    ],
+    ids=["restart-at-1", "jump", "negative", "2d", "negative-start"],
+)
+def test_from_position_ids_refuses_positions_that_do_not_count_up_by_one(pos, match):
+    rule = r"position_ids must restart at 0 and count up by 1 within a document, but "
+    with pytest.raises(ValueError, match=(rule + match) if "follows" in match else match):
+        LayerLocalSeqlens.from_position_ids(torch.tensor(pos))
+
+
+def test_from_position_ids_refuses_a_meta_tensor():
+    with pytest.raises(ValueError, match="position_ids is a meta tensor, which holds no values"):
+        LayerLocalSeqlens.from_position_ids(torch.zeros(5, dtype=torch.long, device="meta"))
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "error", "match"),
+    [
+        (None, TypeError, r"seq_lens must be a sequence of document lengths \(ints\), got NoneType"),
+        ("34", TypeError, r"seq_lens must be a sequence of document lengths \(ints\), got str"),
+        (5, TypeError, r"seq_lens must be a sequence of document lengths \(ints\), got int"),
+        ([3.0, 4], TypeError, r"seq_lens\[0\] must be an int, got float"),
+        ([3, True], TypeError, r"seq_lens\[1\] must be an int, got bool"),
+    ],
+    ids=["none", "str", "int", "float", "bool"],
+)
+def test_from_seq_lens_refuses_what_is_not_a_list_of_lengths(seq_lens, error, match):
+    with pytest.raises(error, match=match):
+        LayerLocalSeqlens.from_seq_lens(seq_lens)
+
+
+def test_from_seq_lens_accepts_numpy_integer_lengths_and_refuses_numpy_floats():
+    np = pytest.importorskip("numpy")
+
+    for lens in (np.array([3, 0, 4]), [np.int64(3), np.int32(0), np.uint8(4)]):
+        s = LayerLocalSeqlens.from_seq_lens(lens)
+        assert s.local().cu_seqlens.tolist() == [0, 3, 3, 7] and s.seq_lens() == [3, 0, 4]
+        assert all(type(n) is int for n in s.seq_lens())
+    with pytest.raises(TypeError, match=r"seq_lens\[0\] must be an int, got float64"):
+        LayerLocalSeqlens.from_seq_lens(np.array([3.0, 4.0]))
+
+
+def test_from_seq_lens_refuses_a_device_this_process_cannot_use():
+    if torch.cuda.is_available():
+        bad, match = f"cuda:{torch.cuda.device_count()}", r"CUDA device\(s\) are visible"
+    else:
+        bad, match = "cuda", r"device='cuda' but CUDA is not available here \(torch.cuda.is_available\(\) is False\)"
+    with pytest.raises(ValueError, match=match):
+        LayerLocalSeqlens.from_seq_lens([3, 4], device=bad)
+    with pytest.raises(ValueError, match=r"device must be a torch.device or a device string such as 'cuda:0', got 'gpu'"):
+        LayerLocalSeqlens.from_seq_lens([3, 4], device="gpu")

@@ -47,17 +47,30 @@ def chunk_indices_for(offsets: Sequence[int] | torch.Tensor, chunk_size: int = C
     entries to the very cache whose hits and misses the isolation keeps identical between a layer's
     forward and its recompute.
 
+    Size: ``NT = sum(ceil(len / chunk_size))`` rows, at most ``(offsets[-1] - offsets[0]) / chunk_size + N``
+    for non-decreasing offsets; the per-document counts (``[N]``) are checked before the ``[NT]`` rows
+    are allocated, so inconsistent offsets (a decrease, whose positive steps would add up to more
+    chunks than the span holds) are refused instead of reaching ``repeat_interleave``.
+
     Args:
         offsets: ``N + 1`` non-decreasing ints (the values of ``cu_seqlens``): a sequence or a host tensor.
         chunk_size: tokens per chunk.
 
     Raises:
-        ValueError: ``chunk_size`` is not a positive int.
+        ValueError: ``chunk_size`` is not a positive int; ``offsets`` is not 1-D with at least one entry,
+            or decreases (the message names the first decreasing index).
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     offsets = torch.as_tensor(offsets, dtype=torch.int64, device="cpu")
-    chunks = (offsets[1:] - offsets[:-1] + chunk_size - 1).div(chunk_size, rounding_mode="floor")  # [N]
+    if offsets.dim() != 1 or offsets.numel() == 0:
+        raise ValueError(f"offsets must be 1-D with N + 1 >= 1 entries, got shape {tuple(offsets.shape)}")
+    steps = offsets[1:] - offsets[:-1]                                                           # [N]
+    if bool((steps < 0).any()):
+        i = int(torch.nonzero(steps < 0)[0]) + 1
+        here, before = int(offsets[i]), int(offsets[i - 1])
+        raise ValueError(f"offsets must be non-decreasing, but offsets[{i}]={here} < offsets[{i - 1}]={before}")
+    chunks = (steps + chunk_size - 1).div(chunk_size, rounding_mode="floor")                     # [N]
     document = torch.repeat_interleave(torch.arange(chunks.numel()), chunks)                     # [NT]
     first_row = chunks.cumsum(0) - chunks                                                        # [N]
     chunk = torch.arange(document.numel()) - first_row[document]                                 # [NT]
