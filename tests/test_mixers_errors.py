@@ -143,11 +143,63 @@ def test_missing_config_field():
 
 
 def test_offsets_on_another_device_than_activations(mixer):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a second device type")
-    seqlens = LayerLocalSeqlens.from_seq_lens(PACKED_LENS, device="cuda")
-    with pytest.raises(ValueError, match="cu_seqlens is on cuda"):
-        mixer(torch.randn(1, T, HIDDEN), seqlens)
+    """CPU offsets, ``meta`` activations: a second device type on any machine (meta tensors hold shapes only)."""
+    seqlens = LayerLocalSeqlens.from_seq_lens(PACKED_LENS)
+    activations = torch.empty(1, T, HIDDEN, device="meta")
+    with pytest.raises(ValueError, match=r"cu_seqlens is on cpu but hidden_states is on meta; build the "
+                                         r"LayerLocalSeqlens on the activations' device"):
+        mixer(activations, seqlens)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q is not valid packed-sequence offsets: cu_seqlens must be "
+                                         r"on the activations' device meta, got cpu"):
+        mixer(activations, cu_seq_lens_q=seqlens.local().cu_seqlens)
+
+
+def test_cu_seq_lens_q_with_a_bad_last_offset_is_refused_before_its_chunk_schedule(mixer, monkeypatch):
+    """[0, 5, 2**33] for 10 tokens: checked against hidden_states before a 2**27-row schedule is built."""
+    import fla_ac_isolation.seqlens as seqlens_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the chunk schedule was built before the token count was checked")
+
+    monkeypatch.setattr(seqlens_module, "chunk_indices_for", never)
+    bad = torch.tensor([0, 5, 2**33], dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q is not valid packed-sequence offsets: cu_seqlens\[-1\] must "
+                                         r"equal the packed token count num_tokens=10 .*got 8589934592"):
+        mixer(torch.randn(1, 10, HIDDEN), cu_seq_lens_q=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16], ids=["fp64", "bf16", "fp16"])
+def test_hidden_states_of_another_dtype_than_the_weights(mixer, dtype):
+    seqlens = LayerLocalSeqlens.from_seq_lens(PACKED_LENS)
+    with pytest.raises(TypeError, match=rf"hidden_states has dtype {dtype} but this mixer's weights are "
+                                        r"torch\.float32: cast one to the other"):
+        mixer(torch.randn(1, T, HIDDEN).to(dtype), seqlens)
+
+
+def test_under_autocast_a_bf16_input_into_fp32_weights_runs_as_in_transformers(mixer):
+    seqlens = LayerLocalSeqlens.from_seq_lens(PACKED_LENS)
+    x = torch.randn(1, T, HIDDEN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        from_bf16 = mixer(x.bfloat16(), seqlens)
+        from_fp32 = mixer(x, seqlens)
+    assert from_bf16.shape == (1, T, HIDDEN) and from_bf16.dtype == torch.bfloat16  # autocast's matmul dtype
+    assert torch.equal(from_bf16, from_fp32), "autocast casts the input to bf16 for the first matmul either way"
+
+
+def test_no_tokens_without_offsets_is_refused_and_packed_zero_length_documents_work(mixer):
+    with pytest.raises(ValueError, match=r"hidden_states has no tokens \(shape \(2, 0, 64\)\) and no offsets"):
+        mixer(torch.randn(2, 0, HIDDEN))
+    out = mixer(torch.randn(1, 0, HIDDEN), LayerLocalSeqlens.from_seq_lens([0, 0]))
+    assert out.shape == (1, 0, HIDDEN) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("layer_idx", ["0", 1.0, True], ids=["str", "float", "bool"])
+def test_layer_idx_of_the_wrong_type(core_family, layer_idx):
+    import fla_ac_isolation.mixers as mixers
+
+    with pytest.raises(TypeError, match=rf"layer_idx must be an int \(this layer's index in the decoder\) or None, "
+                                        rf"got {layer_idx!r}"):
+        getattr(mixers, core_family.ours)(core_family.config(), layer_idx)
 
 
 def test_every_family_rejects_bad_hidden_size():

@@ -8,7 +8,8 @@
 Every mixer is built from ``(config, layer_idx)`` with transformers' parameter names, and its forward is
 ``forward(hidden_states [B, T, D], seqlens: LayerLocalSeqlens | None = None, *, cu_seq_lens_q=None, ...)
 -> [B, T, D]``; it calls ``seqlens.local()`` inside, so each layer (and each checkpointed region) gets
-its own ``cu_seqlens`` objects.
+its own ``cu_seqlens`` objects. ``hidden_states`` must have the weights' dtype (a ``TypeError`` names both
+otherwise; nothing is cast) unless ``torch.autocast`` is active, which casts per op as in transformers.
 """
 
 from fla_ac_isolation.mixers.gated_deltanet import GatedDeltaNet

@@ -13,11 +13,17 @@ import torch
 from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens, devices_match
 
 
-def check_hidden_states(hidden_states: Any, hidden_size: int) -> tuple[int, int]:
+def check_hidden_states(hidden_states: Any, hidden_size: int, weight: torch.Tensor) -> tuple[int, int]:
     """Return ``(B, T)`` of ``hidden_states [B, T, hidden_size]``.
 
+    The dtype rule (the mixers' docstrings state it): outside ``torch.autocast``, ``hidden_states`` must
+    have the dtype of the mixer's weights (``weight``, its input projection); nothing is cast silently.
+    Under autocast for the device of ``hidden_states`` any floating dtype is accepted: autocast casts per
+    op, as transformers relies on.
+
     Raises:
-        TypeError: not a floating-point tensor.
+        TypeError: not a floating-point tensor; its dtype differs from ``weight``'s outside autocast
+            (the message names both dtypes).
         ValueError: not 3-D, or the last dim is not ``hidden_size``.
     """
     if not isinstance(hidden_states, torch.Tensor):
@@ -27,6 +33,11 @@ def check_hidden_states(hidden_states: Any, hidden_size: int) -> tuple[int, int]
     if hidden_states.dim() != 3 or hidden_states.shape[-1] != hidden_size:
         raise ValueError(
             f"hidden_states must be [B, T, hidden_size={hidden_size}], got shape {tuple(hidden_states.shape)}"
+        )
+    if hidden_states.dtype != weight.dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+        raise TypeError(
+            f"hidden_states has dtype {hidden_states.dtype} but this mixer's weights are {weight.dtype}: cast "
+            "one to the other (hidden_states.to(dtype) or mixer.to(dtype)) or run under torch.autocast"
         )
     return hidden_states.shape[0], hidden_states.shape[1]
 
@@ -64,19 +75,28 @@ def resolve_seqlens(
       offsets on the host once per layer call (a device-to-host copy on GPU); build one
       ``LayerLocalSeqlens`` per model forward and pass it as ``seqlens`` to avoid that.
     * neither: ``None`` (each batch row is one document). ``seq_idx`` (mamba_ssm's per-token document
-      index) is refused then, since ignoring it would let state flow across documents.
+      index) is refused then, since ignoring it would let state flow across documents, and so is
+      ``T == 0`` (an unpacked batch without tokens has no document to mix; packed, zero-length documents
+      are legal and ``T == 0`` works).
 
     Raises:
         TypeError: ``seqlens`` is not a LayerLocalSeqlens; ``cu_seq_lens_q`` is not an int32/int64 tensor.
-        ValueError: packed input with batch size > 1; token count differs from ``cu_seqlens[-1]``;
-            offsets on another device than ``hidden_states``; invalid ``cu_seq_lens_q`` offsets;
-            ``seq_idx`` without offsets.
+        ValueError: packed input with batch size > 1; token count differs from ``cu_seqlens[-1]`` (for
+            ``cu_seq_lens_q``: refused before its chunk schedule is built); offsets on another device than
+            ``hidden_states``; invalid ``cu_seq_lens_q`` offsets; ``seq_idx`` without offsets; ``T == 0``
+            without offsets.
     """
+    batch, tokens = hidden_states.shape[0], hidden_states.shape[1]
     if seqlens is None and cu_seq_lens_q is None:
         if seq_idx is not None:
             raise ValueError(
                 "seq_idx is not supported; describe packed documents with seqlens=LayerLocalSeqlens(...) "
                 "or cu_seq_lens_q= (otherwise state would flow across documents)"
+            )
+        if tokens == 0:
+            raise ValueError(
+                f"hidden_states has no tokens (shape {tuple(hidden_states.shape)}) and no offsets: an unpacked "
+                "batch needs T >= 1 (packed, pass seqlens= describing zero-length documents)"
             )
         return None
     if seqlens is not None and not isinstance(seqlens, LayerLocalSeqlens):
@@ -84,19 +104,17 @@ def resolve_seqlens(
             f"seqlens must be a fla_ac_isolation.LayerLocalSeqlens or None, got {type(seqlens).__name__}; "
             "pass raw offsets as cu_seq_lens_q="
         )
-    if seqlens is None:
-        seqlens = _wrap_cu_seq_lens_q(cu_seq_lens_q, max_length_q)
-    elif isinstance(cu_seq_lens_q, torch.Tensor) and cu_seq_lens_q.numel() != seqlens.num_seqs + 1:
-        raise ValueError(
-            f"cu_seq_lens_q has {cu_seq_lens_q.numel()} offsets but seqlens describes {seqlens.num_seqs} "
-            "documents; pass one of them or make them agree"
-        )
-
-    batch, tokens = hidden_states.shape[0], hidden_states.shape[1]
     if batch != 1:
         raise ValueError(
             f"packed input (cu_seqlens given) must have batch size 1, got hidden_states of shape "
             f"{tuple(hidden_states.shape)}; flatten the batch into one row"
+        )
+    if seqlens is None:
+        seqlens = _wrap_cu_seq_lens_q(cu_seq_lens_q, max_length_q, hidden_states)
+    elif isinstance(cu_seq_lens_q, torch.Tensor) and cu_seq_lens_q.numel() != seqlens.num_seqs + 1:
+        raise ValueError(
+            f"cu_seq_lens_q has {cu_seq_lens_q.numel()} offsets but seqlens describes {seqlens.num_seqs} "
+            "documents; pass one of them or make them agree"
         )
     seqlens.check_tokens(tokens, name="hidden_states")
     if not devices_match(seqlens.device, hidden_states.device):
@@ -107,11 +125,15 @@ def resolve_seqlens(
     return seqlens.local()
 
 
-def _wrap_cu_seq_lens_q(cu_seq_lens_q: Any, max_length_q: Any) -> LayerLocalSeqlens:
+def _wrap_cu_seq_lens_q(cu_seq_lens_q: Any, max_length_q: Any, hidden_states: torch.Tensor) -> LayerLocalSeqlens:
+    """``cu_seq_lens_q`` validated against ``hidden_states`` (its device, and its token count before the
+    chunk schedule is built: one bad offset cannot allocate a schedule sized by it)."""
     if isinstance(max_length_q, torch.Tensor):
         max_length_q = int(max_length_q)
     try:
-        return LayerLocalSeqlens(cu_seq_lens_q, max_seqlen=max_length_q)
+        return LayerLocalSeqlens(
+            cu_seq_lens_q, max_seqlen=max_length_q, device=hidden_states.device, num_tokens=hidden_states.shape[1]
+        )
     except (TypeError, ValueError) as err:
         raise type(err)(f"cu_seq_lens_q is not valid packed-sequence offsets: {err}") from err
 
@@ -156,8 +178,11 @@ def layer_type(config: Any, layer_idx: int | None) -> str | None:
     """``config.layer_types[layer_idx]`` (transformers' per-layer kind), or ``None`` without either.
 
     Raises:
+        TypeError: ``layer_idx`` is neither an ``int`` nor ``None`` (a bool, a float, a string).
         ValueError: ``layer_idx`` is outside ``config.layer_types`` (e.g. a config of a shallower model).
     """
+    if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int)):
+        raise TypeError(f"layer_idx must be an int (this layer's index in the decoder) or None, got {layer_idx!r}")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None or layer_idx is None:
         return None

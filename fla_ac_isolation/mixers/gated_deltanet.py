@@ -105,6 +105,7 @@ class GatedDeltaNet(nn.Module):
         ValueError: unknown ``backend``; a missing config field; ``HV`` not a multiple of ``H``;
             ``hidden_act`` other than SiLU (FLA's conv offers only SiLU); unknown ``output_gate``;
             ``layer_idx`` outside ``config.layer_types``.
+        TypeError: ``layer_idx`` is not an ``int`` (or ``None``).
     """
 
     def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", output_gate: str = "silu") -> None:
@@ -169,7 +170,10 @@ class GatedDeltaNet(nn.Module):
         """Mix ``hidden_states [B, T, D]`` along time; returns ``[B, T, D]`` in the same dtype.
 
         Args:
-            hidden_states: ``[B, T, D]``; ``B == 1`` when packed.
+            hidden_states: ``[B, T, D]``; ``B == 1`` when packed. Its dtype must be that of the weights
+                (fp32 weights take fp32 input: nothing is cast) unless ``torch.autocast`` is active for its
+                device, where autocast casts per op as in transformers. ``T == 0`` works when packed
+                (zero-length documents) and is refused unpacked.
             seqlens: packed-document offsets for the whole model forward; this layer calls
                 ``seqlens.local()`` here. ``None``: each batch row is one document.
             cu_seq_lens_q: transformers' packed keyword (``[N + 1]`` int offsets), used when ``seqlens``
@@ -183,13 +187,14 @@ class GatedDeltaNet(nn.Module):
 
         Raises:
             ValueError: wrong hidden size or rank; packed input with ``B > 1``; token count differs from
-                ``cu_seqlens[-1]``; offsets on another device; bad ``cu_seq_lens_q`` or attention mask.
-            TypeError: ``hidden_states`` not a float tensor; ``seqlens`` of the wrong type;
-                non-integer offsets.
+                ``cu_seqlens[-1]``; offsets on another device; bad ``cu_seq_lens_q`` or attention mask;
+                ``T == 0`` without offsets.
+            TypeError: ``hidden_states`` not a float tensor, or (outside autocast) of another dtype than the
+                weights, naming both; ``seqlens`` of the wrong type; non-integer offsets.
             NotImplementedError: a cache was passed.
         """
         reject_cache(cache=cache, cache_params=cache_params, past_key_values=past_key_values)
-        batch, tokens = check_hidden_states(hidden_states, self.hidden_size)
+        batch, tokens = check_hidden_states(hidden_states, self.hidden_size, self.in_proj_qkv.weight)
         local = resolve_seqlens(
             seqlens, hidden_states,
             cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, seq_idx=kwargs.get("seq_idx"),

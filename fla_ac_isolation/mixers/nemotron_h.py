@@ -103,6 +103,7 @@ class NemotronHMamba2Mixer(nn.Module):
     Raises:
         ValueError: unknown ``backend``; missing config field; ``H`` not a multiple of ``G``;
             ``mamba_hidden_act`` other than SiLU; ``layer_idx`` outside ``config.layer_types``.
+        TypeError: ``layer_idx`` is not an ``int`` (or ``None``).
     """
 
     def __init__(
@@ -186,7 +187,10 @@ class NemotronHMamba2Mixer(nn.Module):
         """Mix ``hidden_states [B, T, D]`` along time; returns ``[B, T, D]`` in the same dtype.
 
         Args:
-            hidden_states: ``[B, T, D]``; ``B == 1`` when packed.
+            hidden_states: ``[B, T, D]``; ``B == 1`` when packed. Its dtype must be that of the weights
+                (fp32 weights take fp32 input: nothing is cast) unless ``torch.autocast`` is active for its
+                device, where autocast casts per op as in transformers. ``T == 0`` works when packed
+                (zero-length documents) and is refused unpacked.
             seqlens: packed-document offsets for the whole model forward; this layer calls
                 ``seqlens.local()`` here. ``None``: each batch row is one document.
             cu_seq_lens_q: transformers' packed keyword (``[N + 1]`` int offsets), used when ``seqlens``
@@ -203,13 +207,13 @@ class NemotronHMamba2Mixer(nn.Module):
         Raises:
             ValueError: wrong hidden size or rank; packed input with ``B > 1``; token count differs from
                 ``cu_seqlens[-1]``; offsets on another device; bad ``cu_seq_lens_q``, attention mask or
-                ``seq_idx`` without offsets.
-            TypeError: ``hidden_states`` not a float tensor; ``seqlens`` of the wrong type;
-                non-integer offsets.
+                ``seq_idx`` without offsets; ``T == 0`` without offsets.
+            TypeError: ``hidden_states`` not a float tensor, or (outside autocast) of another dtype than the
+                weights, naming both; ``seqlens`` of the wrong type; non-integer offsets.
             NotImplementedError: a cache was passed.
         """
         reject_cache(cache=cache, cache_params=cache_params, past_key_values=past_key_values)
-        batch, tokens = check_hidden_states(hidden_states, self.hidden_size)
+        batch, tokens = check_hidden_states(hidden_states, self.hidden_size, self.in_proj.weight)
         local = resolve_seqlens(
             seqlens, hidden_states,
             cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, seq_idx=kwargs.get("seq_idx"),
