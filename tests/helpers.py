@@ -395,6 +395,48 @@ SWAP_POLICIES = {
     "save-int-sub": lambda: save_ops([aten.sub.Tensor], dtypes=[torch.int32, torch.int64]),
 }
 
+
+# ================================================================= how the unsafe shared path must end
+@dataclass(frozen=True)
+class SharedOutcome:
+    """The exact outcome a control of the unsafe shared path must show: never "any exception".
+
+    Either ``error`` (an exception class) whose message contains ``message``, or ``error=None`` and a
+    largest gradient difference to the reference above ``floor``.
+    """
+
+    error: type[BaseException] | None
+    message: str = ""
+    floor: float = 0.0
+
+    def check(self, error: BaseException | str | None, grad_diff: float | None = None) -> None:
+        """Assert the outcome; ``error`` is the exception, or its ``"<Type>: <message>"`` text (examples)."""
+        if self.error is None:
+            assert error is None, f"expected gradients off by > {self.floor}, got an error: {error}"
+            assert grad_diff is not None and grad_diff > self.floor, f"max |grad diff| {grad_diff} <= {self.floor}"
+            return
+        assert error is not None, f"expected {self.error.__name__}: {self.message}, got no error"
+        if isinstance(error, str):
+            kind, _, text = error.partition(": ")
+            assert kind == self.error.__name__ and self.message in text, f"got {error!r}"
+        else:
+            assert type(error) is self.error and self.message in str(error), f"got {type(error).__name__}: {error}"
+
+
+def raise_unrelated(ctx, op, *args, **kwargs):
+    """A SAC policy that fails for a reason unrelated to the fault: controls must not accept it."""
+    raise RuntimeError("unrelated failure inside the SAC policy")
+
+
+#: transformers' own Qwen GDN (FLA's cache behaviour, see ``hf_fla_kernel_on_cpu``), one shared
+#: ``cu_seq_lens_q``, under each swap policy (torch 2.13, FLA 0.6.0, CPU): the forward's cache miss and the
+#: recompute's hit shift SAC's replay; the MoE's expert histogram (``histc``) then receives one of FLA's
+#: int32 tensors (save-all-copies), or autograd an int tensor saved in place of a float one (save-int-sub).
+UNSWAPPED_QWEN_UNDER_SAC = {
+    "save-all-copies": SharedOutcome(NotImplementedError, "\"histogram_cpu\" not implemented for 'Int'"),
+    "save-int-sub": SharedOutcome(RuntimeError, "Autograd not support dtype: Int"),
+}
+
 # ====================================================================== the fault matrix (fault stack)
 FAULT_POLICIES = {
     "save-all-copies": save_all_copies,

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import SharedOutcome
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 INT_REPLAY = "Autograd not support dtype: Int"
@@ -25,10 +26,21 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+#: own_model's shared path under save-all-copies (torch 2.13, FLA 0.6.0): layer 0's recompute hits FLA's
+#: cache and skips the int32 -> int64 casts its forward ran, so the MoE's load cast (the next saved
+#: ``_to_copy``) is replayed with one of FLA's int32 tensors and ``load.mean()`` refuses it.
+OWN_MODEL_SHARED = SharedOutcome(
+    RuntimeError, "mean(): could not infer output dtype. Input dtype must be either a floating point or complex "
+    "dtype. Got: Int",
+)
+
+
 def test_own_model_shared_fails_and_isolated_matches_bit_for_bit(capsys):
     result = _load("own_model").main([])
 
-    assert "error" in result["shared, SAC save-all-copies"]
+    shared = result["shared, SAC save-all-copies"]
+    OWN_MODEL_SHARED.check(shared.get("error"))
+    assert shared["max_grad_diff"] is None
     for name in ("isolated, SAC save-all-copies", "isolated, full AC"):
         assert result[name]["loss"] == result["no-ac"]["loss"]
         assert result[name]["max_grad_diff"] == 0.0

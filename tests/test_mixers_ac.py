@@ -1,23 +1,40 @@
 """Every mixer under selective activation checkpointing, with one LayerLocalSeqlens shared by all layers.
 
-The stack is 4 residual blocks ``x + mixer(x, seqlens)``, each checkpointed with the field policy that
-saves every ``_to_copy`` (``policies.save_all_copies``). Each mixer calls ``seqlens.local()`` inside its
-forward, so its recompute makes the same FLA cache lookups as its forward: loss and every gradient must
-be bit-equal to the run without AC.
+The stack is 4 residual blocks ``x + mixer(x, seqlens)``, each checkpointed under a SAC policy. Each mixer
+calls ``seqlens.local()`` inside its forward, so its recompute makes the same FLA cache lookups as its
+forward: loss and every gradient must be bit-equal to the run without AC.
+
+Each (dtype, policy) case is one under which the unsafe path (one ``cu_seqlens`` object for every layer,
+:class:`~fla_ac_isolation.modes.SharedSeqlens`) fails, and its control asserts exactly how, so the case can
+tell shared from isolated:
+
+* bf16, ``save_all_copies``: layer 0's recompute skips FLA's int32 -> int64 ``_to_copy`` casts and a later
+  saved cast of the layer (bf16 -> fp32) is replayed with FLA's int tensor: ``Autograd not support dtype:
+  Int``.
+* fp32, every ``cumsum`` saved: in fp32 the mixers make no ``_to_copy`` after FLA's helpers, and
+  ``save_all_copies`` leaves the shared path bit-exact (that fp32 case proved nothing and was dropped);
+  FLA's miss path runs an int64 ``cumsum`` that the recompute's hit skips, so the layer's own float
+  ``cumsum`` (the gate's cumulative decay) is replayed with it: ``Autograd not support dtype: Long``.
 """
 
 import pytest
 import torch
-from helpers import HIDDEN, PACKED_LENS, loss_and_grads
+from helpers import HIDDEN, PACKED_LENS, SharedOutcome, loss_and_grads
 from torch import nn
 
 from fla_ac_isolation.modes import SharedSeqlens
-from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
+from fla_ac_isolation.policies import checkpoint_layers, save_all_copies, save_ops
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 LAYERS = 4
+CASES = {  # case id: (dtype, policy builder, how the shared path fails)
+    "bf16-save-all-copies": (torch.bfloat16, save_all_copies,
+                             SharedOutcome(RuntimeError, "Autograd not support dtype: Int")),
+    "fp32-save-cumsum": (torch.float32, lambda: save_ops([torch.ops.aten.cumsum.default]),
+                         SharedOutcome(RuntimeError, "Autograd not support dtype: Long")),
+}
 
 
 class Block(nn.Module):
@@ -33,19 +50,21 @@ def _stack(family, dtype):
     return nn.ModuleList(Block(family.build(layer_idx=i, seed=10 + i)) for i in range(LAYERS)).to(dtype)
 
 
-def _run(family, dtype, seqlens_cls, checkpointed):
+def _run(family, dtype, seqlens_cls, policy=None):
+    """Loss, input gradient and parameter gradients of the stack; checkpointed under ``policy`` if given."""
     layers = _stack(family, dtype)
-    if checkpointed:
-        checkpoint_layers(layers, mode="selective", policy=save_all_copies())
+    if policy is not None:
+        checkpoint_layers(layers, mode="selective", policy=policy)
     x = torch.randn(1, sum(PACKED_LENS) + 30, HIDDEN, generator=torch.Generator().manual_seed(0)).to(dtype)
     seqlens = seqlens_cls.from_seq_lens([*PACKED_LENS, 30])
     return loss_and_grads(layers, x, seqlens)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_selective_ac_with_shared_layer_local_seqlens_is_bit_exact(core_family, dtype):
-    loss_ref, dx_ref, grads_ref = _run(core_family, dtype, LayerLocalSeqlens, checkpointed=False)
-    loss_ac, dx_ac, grads_ac = _run(core_family, dtype, LayerLocalSeqlens, checkpointed=True)
+@pytest.mark.parametrize("case", list(CASES))
+def test_selective_ac_with_shared_layer_local_seqlens_is_bit_exact(core_family, case):
+    dtype, policy, _ = CASES[case]
+    loss_ref, dx_ref, grads_ref = _run(core_family, dtype, LayerLocalSeqlens)
+    loss_ac, dx_ac, grads_ac = _run(core_family, dtype, LayerLocalSeqlens, policy())
     assert torch.equal(loss_ac, loss_ref)
     assert torch.equal(dx_ac, dx_ref)
     assert grads_ac.keys() == grads_ref.keys()
@@ -53,32 +72,64 @@ def test_selective_ac_with_shared_layer_local_seqlens_is_bit_exact(core_family, 
         assert torch.equal(grads_ac[name], grad), name
 
 
-def test_same_stack_with_one_shared_cu_seqlens_object_breaks_in_bf16(core_family):
-    """Control: the unsafe path (every layer gets the same cu_seqlens object) under the same policy.
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_stack_with_one_shared_cu_seqlens_object_fails_as_predicted(core_family, case):
+    """Control: the unsafe path under the same policy fails exactly as ``CASES`` says (module docstring)."""
+    dtype, policy, outcome = CASES[case]
+    with pytest.raises(outcome.error) as err:
+        _run(core_family, dtype, SharedSeqlens, policy())
+    outcome.check(err.value)
 
-    Layer 0 misses FLA's cache in its forward and hits in its recompute, so the recompute skips the
-    helpers' int32 -> int64 ``_to_copy`` and SAC's replay, shifted by one, hands an FLA integer index
-    tensor to a later saved ``_to_copy`` of the layer (a bf16 -> fp32 cast). In fp32 the mixers make no
-    ``_to_copy`` after the helpers and the shared path happens to match under this one policy.
-    """
-    with pytest.raises(RuntimeError, match="Autograd not support dtype"):
-        _run(core_family, torch.bfloat16, SharedSeqlens, checkpointed=True)
+
+def test_the_fp32_case_fails_when_local_returns_the_shared_tensors(core_family, monkeypatch):
+    """Mutation check: with ``.local()`` handing out its stored objects (the precomputed schedule kept, which
+    hides the fault from ``save_all_copies`` in the GDN families), the fp32 case no longer matches no-AC."""
+    from fla_ac_isolation.seqlens import LocalSeqlens
+
+    def shared_local(self):
+        return LocalSeqlens(self._cu_seqlens, self._cu_seqlens_cpu, self.max_seqlen, self._chunk_indices)
+
+    monkeypatch.setattr(LayerLocalSeqlens, "local", shared_local)
+    dtype, policy, outcome = CASES["fp32-save-cumsum"]
+    with pytest.raises(outcome.error) as err:
+        _run(core_family, dtype, LayerLocalSeqlens, policy())
+    outcome.check(err.value)
+
+
+#: Under bf16 ``save_all_copies`` with FLA's chunk schedule precomputed and one shared object: where the
+#: recompute first leaves its forward in layer 0 (op index, forward op), and how the step ends.
+PRECOMPUTED_SCHEDULE = {
+    "qwen3_5_moe": (95, None),  # the shifted replay lands on ops whose values agree: same numbers
+    "qwen3_8": (95, None),
+    "nemotron_h": (74, SharedOutcome(RuntimeError, "Autograd not support dtype: Int")),
+}
 
 
 def test_a_precomputed_schedule_does_not_make_a_shared_cu_seqlens_safe(core_family):
     """The FAQ's claim: with one shared object *and* FLA's chunk schedule precomputed, layer 0's recompute
     still runs other ops than its forward (the gated delta rule's ``prepare_chunk_offsets`` and the SSD's
-    ``prepare_chunk_indices`` are still looked up by identity). The audit flags it even where the numbers
-    happen to agree under this policy."""
+    ``prepare_chunk_indices`` are still looked up by identity). The audit flags it in every family; the
+    numbers agree under this policy for the GDN families and the Mamba2 stack fails (asserted exactly)."""
     from fla_ac_isolation.audit import ReplayAudit
 
     def shared_with_schedule(lens):
         return SharedSeqlens.from_seq_lens(lens, chunk_indices=True)
 
+    first_diff, outcome = PRECOMPUTED_SCHEDULE[core_family.name]
     seqlens_cls = type("SharedWithSchedule", (), {"from_seq_lens": staticmethod(shared_with_schedule)})
+    error = None
     with ReplayAudit(on_divergence="record") as audit:
         try:
-            _run(core_family, torch.bfloat16, seqlens_cls, checkpointed=True)
-        except RuntimeError as err:  # nemotron_h: the shifted replay still reaches an int tensor
-            assert "Autograd not support dtype" in str(err)
-    assert [r.label for r in audit.divergent][:1] == ["region #0 (Block)"], audit.summary()
+            loss, _, grads = _run(core_family, torch.bfloat16, seqlens_cls, save_all_copies())
+        except RuntimeError as err:
+            error = err
+    bad = audit.divergent[0]
+    assert (bad.label, bad.first_diff, bad.forward_op) == (
+        "region #0 (Block)", first_diff, "aten.slice.Tensor -> [6] int32 cpu"
+    ), audit.summary()
+    if outcome is not None:
+        outcome.check(error)
+    else:
+        assert error is None, error
+        loss_ref, _, grads_ref = _run(core_family, torch.bfloat16, LayerLocalSeqlens)
+        assert torch.equal(loss, loss_ref) and all(torch.equal(grads[n], g) for n, g in grads_ref.items())

@@ -27,6 +27,11 @@ pytestmark = [
 
 DOC_LENS = [1024, 3000, 17, 2500, 1651]  # 8192 tokens, one document shorter than a chunk
 REL_TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
+#: The gradients FLA's #640 miscompile reaches (through the decay gate g), measured on H200 + Triton 3.6 in
+#: fp32 with the guard lifted (benchmarks/results/h200_mixer_tests_*.log): A_log, dt_bias and the ``a``
+#: projection of the GDN (Nemotron-H's SSD: A_log and dt_bias). Only these may be off; every other tensor is
+#: compared in every dtype.
+FLA_640_GATE_GRADS = frozenset({"grad:A_log", "grad:dt_bias", "grad:in_proj_a.weight"})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,14 +75,15 @@ def test_fla_backend_matches_reference_at_8k_tokens(name, dtype, hopper_guard_li
     errors.update({f"grad:{n}": _rel(g, grads_r[n]) for n, g in grads_f.items()})
     for tensor, err in errors.items():
         print(f"GPU_PARITY {name} {str(dtype).removeprefix('torch.')} {tensor} {err:.3e}", flush=True)
-    assert errors["output"] <= REL_TOL[dtype], errors["output"]
     bad = {t: e for t, e in errors.items() if e > REL_TOL[dtype]}
-    if bad and hopper_guard_lifted and dtype == torch.float32:
+    excused = hopper_guard_lifted and dtype == torch.float32
+    others = {t: e for t, e in bad.items() if not (excused and t in FLA_640_GATE_GRADS)}
+    assert not others, others  # output, input gradient and every other parameter gradient, in every case
+    if bad:
         # Measured on H200 + Triton 3.6 with the guard lifted: fp32 gradients through the gate `g`
-        # (dt_bias, A_log, in_proj_a) are ~100% off while bf16 and every other tensor agree. That is the
-        # miscompile FLA's guard (#640) exists for, not our code: recorded, not hidden.
-        pytest.xfail(f"FLA #640 (Triton < 3.7.1 on Hopper, guard lifted): fp32 gradients off: {bad}")
-    assert not bad, bad
+        # (dt_bias, A_log, in_proj_a) are up to ~100% off while bf16 and every other tensor agree. That is
+        # the miscompile FLA's guard (#640) exists for, not our code: recorded, not hidden.
+        pytest.xfail(f"FLA #640 (Triton < 3.7.1 on Hopper, guard lifted): fp32 gate gradients off: {bad}")
 
 
 @pytest.mark.parametrize("name", CORE_FAMILIES)

@@ -36,12 +36,14 @@ from helpers import (
     MODEL_FAMILIES,
     QWEN,
     SWAP_POLICIES,
+    UNSWAPPED_QWEN_UNDER_SAC,
     documents,
     hf_fla_kernel_on_cpu,
     hf_torch_fallback,
     logits_of,
     max_grad_diff,
     packed_batch,
+    raise_unrelated,
     set_checkpointing,
     train_step,
     unpacked_batch,
@@ -253,7 +255,9 @@ CASES = [  # every family under save-all-copies; the int-sub policy once, on Qwe
 
 
 @pytest.mark.parametrize(("name", "policy"), [c for c in CASES if c.values[0] in QWEN])
-def test_unswapped_qwen_under_sac_on_a_packed_batch_raises_or_diverges(name, policy):
+def test_unswapped_qwen_under_sac_on_a_packed_batch_fails_as_predicted(name, policy):
+    """The control: transformers' own model, one shared cu_seq_lens_q, fails exactly as
+    ``helpers.UNSWAPPED_QWEN_UNDER_SAC`` says (error class and message), not with any error."""
     family = MODEL_FAMILIES[name]
     model = family.model()
     with hf_fla_kernel_on_cpu(family):  # transformers' GDN code, FLA's cache behaviour (see module doc)
@@ -262,10 +266,14 @@ def test_unswapped_qwen_under_sac_on_a_packed_batch_raises_or_diverges(name, pol
         sac = train_step(model, packed_batch())
 
     assert reference_step.error is None, reference_step.error
-    if sac.error is None:
-        assert max_grad_diff(sac, reference_step) > 1e-4, "shared cu_seq_lens_q went unnoticed"
-    # What it is today (torch 2.13, FLA 0.6.0): the MoE router's histogram receives one of FLA's int tensors
-    # (save-all-copies) or autograd meets an int tensor where a float one was saved (save-int-sub).
+    UNSWAPPED_QWEN_UNDER_SAC[policy].check(sac.error)
+
+
+def test_the_control_fails_when_the_policy_raises_an_unrelated_error(monkeypatch):
+    """Mutation check: the control above must not pass on just any exception."""
+    monkeypatch.setitem(SWAP_POLICIES, "save-all-copies", lambda: raise_unrelated)
+    with pytest.raises(AssertionError, match="got RuntimeError: unrelated failure inside the SAC policy"):
+        test_unswapped_qwen_under_sac_on_a_packed_batch_fails_as_predicted("qwen3_5_moe", "save-all-copies")
 
 
 def test_unswapped_qwen_torch_fallback_refuses_packed_sequences():

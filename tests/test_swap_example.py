@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import UNSWAPPED_QWEN_UNDER_SAC
 
 pytest.importorskip("transformers")
 
@@ -32,7 +33,8 @@ def test_example_fails_without_swap_and_matches_with_it(hf_swap, capsys):
 
     unswapped, swapped = result["unswapped"], result["swapped"]
     assert "loss" in unswapped["no_ac"]
-    assert "error" in unswapped["sac"] or unswapped["max_grad_diff"] > 1e-4
+    UNSWAPPED_QWEN_UNDER_SAC["save-all-copies"].check(unswapped["sac"].get("error"))  # the same model as test_swap
+    assert unswapped["max_grad_diff"] is None
     assert result["swapped_paths"] == [f"model.layers.{i}.linear_attn" for i in range(3)]
     assert swapped["sac"]["loss"] == swapped["no_ac"]["loss"]
     assert swapped["max_grad_diff"] == 0.0
