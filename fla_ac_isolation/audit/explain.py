@@ -2,7 +2,10 @@
 
 :func:`explain` names the region, the op index, the innermost module running there, both ops, the FLA
 helpers whose cache state differed (when FLA is involved) and what to do. A divergence that no FLA helper
-explains is described as state that changed between forward and backward, without blaming FLA.
+explains is described as state that changed between forward and backward, without naming FLA: the
+callers pass only differences that implicate FLA's cache
+(:func:`~fla_ac_isolation.audit.records.implicating_fla`), not helpers that ran in one pass only because
+the region took another path.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ VERBS = {"miss": "missed", "hit": "hit", "bypass": "bypassed the cache", "not ca
 
 
 def explain(label: str, where: str | None, idx: int, fwd_op: str, rec_op: str, diffs: list[CacheDifference]) -> str:
+    """The message of a divergent recompute of region ``label`` at op ``idx`` (``where``: the module
+    running there); ``diffs``: the FLA cache differences that implicate FLA, empty when FLA is not the cause."""
     inside = f" (in {where})" if where and where != label else ""
     lines = [f"ReplayAudit: region {label}: recompute op #{idx}{inside} is {rec_op}, forward had {fwd_op}."]
     main = [d for d in diffs if "not called" not in (d.forward, d.recompute)] or diffs

@@ -9,7 +9,16 @@ from typing import TYPE_CHECKING, Any
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fla_ac_isolation.audit.explain import explain
-from fla_ac_isolation.audit.records import OpRecord, Pass, Region, cache_differences, format_op, op_name, out_meta
+from fla_ac_isolation.audit.records import (
+    OpRecord,
+    Pass,
+    Region,
+    cache_differences,
+    format_op,
+    implicating_fla,
+    op_name,
+    out_meta,
+)
 
 if TYPE_CHECKING:
     from fla_ac_isolation.audit.replay_audit import ReplayAudit
@@ -144,8 +153,8 @@ class PassRecorder(TorchDispatchMode):
         self._collect_events()
         if rec is not None:
             p.where = self._audit._namer.where(self._region.label)
-        diffs = cache_differences(self._region.forward.events, p.events, rec_complete=rec is None)
-        p.message = explain(self._region.label, p.where, i, fwd_op, rec_op, diffs)
+        diffs = implicating_fla(cache_differences(self._region.forward.events, p.events, rec_complete=rec is None))
+        p.message = explain(self._region.label, p.where, i, fwd_op, rec_op, list(diffs))
         mode = self._audit.on_divergence
         if mode == "raise":
             raise ReplayDivergenceError(p.message)

@@ -4,7 +4,8 @@
   plain tuples keep the per-op cost and memory low, and nothing refers to a tensor.
 * :class:`Pass` / :class:`Region` - one forward or recompute, and one checkpointed call with its passes.
 * :class:`CacheDifference` and :func:`cache_differences` - FLA helpers whose hit/miss differed between the
-  forward and a recompute (the n-th call of each helper in one pass against its n-th call in the other).
+  forward and a recompute (the n-th call of each helper in one pass against its n-th call in the other);
+  :func:`implicating_fla` - whether those differences implicate FLA's cache or only a path change.
 * :func:`ignored_ops`, :func:`out_meta`, :func:`format_op` - what is recorded and how an op is printed.
 """
 
@@ -27,6 +28,7 @@ __all__ = [
     "cache_differences",
     "format_op",
     "ignored_ops",
+    "implicating_fla",
     "op_name",
     "out_meta",
 ]
@@ -115,6 +117,19 @@ def by_helper(events: list[CacheEvent]) -> dict[str, dict[str, int]]:
     for e in events:
         out.setdefault(e.helper, {"hit": 0, "miss": 0, "bypass": 0})[e.outcome] += 1
     return out
+
+
+def implicating_fla(diffs: list[CacheDifference]) -> tuple[CacheDifference, ...]:
+    """``diffs`` when FLA's cache is implicated, else ``()``.
+
+    FLA's cache is implicated when some helper's n-th call hit in one pass and missed (or bypassed) in
+    the other; the helpers that then ran in one pass only (nested calls of a miss) are kept with it.
+    When every difference is a helper that ran in one pass only, the region took another path for
+    reasons of its own (a memoised probe, data-dependent control flow) and FLA's cache is not the cause.
+    """
+    if any("not called" not in (d.forward, d.recompute) for d in diffs):
+        return tuple(diffs)
+    return ()
 
 
 def cache_differences(fwd: list[CacheEvent], rec: list[CacheEvent], rec_complete: bool) -> list[CacheDifference]:

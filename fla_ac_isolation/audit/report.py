@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fla_ac_isolation.audit.explain import explain
-from fla_ac_isolation.audit.records import CacheDifference, Region, by_helper, cache_differences, format_op
+from fla_ac_isolation.audit.records import (
+    CacheDifference,
+    Region,
+    by_helper,
+    cache_differences,
+    format_op,
+    implicating_fla,
+)
 
 __all__ = ["RegionReport", "region_report", "summary_table"]
 
@@ -26,7 +33,9 @@ class RegionReport:
         where: path of the innermost module that was running at ``first_diff`` in the recompute
             (e.g. ``layers.0.linear_attn``), or ``None``.
         forward_op / recompute_op: the two ops at ``first_diff`` (``"aten.sub.Tensor -> [23] int64 cpu"``).
-        fla: FLA helpers whose cache state differed (empty when FLA is not involved).
+        fla: FLA helpers whose cache state differed (empty when FLA is not involved, including when its
+            helpers ran in one pass only because the region took another path: see
+            :func:`~fla_ac_isolation.audit.records.implicating_fla`).
         forward_cache / recompute_cache: ``{helper: {"hit": n, "miss": n, "bypass": n}}`` per pass.
         recompute_error: first line of an error that ended the recompute, if any.
         message: the full, actionable explanation for a divergent region (``None`` otherwise).
@@ -72,7 +81,7 @@ def region_report(region: Region) -> RegionReport:
     fwd_op = rec_op = None
     message = rec.message
     if i is not None:
-        diffs = tuple(cache_differences(fwd.events, rec.events, rec.complete))
+        diffs = implicating_fla(cache_differences(fwd.events, rec.events, rec.complete))
         fwd_op = format_op(fwd.ops[i] if i < len(fwd.ops) else None, f"<end of forward after {len(fwd.ops)} ops>")
         rec_op = format_op(rec.ops[i] if i < len(rec.ops) else None, f"<end of recompute after {i} ops>")
         if rec.done:  # rebuilt with every helper call of the pass (raise/warn saw those up to the op)
