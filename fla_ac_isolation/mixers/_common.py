@@ -88,16 +88,7 @@ def resolve_seqlens(
     """
     batch, tokens = hidden_states.shape[0], hidden_states.shape[1]
     if seqlens is None and cu_seq_lens_q is None:
-        if seq_idx is not None:
-            raise ValueError(
-                "seq_idx is not supported; describe packed documents with seqlens=LayerLocalSeqlens(...) "
-                "or cu_seq_lens_q= (otherwise state would flow across documents)"
-            )
-        if tokens == 0:
-            raise ValueError(
-                f"hidden_states has no tokens (shape {tuple(hidden_states.shape)}) and no offsets: an unpacked "
-                "batch needs T >= 1 (packed, pass seqlens= describing zero-length documents)"
-            )
+        _check_unpacked(hidden_states, seq_idx)
         return None
     if seqlens is not None and not isinstance(seqlens, LayerLocalSeqlens):
         raise TypeError(
@@ -123,6 +114,20 @@ def resolve_seqlens(
             "build the LayerLocalSeqlens on the activations' device"
         )
     return seqlens.local()
+
+
+def _check_unpacked(hidden_states: torch.Tensor, seq_idx: Any) -> None:
+    """Refuse what an unpacked batch (one document per row) cannot mean: ``seq_idx``, or no tokens."""
+    if seq_idx is not None:
+        raise ValueError(
+            "seq_idx is not supported; describe packed documents with seqlens=LayerLocalSeqlens(...) "
+            "or cu_seq_lens_q= (otherwise state would flow across documents)"
+        )
+    if hidden_states.shape[1] == 0:
+        raise ValueError(
+            f"hidden_states has no tokens (shape {tuple(hidden_states.shape)}) and no offsets: an unpacked "
+            "batch needs T >= 1 (packed, pass seqlens= describing zero-length documents)"
+        )
 
 
 def _wrap_cu_seq_lens_q(cu_seq_lens_q: Any, max_length_q: Any, hidden_states: torch.Tensor) -> LayerLocalSeqlens:
