@@ -130,10 +130,19 @@ class _Outcome:
     timed_out: bool = False
 
 
-def _record_killed(procs, out: _Outcome) -> None:
-    """Record ranks already ended by a signal (they never report): the cause, ahead of their peers' errors."""
+def _record_killed(procs, out: _Outcome, reporting: int) -> None:
+    """Record ranks ended by a signal (they never report): the cause, ahead of ``reporting``'s error.
+
+    A killed process closes its sockets a moment before it can be reaped, so a peer's connection error
+    may arrive first: the ranks still running get 0.1 s in all to show their exit code.
+    """
+    deadline = time.monotonic() + 0.1
     for r, p in enumerate(procs):
-        if p.exitcode is not None and p.exitcode < 0 and r not in out.errors:
+        if r in out.errors or r == reporting:
+            continue
+        if p.exitcode is None:
+            p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is not None and p.exitcode < 0:
             out.errors[r] = (_death(p.exitcode), "")
 
 
@@ -156,7 +165,7 @@ def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str], hoo
         elif kind == "result":
             out.results[rank] = payload
         elif kind == "error":
-            _record_killed(procs, out)  # a peer killed before this error caused it
+            _record_killed(procs, out, rank)  # a peer killed before this error caused it
             out.errors.setdefault(rank, payload)
             first_failure = first_failure or time.monotonic()
         if kind is not None:
