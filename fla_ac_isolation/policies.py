@@ -123,16 +123,39 @@ def save_ops(
 
 
 def any_of(*policies: Policy, name: str | None = None) -> Policy:
-    """Combine policies: MUST_SAVE if any of them says MUST_SAVE or PREFER_SAVE."""
+    """Combine policies: MUST_SAVE if any of them says MUST_SAVE or PREFER_SAVE, else PREFER_RECOMPUTE.
 
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        for p in policies:
+    The result has a ``fresh()`` method that renews every stateful member (one with ``fresh()``, e.g.
+    :class:`torchtitan_selective`), so :func:`sac_context_fn` gives each checkpointed call fresh members,
+    as it does for a stateful policy used alone.
+
+    Raises:
+        TypeError: a member is not a policy function (``(ctx, op, *args, **kwargs)``).
+    """
+    for p in policies:
+        _check_policy(p)
+    return _AnyOf(policies, name or "any_of(" + ", ".join(getattr(p, "__name__", "?") for p in policies) + ")")
+
+
+class _AnyOf:
+    """The policy :func:`any_of` returns: callable like a policy function, renewed by :meth:`fresh`."""
+
+    def __init__(self, policies: tuple[Policy, ...], name: str) -> None:
+        self.policies = policies
+        self.__name__ = name
+
+    def fresh(self) -> _AnyOf:
+        """The same combination with every stateful member renewed (``member.fresh()``)."""
+        return _AnyOf(tuple(p.fresh() if hasattr(p, "fresh") else p for p in self.policies), self.__name__)
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        for p in self.policies:
             if p(ctx, op, *args, **kwargs) in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    policy.__name__ = name or "any_of(" + ", ".join(getattr(p, "__name__", "?") for p in policies) + ")"
-    return policy
+    def __repr__(self) -> str:
+        return self.__name__
 
 
 class torchtitan_selective:  # noqa: N801 - used like the other policy constructors

@@ -433,3 +433,29 @@ MATRIX = [
     for early_stop in (True, False)
     for freq in (1, 2)
 ]
+
+
+# ============================================================ SAC storage (what a policy saved)
+def sac_forward_storages(policy: Any, run: Callable[[Callable], Any]) -> list[dict]:
+    """SAC's storage (``{op: {invocation index: saved outputs or a recompute marker}}``) of every
+    checkpointed region that ``run(context_fn)`` runs forward with ``context_fn = sac_context_fn(policy)``,
+    in region order; read it before any backward consumes it."""
+    storages = []
+
+    def context_fn():
+        forward_ctx, recompute_ctx = sac_context_fn(policy)()
+        storages.append(forward_ctx.storage)
+        return forward_ctx, recompute_ctx
+
+    run(context_fn)
+    return storages
+
+
+def saved_indices(storage: dict, op: Any) -> list[int]:
+    """Invocation indices of ``op`` whose outputs SAC saved in one region's ``storage``."""
+    return sorted(i for i, entry in storage.get(op, {}).items() if _saved(entry))
+
+
+def _saved(entry: Any) -> bool:
+    first = entry[0] if isinstance(entry, (tuple, list)) else entry
+    return hasattr(first, "val")

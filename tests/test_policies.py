@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import sac_forward_storages, saved_indices
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
@@ -48,6 +49,36 @@ def test_any_of_saves_when_one_policy_saves():
     p = any_of(save_ops([aten.mm.default]), save_ops([aten.clone.default]))
     assert p(ctx(), aten.clone.default) is SAVE and p(ctx(), aten.mm.default) is SAVE
     assert p(ctx(), aten.add.Tensor) is RECOMPUTE
+
+
+def test_any_of_renews_a_stateful_member_for_every_checkpointed_region():
+    """Regression: any_of used to drop ``fresh()``, so torchtitan's per-region matmul counter ran on across
+    regions (region 2 saved the matmuls region 1 recomputed). ``sac_context_fn`` freshens the policy for
+    every checkpointed call; each region must then start counting at its first matmul."""
+    policy = any_of(torchtitan_selective(), save_ops([aten.clone.default]))
+    w = torch.empty(4, 4)
+    regions = []
+    for _ in range(3):
+        p = policy.fresh() if hasattr(policy, "fresh") else policy  # what sac_context_fn does per region
+        regions.append([p(ctx(), aten.mm.default, w, w) for _ in range(3)])
+    assert regions == [[SAVE, RECOMPUTE, SAVE]] * 3
+    assert policy.__name__ == "any_of(torchtitan_selective, save_ops)"
+
+
+def test_any_of_with_torchtitan_saves_the_same_matmuls_in_every_checkpointed_layer():
+    """End to end, read from SAC's own storage after the forward: both regions save matmuls 1 and 3."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3))) for _ in range(2)]
+
+    def forward(context_fn):
+        h = torch.randn(2, 4, requires_grad=True)
+        for layer in layers:
+            h = checkpoint(layer, h, use_reentrant=False, context_fn=context_fn)
+
+    storages = sac_forward_storages(any_of(torchtitan_selective(), save_ops([aten.clone.default])), forward)
+    assert [saved_indices(storage, aten.mm.default) for storage in storages] == [[0, 2], [0, 2]]
 
 
 def test_torchtitan_policy_recomputes_every_second_matmul_per_pass():
