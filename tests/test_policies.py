@@ -13,6 +13,7 @@ from fla_ac_isolation.policies import (
     checkpoint_layers,
     save_all_copies,
     save_device_to_host_copies,
+    save_fla_ops,
     save_ops,
     torchtitan_selective,
 )
@@ -79,6 +80,46 @@ def test_any_of_with_torchtitan_saves_the_same_matmuls_in_every_checkpointed_lay
 
     storages = sac_forward_storages(any_of(torchtitan_selective(), save_ops([aten.clone.default])), forward)
     assert [saved_indices(storage, aten.mm.default) for storage in storages] == [[0, 2], [0, 2]]
+
+
+def test_save_fla_ops_saves_the_named_operations_of_both_backends_only():
+    ops = torch.ops.fla_ac_isolation
+    everything = save_fla_ops()
+    core = save_fla_ops(("gated_delta_rule", "ssd"))
+    for op in (ops.gated_delta_rule.default, ops.gated_delta_rule_reference.default, ops.simple_gla.default,
+               ops.ssd_scan_reference.default):
+        assert everything(ctx(), op) is SAVE and core(ctx(), op) is SAVE
+    for op in (ops.causal_conv1d.default, ops.causal_conv1d_reference.default):
+        assert everything(ctx(), op) is SAVE and core(ctx(), op) is RECOMPUTE
+    for op in (ops.gated_delta_rule_backward.default, ops.causal_conv1d_reference_backward.default, aten.mm.default,
+               aten._to_copy.default):
+        assert everything(ctx(), op) is RECOMPUTE
+    assert core.__name__ == "save_fla_ops(gated_delta_rule, ssd)"
+    combined = any_of(core, save_device_to_host_copies())
+    assert combined(ctx(), ops.simple_gla.default) is SAVE
+    assert combined(ctx(), aten._to_copy.default, torch.empty(2, device="meta"), device="cpu") is SAVE
+    assert combined(ctx(), ops.causal_conv1d.default) is RECOMPUTE
+
+
+@pytest.mark.parametrize(
+    ("ops", "error", "match"),
+    [
+        (("gated_delta_rule", "conv"), ValueError,
+         r"ops must name one or more of \('gated_delta_rule', 'causal_conv1d', 'ssd'\), got \('gated_delta_rule', 'conv'\)"),
+        ((), ValueError, r"ops must name one or more of .*, got \(\)"),
+        ("ssd", TypeError, "ops must be a sequence of operation names .* got 'ssd'"),
+        ((torch.ops.fla_ac_isolation.simple_gla.default,), TypeError, "ops must be a sequence of operation names"),
+    ],
+    ids=["unknown", "empty", "one-string", "an-overload"],
+)
+def test_save_fla_ops_refuses_unknown_names(ops, error, match):
+    with pytest.raises(error, match=match):
+        save_fla_ops(ops)
+
+
+def test_any_of_refuses_an_uncalled_policy_constructor():
+    with pytest.raises(TypeError, match=r"save_fla_ops does not take \(ctx, op\); did you mean save_fla_ops\(\)"):
+        any_of(save_fla_ops, save_all_copies())
 
 
 def test_torchtitan_policy_recomputes_every_second_matmul_per_pass():
