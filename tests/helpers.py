@@ -462,7 +462,7 @@ class OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
     the recompute. ``forward_calls[name]``/``forward_events[name]``: calls of operation ``name``'s forward
     operator (in a backward pass: its recompute) and the cache events made inside them;
     ``backward_calls[name]``: calls of its backward operator; ``outside``: cache events made outside any of
-    these operators.
+    these operators; ``in_backward_op``: true while a backward operator runs (to attribute other events).
     """
 
     def __init__(self, probe: Any) -> None:
@@ -472,6 +472,7 @@ class OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         self.forward_calls: dict[str, int] = {}
         self.forward_events: dict[str, list] = {}
         self.backward_calls: dict[str, int] = {}
+        self.in_backward_op = False
         self._inside: list[tuple[int, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -480,7 +481,11 @@ class OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         if not schema.startswith("fla_ac_isolation::"):
             return func(*args, **kwargs)
         start = self.probe.mark()
-        out = func(*args, **kwargs)
+        self.in_backward_op = func not in self.names
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.in_backward_op = False
         self._inside.append((start, self.probe.mark()))
         if func in self.names:
             name = self.names[func]

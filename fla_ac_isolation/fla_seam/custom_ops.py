@@ -24,7 +24,7 @@ cu_seqlens_cpu?, chunk_indices?)                plus what its backward reads: ``
                                                 ``[B, T, H]`` fp32 (empty without l2norm). Backward:
                                                 ``chunk_gated_delta_rule_bwd`` and ``l2norm_bwd``.
 ``simple_gla(q, k, v, g, scale, cu_seqlens?,    FLA's ``ChunkSimpleGLAFunction.forward`` (cumsum,
-cu_seqlens_cpu?, chunk_indices?)                ``chunk_simple_gla_fwd``) -> ``o [B, T, H, V]``,
+cu_seqlens_cpu?)                                ``chunk_simple_gla_fwd``) -> ``o [B, T, H, V]``,
 -> (o, g_cumsum)``                              ``g_cumsum [B, T, H]`` fp32; ``q``/``k`` may have
                                                 ``G`` groups dividing ``H`` (expanded inside).
                                                 Backward: ``chunk_simple_gla_bwd`` + reverse cumsum.
@@ -254,7 +254,7 @@ _gdn_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup)
 @torch.library.custom_op(f"{_NS}::simple_gla", mutates_args=())
 def _gla_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
     from fla.ops.utils import chunk_local_cumsum
@@ -263,7 +263,7 @@ def _gla_forward(
     heads = v.shape[2]
     q, k, v, g = _contiguous(_expand(q, heads)), _contiguous(_expand(k, heads)), _contiguous(v), _contiguous(g)
     with _device(q):
-        chunk_indices = _schedule(cu_seqlens, cu_seqlens_cpu, chunk_indices)
+        chunk_indices = _schedule(cu_seqlens, cu_seqlens_cpu, None)  # as FLA's Function: always its own
         g_cumsum = chunk_local_cumsum(g, chunk_size=CHUNK_SIZE, scale=RCP_LN2, cu_seqlens=cu_seqlens,
                                       chunk_indices=chunk_indices)
         o, _ = chunk_simple_gla_fwd(q=q, k=k, v=v, g=g_cumsum, g_gamma=None, scale=scale, initial_state=None,
@@ -273,14 +273,14 @@ def _gla_forward(
 
 
 @_gla_forward.register_fake
-def _(q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+def _(q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu):
     return q.new_empty(v.shape), g.new_empty(g.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_NS}::simple_gla_backward", mutates_args=())
 def _gla_backward_op(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, g_cumsum: Tensor, g_dtype: torch.dtype, scale: float,
-    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from fla.ops.simple_gla.chunk import chunk_simple_gla_bwd
     from fla.ops.utils import chunk_local_cumsum
@@ -288,7 +288,7 @@ def _gla_backward_op(
     heads, groups = v.shape[2], q.shape[2]
     qe, ke, v, do = _contiguous(_expand(q, heads)), _contiguous(_expand(k, heads)), _contiguous(v), _contiguous(do)
     with _device(q):
-        chunk_indices = _schedule(cu_seqlens, cu_seqlens_cpu, chunk_indices)
+        chunk_indices = _schedule(cu_seqlens, cu_seqlens_cpu, None)
         dq, dk, dv, dg, _ = chunk_simple_gla_bwd(
             q=qe, k=ke, v=v, g=g_cumsum, g_gamma=None, initial_state=None, do=do, dht=None, scale=scale,
             cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices,
@@ -304,24 +304,24 @@ def _gla_backward_op(
 
 
 @_gla_backward_op.register_fake
-def _(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+def _(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             g_cumsum.new_empty(g_cumsum.shape, dtype=g_dtype))
 
 
 def _gla_setup(ctx, inputs, output) -> None:
-    q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices = inputs
+    q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu = inputs
     g_cumsum = output[1]
     ctx.mark_non_differentiable(g_cumsum)
-    ctx.save_for_backward(q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    ctx.save_for_backward(q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu)
     ctx.meta = (g.dtype, scale)
 
 
 def _gla_backward(ctx, do, _dg_cumsum):
-    q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu, chunk_indices = ctx.saved_tensors
+    q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
     g_dtype, scale = ctx.meta
-    grads = _gla_backward_op(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices)
-    return (*grads, None, None, None, None)
+    grads = _gla_backward_op(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu)
+    return (*grads, None, None, None)
 
 
 _gla_forward.register_autograd(_gla_backward, setup_context=_gla_setup)
@@ -410,7 +410,7 @@ def ssd(
     dt = discretize_dt(dt, dt_bias, dt_limit)
     value = (x.float() * dt.unsqueeze(-1)).to(x.dtype)
     log_decay = dt * A.float()
-    y, _ = _gla_forward(C.to(x.dtype), B.to(x.dtype), value, log_decay, 1.0, cu_seqlens, cu_seqlens_cpu, None)
+    y, _ = _gla_forward(C.to(x.dtype), B.to(x.dtype), value, log_decay, 1.0, cu_seqlens, cu_seqlens_cpu)
     if D is not None:
         y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
     return y
