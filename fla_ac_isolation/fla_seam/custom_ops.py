@@ -58,7 +58,7 @@ import math
 import torch
 from torch import Tensor
 
-from fla_ac_isolation.fla_seam.kernels import _check_device
+from fla_ac_isolation.fla_seam import kernels
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
 from fla_ac_isolation.ops.reference import check_groups, discretize_dt
 
@@ -352,7 +352,7 @@ def causal_conv1d(
     Raises:
         ValueError: CPU tensors outside Triton's interpreter.
     """
-    _check_device(x)
+    kernels._check_device(x)
     return _conv_forward(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
 
 
@@ -377,7 +377,7 @@ def chunk_gated_delta_rule(
     Raises:
         ValueError: CPU tensors outside Triton's interpreter.
     """
-    _check_device(q)
+    kernels._check_device(q)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     return _gdn_forward(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu,
                         chunk_indices)[0]
@@ -405,7 +405,7 @@ def ssd(
     Raises:
         ValueError: CPU tensors outside Triton's interpreter; ``H`` not a multiple of ``G``.
     """
-    _check_device(x)
+    kernels._check_device(x)
     check_groups(x.shape[2], B, C)
     dt = discretize_dt(dt, dt_bias, dt_limit)
     value = (x.float() * dt.unsqueeze(-1)).to(x.dtype)

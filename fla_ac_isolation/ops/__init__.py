@@ -24,6 +24,17 @@ is not rerun in the recompute, so it looks nothing up in FLA's cache there. Beca
 then run *inside* one operator, a ``cu_seqlens`` shared by checkpointed layers becomes safe **for these
 operators**; it does not make anything else safe (context-parallel metadata built outside them, other FLA
 helpers, foreign modules): keep passing :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`'s tensors.
+
+``SAVEABLE_OPS`` (``dict[str, tuple[OpOverload, OpOverload]]``): the custom operators behind
+``saveable=True``, per operation (``"gated_delta_rule"``, ``"causal_conv1d"``, ``"ssd"``): the ``fla`` and
+the ``reference`` backend's forward overloads, whose outputs :func:`fla_ac_isolation.policies.save_fla_ops`
+saves. Outputs per call:
+
+* ``gated_delta_rule`` (``fla``): ``o [B, T, HV, V]`` (dtype of q), ``A [B, T, HV, 64]`` (dtype of k),
+  ``g_cumsum [B, T, HV]`` fp32, ``q_rstd``/``k_rstd`` ``[B, T, H]`` fp32; (``reference``): ``o``.
+* ``causal_conv1d``: ``y [B, T, D]`` (dtype of x).
+* ``ssd`` (``fla``, FLA's simple GLA): ``o [B, T, H, P]`` (dtype of x), ``g_cumsum [B, T, H]`` fp32;
+  (``reference``, the scan): ``y [B, T, H, P]`` in float32.
 """
 
 from __future__ import annotations
@@ -55,20 +66,13 @@ __all__ = [
 Backend = Literal["auto", "fla", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "fla", "reference")
 
-SAVEABLE_OPS: dict[str, tuple[torch._ops.OpOverload, ...]] = {
-    name: (fla_saveable_backend.OPS[name], reference_saveable_backend.OPS[name])
-    for name in ("gated_delta_rule", "causal_conv1d", "ssd")
-}
-"""The custom operators behind ``saveable=True``, per operation (``"gated_delta_rule"``,
-``"causal_conv1d"``, ``"ssd"``): ``(fla backend's, reference backend's)`` forward overloads, the ops whose
-outputs :func:`fla_ac_isolation.policies.save_fla_ops` saves. Their outputs per call:
-
-* ``gated_delta_rule`` (``fla``): ``o [B, T, HV, V]`` (dtype of q), ``A [B, T, HV, 64]`` (dtype of k),
-  ``g_cumsum [B, T, HV]`` fp32, ``q_rstd``/``k_rstd`` ``[B, T, H]`` fp32; (``reference``): ``o``.
-* ``causal_conv1d``: ``y [B, T, D]`` (dtype of x).
-* ``ssd`` (``fla``, FLA's simple GLA): ``o [B, T, H, P]`` (dtype of x), ``g_cumsum [B, T, H]`` fp32;
-  (``reference``, the scan): ``y [B, T, H, P]`` in float32.
-"""
+def __getattr__(name: str):
+    # SAVEABLE_OPS is built on first access: the operator modules import this package's reference backend,
+    # so whichever of them is imported first, this package may still be initialising (PEP 562).
+    if name == "SAVEABLE_OPS":
+        return {op: (fla_saveable_backend.OPS[op], reference_saveable_backend.OPS[op])
+                for op in ("gated_delta_rule", "causal_conv1d", "ssd")}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_backend(backend: str) -> str:
