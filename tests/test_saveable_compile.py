@@ -7,8 +7,9 @@
   (``fullgraph=False``: its ``.local()`` copy is ``torch.compiler.disable`` d, which dynamo skips without
   a break) and with fixed per-layer tensors (``fullgraph=True``). Inductor fuses the norms and gates, so its
   gradients differ in the last bits: checked to 1e-5 of the largest entry (GDN mixer, fullgraph).
-* A checkpointed block compiled under SAC with :func:`save_fla_ops`: the compiled backward reruns no
-  saved operator, and the gradients equal eager without AC (``aot_eager``).
+* A checkpointed block compiled under SAC with :func:`save_fla_ops` and fixed per-layer tensors: the
+  compiled backward reruns no saved operator, and the gradients equal eager without AC (``aot_eager``).
+  With ``LayerLocalSeqlens`` dynamo runs such a region eagerly (a documented limitation).
 """
 
 import pytest
@@ -106,6 +107,21 @@ def test_inductor_compiled_gdn_mixer_gradients_match_eager_to_1e_5():
     compiled = _outputs_and_grads(mixer, torch.compile(mixer, fullgraph=True), seqlens)
     for got, want in zip(compiled, eager):
         assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
+def test_a_compiled_checkpointed_region_with_layer_local_seqlens_runs_eagerly():
+    """The limitation the docs state: inside a checkpointed region dynamo gives up at ``.local()``'s
+    ``torch.compiler.disable`` d copy and runs the whole region eagerly (no graph), correctly."""
+    from torch._dynamo.utils import counters
+
+    layers = nn.ModuleList([Block(FAMILIES["qwen3_5_moe"].build(seed=3, backend="reference", saveable=True))])
+    checkpoint_layers(layers, mode="selective", policy=save_fla_ops())
+    counters.clear()
+    out = torch.compile(layers[0], backend="aot_eager")(_x().requires_grad_(), LayerLocalSeqlens.from_seq_lens(LENS))
+    out.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 0
+    assert [reason.split("\n")[0] for reason in counters["graph_break"]] == [
+        "Skip calling `torch.compiler.disable()`d function"]
 
 
 @pytest.mark.parametrize(("saved", "rerun"), [(("gated_delta_rule", "ssd", "causal_conv1d"), set()),
