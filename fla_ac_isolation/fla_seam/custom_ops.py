@@ -11,24 +11,21 @@ namespace, with a fake (meta) kernel and an autograd formula whose backward is a
   ``torch.compiler.disable`` d).
 
 No kernel is ours: every forward op calls FLA 0.6's own forward function, every backward op FLA's own
-backward function, with the arguments FLA's ``Function`` s pass. Ops (all outputs contiguous):
+backward function, with the arguments FLA's ``Function`` s pass. Operators (all outputs contiguous):
 
-==============================================  ======================================================
-``causal_conv1d(x, weight, bias?, activation?,  ``fla.modules.causal_conv1d.causal_conv1d_fwd`` ->
-cu_seqlens?, cu_seqlens_cpu?, chunk_indices?)   ``y [B, T, D]`` (FLA saves only inputs, so do we).
--> y``                                          Backward: ``causal_conv1d_bwd`` -> ``dx, dw, db``.
-``gated_delta_rule(q, k, v, g, beta, scale,     FLA's ``ChunkGatedDeltaRuleFunction.forward``: l2norm,
-use_qk_l2norm_in_kernel, cu_seqlens?,           ``chunk_gated_delta_rule_fwd`` -> ``o [B, T, HV, V]``
-cu_seqlens_cpu?, chunk_indices?)                plus what its backward reads: ``A [B, T, HV, 64]``,
--> (o, A, g_cumsum, q_rstd, k_rstd)``           ``g_cumsum [B, T, HV]`` fp32, ``q_rstd``/``k_rstd``
-                                                ``[B, T, H]`` fp32 (empty without l2norm). Backward:
-                                                ``chunk_gated_delta_rule_bwd`` and ``l2norm_bwd``.
-``simple_gla(q, k, v, g, scale, cu_seqlens?,    FLA's ``ChunkSimpleGLAFunction.forward`` (cumsum,
-cu_seqlens_cpu?)                                ``chunk_simple_gla_fwd``) -> ``o [B, T, H, V]``,
--> (o, g_cumsum)``                              ``g_cumsum [B, T, H]`` fp32; ``q``/``k`` may have
-                                                ``G`` groups dividing ``H`` (expanded inside).
-                                                Backward: ``chunk_simple_gla_bwd`` + reverse cumsum.
-==============================================  ======================================================
+* ``causal_conv1d(x, weight, bias?, activation?, cu_seqlens?, cu_seqlens_cpu?, chunk_indices?) -> y``:
+  ``fla.modules.causal_conv1d.causal_conv1d_fwd``, ``y [B, T, D]`` in the dtype of ``x`` (FLA saves only
+  inputs, so do we). Backward operator ``causal_conv1d_backward``: ``causal_conv1d_bwd`` -> ``dx, dw, db``.
+* ``gated_delta_rule(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens?, cu_seqlens_cpu?,
+  chunk_indices?) -> (o, A, g_cumsum, q_rstd, k_rstd)``: FLA's ``ChunkGatedDeltaRuleFunction.forward``
+  (``l2norm_fwd``, ``chunk_gated_delta_rule_fwd``): ``o [B, T, HV, V]`` (dtype of q) plus what its backward
+  reads, ``A [B, T, HV, 64]`` (dtype of k), ``g_cumsum [B, T, HV]`` fp32 and ``q_rstd``/``k_rstd``
+  ``[B, T, H]`` fp32 (empty without the L2 norm). Backward operator ``gated_delta_rule_backward``:
+  ``chunk_gated_delta_rule_bwd`` and ``l2norm_bwd``.
+* ``simple_gla(q, k, v, g, scale, cu_seqlens?, cu_seqlens_cpu?) -> (o, g_cumsum)``: FLA's
+  ``ChunkSimpleGLAFunction.forward`` (``chunk_local_cumsum``, ``chunk_simple_gla_fwd``): ``o [B, T, H, V]``,
+  ``g_cumsum [B, T, H]`` fp32; ``q``/``k`` may have ``G`` groups dividing ``H`` (expanded inside). Backward
+  operator ``simple_gla_backward``: ``chunk_simple_gla_bwd`` and the reverse cumsum.
 
 Deviations from FLA's ``Function`` s, all without effect on the numbers (the interpreter tests compare them
 bit for bit with FLA's public functions):
@@ -348,6 +345,7 @@ def causal_conv1d(
     """:func:`fla_ac_isolation.fla_seam.kernels.causal_conv1d` as the ``fla_ac_isolation::causal_conv1d`` op.
 
     ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` or ``None`` -> ``[B, T, D]`` (dtype of ``x``, contiguous).
+    Follows FLA's ``CausalConv1dFunction``: ``causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (Triton backend).
 
     Raises:
         ValueError: CPU tensors outside Triton's interpreter.
@@ -372,7 +370,8 @@ def chunk_gated_delta_rule(
     """:func:`fla_ac_isolation.fla_seam.kernels.chunk_gated_delta_rule` as the ``gated_delta_rule`` op.
 
     ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]`` (dtype of ``q``).
-    ``scale`` defaults to ``K ** -0.5``.
+    ``scale`` defaults to ``K ** -0.5``. Follows FLA's ``ChunkGatedDeltaRuleFunction`` (``l2norm_fwd``,
+    ``chunk_gated_delta_rule_fwd`` / ``chunk_gated_delta_rule_bwd``, ``l2norm_bwd``), chunk size 64.
 
     Raises:
         ValueError: CPU tensors outside Triton's interpreter.
@@ -400,7 +399,8 @@ def ssd(
 
     ``x [B, T, H, P]``, ``dt [B, T, H]``, ``A [H]``, ``B, C [B, T, G, N]``, ``D [H]`` -> ``[B, T, H, P]``.
     The same maths as the plain ``fla`` backend (discretisation, ``v = dt * x`` in the dtype of ``x``,
-    ``g = dt * A`` in float32, the ``D`` skip outside the op); ``B``/``C`` reach the op grouped.
+    ``g = dt * A`` in float32, the ``D`` skip outside the op); ``B``/``C`` reach the op grouped. Follows
+    FLA's ``ChunkSimpleGLAFunction`` (``chunk_simple_gla_fwd`` / ``chunk_simple_gla_bwd``).
 
     Raises:
         ValueError: CPU tensors outside Triton's interpreter; ``H`` not a multiple of ``G``.

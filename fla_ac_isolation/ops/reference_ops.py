@@ -6,15 +6,12 @@ the CPU tests cover what the ``fla`` custom ops offer on a GPU: a SAC policy can
 (:func:`fla_ac_isolation.policies.save_fla_ops`), and ``torch.compile`` traces a mixer without a graph
 break at the call (the reference's ``.tolist()`` calls run inside the op's kernel, never traced).
 
-==============================================================  ===================================================
-``causal_conv1d_reference(x, weight, bias?, activation?,        :func:`reference.causal_conv1d`
-cu_seqlens?, cu_seqlens_cpu?, chunk_indices?) -> y``
-``gated_delta_rule_reference(q, k, v, g, beta, scale,           :func:`reference.chunk_gated_delta_rule`
-use_qk_l2norm_in_kernel, cu_seqlens?, cu_seqlens_cpu?,
-chunk_indices?) -> o``
-``ssd_scan_reference(x, log_decay, B, C, cu_seqlens?,           :func:`reference.ssd_scan` (the part FLA's simple
-cu_seqlens_cpu?) -> y``                                         GLA computes; discretisation and ``D`` stay outside)
-==============================================================  ===================================================
+* ``causal_conv1d_reference(x, weight, bias?, activation?, cu_seqlens?, cu_seqlens_cpu?, chunk_indices?)
+  -> y``: :func:`reference.causal_conv1d`;
+* ``gated_delta_rule_reference(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens?,
+  cu_seqlens_cpu?, chunk_indices?) -> o``: :func:`reference.chunk_gated_delta_rule`;
+* ``ssd_scan_reference(x, log_decay, B, C, cu_seqlens?, cu_seqlens_cpu?) -> y``: :func:`reference.ssd_scan`,
+  the part FLA's simple GLA computes (discretisation and the ``D`` skip stay outside, in float32).
 
 Forward op: the reference function (run below autograd, so nothing is recorded). Backward op
 (``<name>_backward``): the same reference function rerun on detached copies of the saved inputs under
