@@ -6,7 +6,7 @@ layer shapes (``bench_isolation.layer_fields``), in bf16: each operator's fake k
 They are exact: a checkpointed layer under ``save_fla_ops(ops)`` holds these tensors, and only these, from
 its forward to its backward (more than without saving; the step's peak, set in the backward, need not move).
 
-    python benchmarks/saved_outputs.py                 # the table of docs/benchmarks.md
+    python benchmarks/saved_outputs.py                 # the two tables of docs/benchmarks.md
     python benchmarks/saved_outputs.py --tokens 8192 --hidden 1024
 """
 
@@ -90,12 +90,30 @@ def table(tokens: list[int], hidden: int) -> str:
     return "\n".join(lines)
 
 
+def totals_table(tokens: list[int], hidden: int, layers: list[int]) -> str:
+    """GiB a model keeps under each saveable mode: the per-layer MiB times ``L`` layers of one kind."""
+    modes = (("save-core", 1), ("save-core+conv", 2))
+    header = " | ".join(f"T = {t}, L = {n}" for t in tokens for n in layers)
+    lines = [f"| layers | mode | {header} |", "|---|---|" + "---|" * (len(tokens) * len(layers))]
+    for kind, label in (("gdn", "GDN"), ("mamba2", "Mamba2")):
+        for mode, count in modes:
+            operations = (CORE[kind], "causal_conv1d")[:count]
+            per_layer = {t: saved_mib(kind, t, hidden, operations) for t in tokens}
+            cells = " | ".join(f"{per_layer[t] * n / 1024:.1f}" for t in tokens for n in layers)
+            lines.append(f"| {label} | `isolated+{mode}` | {cells} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", nargs="+", type=int, default=[24, 48],
+                        help="numbers of linear-attention layers for the per-model totals (GiB)")
     args = parser.parse_args(argv)
     print(table(args.tokens, args.hidden))
+    print()
+    print(totals_table(args.tokens, args.hidden, args.layers))
     return 0
 
 
