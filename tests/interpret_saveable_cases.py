@@ -1,9 +1,10 @@
 """FLA's real Triton kernels as the saveable custom operators, on CPU (``TRITON_INTERPRET=1``).
 
 Run by ``tests/test_saveable_interpret.py`` in a fresh process (``TRITON_INTERPRET`` must be set before FLA's
-kernels are decorated). One 2-layer stack (a Qwen3.5 GDN and a Nemotron-H Mamba2 mixer, ``backend="fla"``,
-float32) covers the three operators as the mixers call them (the conv on a strided view; the gated delta
-rule with GVA on views of one tensor; simple GLA with grouped ``B``/``C``). Prints one JSON object:
+kernels are decorated). One 2-layer stack (a Qwen3.5 GDN and a Nemotron-H Mamba2 mixer, ``backend="fla"``)
+covers the three operators as the mixers call them (the conv on a strided view; the gated delta rule with
+GVA on views of one tensor; simple GLA with grouped ``B``/``C``), in bfloat16 so that the fake kernels'
+dtypes are checked (bf16 outputs next to fp32 cumsums and norms). Prints one JSON object:
 
 * ``parity``: the stack's loss and every gradient without AC, ``saveable=True`` against the default path
   (FLA's public functions), bit-equal (``torch.equal``);
@@ -105,7 +106,7 @@ def _stack(saveable: bool) -> nn.ModuleList:
             with torch.no_grad():
                 mixer.A_log.copy_(torch.linspace(-2.0, 0.0, mixer.A_log.numel()))
         layers.append(Block(mixer))
-    return layers
+    return layers.to(torch.bfloat16)
 
 
 def _stack_step(policy=None, saveable=True, capture=None) -> dict:
@@ -113,7 +114,7 @@ def _stack_step(policy=None, saveable=True, capture=None) -> dict:
     if policy is not None:
         checkpoint_layers(layers, mode="selective", policy=policy)
     x = 0.5 * torch.randn(1, sum(LENS), HIDDEN, generator=torch.Generator().manual_seed(4))
-    h = x.clone().requires_grad_()
+    h = x.to(torch.bfloat16).requires_grad_()
     clear_tensor_cache()
     with capture if capture is not None else contextlib.nullcontext():
         out = h

@@ -1,7 +1,7 @@
 """FLA's real kernels as the saveable custom operators, on CPU under ``TRITON_INTERPRET=1``.
 
 The cases run in a subprocess (``tests/interpret_saveable_cases.py``; the variable must be set before FLA's
-kernels are decorated). One 2-layer stack (GDN, Mamba2; ``backend="fla"``) in float32 covers the three
+kernels are decorated). One 2-layer stack (GDN, Mamba2; ``backend="fla"``) in bfloat16 covers the three
 operators as the mixers call them.
 """
 

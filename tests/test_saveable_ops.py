@@ -38,6 +38,10 @@ def _cases():
                            local.chunk_indices)),
         "causal_conv1d_no_bias": (fla_ac.causal_conv1d_reference.default,
                                   (x.clone().requires_grad_(), _leaf(24, 4, seed=3), None, None, *varlen, None)),
+        # dense but not contiguous ([B, D, T] storage): fake kernels must still promise contiguous outputs
+        "causal_conv1d_transposed_x": (fla_ac.causal_conv1d_reference.default,
+                                       (_leaf(1, 24, T, seed=8).detach().transpose(1, 2).requires_grad_(),
+                                        _leaf(24, 4, seed=3), None, "silu", *varlen, None)),
         "gated_delta_rule": (fla_ac.gated_delta_rule_reference.default,
                              (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(),
                               -torch.rand(1, T, 4).requires_grad_(), torch.rand(1, T, 4).requires_grad_(), 0.25,
