@@ -4,10 +4,10 @@ Used by ``bench_isolation.py --profile``. :func:`marked` wraps a checkpoint ``co
 recompute runs inside a ``record_function`` range with a device synchronisation at either end: no kernel of
 the forward or of the backward runs inside the range, and every kernel launched in it has finished before it
 closes. :func:`recompute_breakdown` then sums, per kernel name, the device time of the kernels launched from
-inside the range (the profiler links each kernel to the CPU event that launched it). Without that link (or
-on a CPU) it falls back to what the range contains: device kernels that ran inside its time window on a
-GPU, the top-level operators on a CPU (the smoke path; CPU times, not kernels; an operator whose output SAC
-saved still appears there once, as the dispatch that returns the stored output, with no kernel under it).
+inside the range (the profiler links each kernel to the CPU event that launched it). Without that link it
+falls back to the device kernels that ran inside the range's time window. On a CPU (the smoke path) it
+lists every operator under the range by its self time (CPU times, not kernels; an operator whose output
+SAC saved still appears once, as the dispatch that returns the stored output, with nothing under it).
 
 Reported per recompute: ``wall_ms`` (the range on the host, synchronised: kernels plus launch gaps and host
 work), ``kernel_ms`` (sum of the kernels' device time), ``launches`` and ``kernels`` (name, calls,
@@ -62,8 +62,8 @@ def recompute_breakdown(events: list, device: str) -> dict:
     rows: dict[str, list[float]] = {}  # name -> [calls, microseconds]
     method = "cpu operators"
     for window in ranges:
-        if device == "cpu":
-            found = [(child.name, child.cpu_time_total) for child in window.cpu_children]
+        if device == "cpu":  # every operator under the range, by its self time (no double counting)
+            found = [(e.name, e.self_cpu_time_total) for e in _descendants(window)]
         else:
             found = [(k.name, k.duration) for e in _descendants(window) for k in e.kernels]
             method = "kernels linked to their launches"

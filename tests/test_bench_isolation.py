@@ -176,23 +176,27 @@ def test_saved_outputs_column_is_the_saved_operators_outputs(run, bench):
 
 
 def test_profile_shows_the_saved_core_missing_from_the_recompute(run, modes):
-    """One profiled step per checkpointed mode; on CPU the breakdown lists the recompute's top-level ops. The
-    reference GDN core's triangular solve runs in the isolated recompute and not in the saveable modes' (the
-    saved operator's dispatch returns SAC's stored output), and those recomputes run far fewer ops."""
+    """One profiled step per checkpointed mode; on CPU the breakdown lists every operator of the recompute
+    (self times). The reference GDN core's triangular solve and the SSD's cumulative sums run in the
+    isolated recompute; in the saveable modes the saved operator's dispatch returns SAC's stored output, so
+    none of its inner operators runs, and the conv's inner ops run only when the conv is not saved."""
     profiles = {(p["layer"], p["mode"]): p for p in run[0]["profile"]}
     assert sorted(profiles) == sorted((layer, mode) for layer in ("gdn", "mamba2") for mode in modes if mode != "no-ac")
     for p in profiles.values():
         assert p["ranges"] == 1 and p["method"] == "cpu operators" and p["wall_ms"] >= p["kernel_ms"] > 0
         assert p["launches"] == sum(k["calls"] for k in p["kernels"])
 
-    def names(layer, mode):
-        return {k["name"] for k in profiles[(layer, mode)]["kernels"]}
+    def calls(layer, mode, name):
+        return sum(k["calls"] for k in profiles[(layer, mode)]["kernels"] if k["name"] == name)
 
-    assert "aten::linalg_solve_triangular" in names("gdn", "isolated")
+    assert calls("gdn", "isolated", "aten::linalg_solve_triangular") > 0
+    assert calls("mamba2", "isolated", "aten::cumsum") > 0
     for mode in SAVEABLE_MODES:
-        assert "aten::linalg_solve_triangular" not in names("gdn", mode)
-        for layer in ("gdn", "mamba2"):
-            assert profiles[(layer, mode)]["launches"] < profiles[(layer, "isolated")]["launches"] / 2
+        assert calls("gdn", mode, "aten::linalg_solve_triangular") == 0
+        assert calls("mamba2", mode, "aten::cumsum") == 0
+        assert calls("gdn", mode, "fla_ac_isolation::gated_delta_rule_reference") == 1  # the cached dispatch
+    conv_ops = {mode: calls("gdn", mode, "aten::conv1d") for mode in SAVEABLE_MODES}
+    assert conv_ops == {"isolated+save-core": calls("gdn", "isolated", "aten::conv1d"), "isolated+save-core+conv": 0}
     assert "gdn T=192 isolated+save-core: recompute" in run[2]
 
 
