@@ -27,8 +27,8 @@ backward function, with the arguments FLA's ``Function`` s pass. Operators (all 
   ``g_cumsum [B, T, H]`` fp32; ``q``/``k`` may have ``G`` groups dividing ``H`` (expanded inside). Backward
   operator ``simple_gla_backward``: ``chunk_simple_gla_bwd`` and the reverse cumsum.
 
-Deviations from FLA's ``Function`` s, all without effect on the numbers (the interpreter tests compare them
-bit for bit with FLA's public functions):
+Deviations from FLA's ``Function`` s, all without effect on the numbers (under Triton's interpreter a GDN +
+Mamba2 stack with these operators equals the default path, FLA's public functions, bit for bit):
 
 * the gated delta rule's outputs are "lean": the L2-normalised q/k are not outputs (a SAC policy saving the
   op would store them too); the backward op recomputes them from the raw q/k with FLA's ``l2norm_fwd``
