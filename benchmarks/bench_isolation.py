@@ -18,6 +18,10 @@ non-reentrant checkpoint wrapper with torchtitan 0.3's op-level SAC policy, ``po
     global-disable       SAC, ``SharedSeqlens``, FLA's tensor cache disabled process-wide: every step of
                          this mode (warm-up, probe, memory, timing) runs inside ``tensor_cache_disabled()``,
                          the other modes outside it
+    isolated+save-core   as ``isolated``, with the mixer's FLA calls as custom operators (``saveable=True``)
+                         and the policy ``any_of(save_fla_ops(("gated_delta_rule", "ssd")),
+                         torchtitan_selective())``: the layer's core (gated delta rule | SSD) is not recomputed
+    isolated+save-core+conv  the same, saving the causal conv's output too
 
 Method. For one (layer, tokens) group every mode's layer is built up front (one build, deep-copied), and
 all modes share the same 3 rotating input buffers ``[1, T, hidden]`` and one ``grad_out``. Each iteration
@@ -35,7 +39,13 @@ Per row (one mode in one group):
 * ``x_shared``: ratio of medians, this mode's over ``shared``'s.
 * ``paired_x_shared``: median over iterations of (this mode's time / ``shared``'s time in the same
   iteration); robust to drift between iterations. Exactly 1.0 for ``shared``.
+* ``x_no_ac``, ``paired_x_no_ac``: the same against ``no-ac`` (the floor the saveable modes aim at).
 * ``peak_mib``: peak memory of one step above what was allocated before it, MiB.
+* ``held_mib``: memory allocated after the forward (before the backward) above what was allocated before
+  the step, MiB: what the layer keeps for its backward, its output included. For the saveable modes the
+  excess over ``isolated`` should equal ``saved_outputs_mib``.
+* ``saved_outputs_mib``: the outputs of the FLA operators the mode saves, computed from the layer's shapes
+  by the operators' fake kernels (``benchmarks/saved_outputs.py``; ``fla`` backend, bf16), MiB.
 * ``syncs_per_step``: host syncs in one step (``torch.cuda.set_sync_debug_mode("warn")``, one warning per
   synchronising call), with ``sync_sites`` (``"file:line" -> count``).
 * ``helper_computations_per_step``: FLA index-helper computations in one step (misses + bypasses, from
@@ -45,6 +55,18 @@ Per row (one mode in one group):
 Run on a CUDA machine (the defaults are the H200 shapes: hidden 2048, T = 32768 and 131072, 8 documents)::
 
     python benchmarks/bench_isolation.py --first-config --lift-hopper-guard --json bench.json --png bench.png
+
+The saveable-ops table and the recompute profile (issue 16), one command, about 4 minutes on one H200
+(estimated from the measured budget below: ~70 s start-up, ~2.5 s per iteration with these 4 modes, then
+3 profiled steps per group)::
+
+    python benchmarks/bench_isolation.py --first-config --lift-hopper-guard --iters 30 --warmup 3 \
+        --modes no-ac isolated isolated+save-core isolated+save-core+conv --profile \
+        --json h200_saveable_ops.json --png h200_saveable_ops.png 2>&1 | tee h200_saveable_ops.log
+
+``--profile`` adds, per group and checkpointed mode, one profiled step whose recompute runs between two
+device synchronisations inside a profiler range, and prints (and writes to the JSON) the recompute's
+per-kernel device times (``benchmarks/recompute_profile.py``); timing steps are never profiled.
 
 Budget on one H200 (measured with 5 modes, scaled to 6): about 70 s of imports and first-config compilation,
 then about 3.6 s per iteration for the four default groups; ``--iters 36 --warmup 3`` takes about 4 minutes,
@@ -64,21 +86,32 @@ import argparse
 import collections
 import contextlib
 import copy
+import importlib.util
 import itertools
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-MODES = ("no-ac", "shared", "isolated", "isolated+cpu", "isolated-no-indices", "global-disable")
+MODES = ("no-ac", "shared", "isolated", "isolated+cpu", "isolated-no-indices", "global-disable", "isolated+save-core",
+         "isolated+save-core+conv")
 COLORS = {
     "no-ac": "#999999", "shared": "#e63946", "isolated": "#2a9d8f", "isolated+cpu": "#52b788",
-    "isolated-no-indices": "#457b9d", "global-disable": "#f4a261",
+    "isolated-no-indices": "#457b9d", "global-disable": "#f4a261", "isolated+save-core": "#6a4c93",
+    "isolated+save-core+conv": "#b5838d",
 }
+# the saveable modes: the FLA operations each saves (save_fla_ops names; a layer runs one of the two cores)
+SAVED = {
+    "isolated+save-core": ("gated_delta_rule", "ssd"),
+    "isolated+save-core+conv": ("gated_delta_rule", "ssd", "causal_conv1d"),
+}
+MIB = 2**20
 NUM_BUFFERS = 3  # rotating inputs (and document layouts) per group
 
 
@@ -93,7 +126,11 @@ class Row:
     p90_ms: float
     x_shared: float | None  # median_ms / shared's median_ms; None without a shared mode
     paired_x_shared: float | None  # median over iterations of (time / shared's time, same iteration)
+    x_no_ac: float | None  # the same two against no-ac; None without a no-ac mode
+    paired_x_no_ac: float | None
     peak_mib: float
+    held_mib: float  # allocated after the forward, above the step's start (CUDA; 0 on CPU)
+    saved_outputs_mib: float  # FLA operator outputs the mode saves, from the shapes (0 for other modes)
     syncs_per_step: int
     helper_computations_per_step: int
     sync_sites: dict[str, int]  # "file:line" of the Python code that triggered each host sync
@@ -138,7 +175,7 @@ def layer_fields(kind: str, hidden: int) -> dict[str, int]:
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
-def build_layer(kind: str, hidden: int, dtype: torch.dtype, device: str, backend: str = "fla"):
+def build_layer(kind: str, hidden: int, dtype: torch.dtype, device: str, backend: str = "fla", saveable: bool = False):
     """One mixer (``gdn``: Qwen3.5-MoE GDN, ``mamba2``: Nemotron-H Mamba2) with the shapes of :func:`layer_fields`."""
     fields = layer_fields(kind, hidden)
     if kind == "gdn":
@@ -146,27 +183,52 @@ def build_layer(kind: str, hidden: int, dtype: torch.dtype, device: str, backend
 
         from fla_ac_isolation.mixers import Qwen3_5MoeGatedDeltaNet
 
-        layer = Qwen3_5MoeGatedDeltaNet(Qwen3_5MoeTextConfig(**fields), layer_idx=0, backend=backend)
+        config = Qwen3_5MoeTextConfig(**fields)
+        layer = Qwen3_5MoeGatedDeltaNet(config, layer_idx=0, backend=backend, saveable=saveable)
     else:
         from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
 
         from fla_ac_isolation.mixers import NemotronHMamba2Mixer
 
-        layer = NemotronHMamba2Mixer(NemotronHConfig(**fields), layer_idx=0, backend=backend)
+        layer = NemotronHMamba2Mixer(NemotronHConfig(**fields), layer_idx=0, backend=backend, saveable=saveable)
     return layer.to(device=device, dtype=dtype)
 
 
-def wrap_for_mode(layer: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """``layer`` itself for ``no-ac``; otherwise a non-reentrant checkpoint wrapper with torchtitan's SAC policy."""
+def mode_policy(mode: str):
+    """The SAC policy of a checkpointed mode: torchtitan's, plus ``save_fla_ops`` for the saveable modes."""
+    from fla_ac_isolation.policies import any_of, save_fla_ops, torchtitan_selective
+
+    if mode in SAVED:
+        return any_of(save_fla_ops(SAVED[mode]), torchtitan_selective())
+    return torchtitan_selective()
+
+
+def wrap_for_mode(layer: torch.nn.Module, mode: str, marker: Callable | None = None) -> torch.nn.Module:
+    """``layer`` itself for ``no-ac``; otherwise a non-reentrant checkpoint wrapper with :func:`mode_policy`.
+
+    ``marker`` (``recompute_profile.marked`` with a synchronisation bound) wraps the ``context_fn`` for
+    profiling.
+    """
     if mode == "no-ac":
         return layer
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    from fla_ac_isolation.policies import sac_context_fn, torchtitan_selective
+    from fla_ac_isolation.policies import sac_context_fn
 
-    return checkpoint_wrapper(
-        layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=sac_context_fn(torchtitan_selective())
-    )
+    context_fn = sac_context_fn(mode_policy(mode))
+    if marker is not None:
+        context_fn = marker(context_fn)
+    return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=context_fn)
+
+
+def sibling(name: str):
+    """A script of this directory as a module (``saved_outputs``, ``recompute_profile``), loaded once."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 # --------------------------------------------------------------------------------------------- seqlens
@@ -182,6 +244,8 @@ def doc_lengths(tokens: int, docs: int, seed: int) -> list[int]:
 VARIANTS = {
     "isolated+cpu": ("isolated", {"with_host": True}),
     "isolated-no-indices": ("isolated", {"chunk_indices": False}),
+    "isolated+save-core": ("isolated", {}),
+    "isolated+save-core+conv": ("isolated", {}),
 }
 
 
@@ -214,6 +278,26 @@ def rotated(modes: list[str], i: int) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- group
 @dataclass
+class Step:
+    """One layer step: ``forward()`` returns the output, ``backward(out)`` runs recompute + backward."""
+
+    layer: torch.nn.Module
+    x: torch.Tensor
+    seqlens: Any
+    grad_out: torch.Tensor
+
+    def forward(self) -> torch.Tensor:
+        return self.layer(self.x, seqlens=self.seqlens)
+
+    def backward(self, out: torch.Tensor) -> None:
+        out.backward(self.grad_out)
+        self.x.grad = None
+
+    def __call__(self) -> None:
+        self.backward(self.forward())
+
+
+@dataclass
 class Group:
     """Everything one (layer, tokens) group shares: per-mode layers, inputs, ``grad_out``, document layouts."""
 
@@ -228,28 +312,24 @@ class Group:
 
     @classmethod
     def build(cls, kind: str, tokens: int, docs: int, modes: list[str], args) -> Group:
+        """Every mode's layer from one build (deep copies; the saveable modes' layers get its weights)."""
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         backend = "reference" if args.device == "cpu" else "fla"
         torch.manual_seed(0)
         base = build_layer(kind, args.hidden, dtype, args.device, backend)
-        layers = {mode: wrap_for_mode(copy.deepcopy(base), mode) for mode in modes}
+        saveable = build_layer(kind, args.hidden, dtype, args.device, backend, saveable=True)
+        saveable.load_state_dict(base.state_dict())
+        layers = {mode: wrap_for_mode(copy.deepcopy(saveable if mode in SAVED else base), mode) for mode in modes}
         shape = (1, tokens, args.hidden)
         inputs = [torch.randn(shape, device=args.device, dtype=dtype, requires_grad=True) for _ in range(NUM_BUFFERS)]
         grad_out = torch.randn(shape, device=args.device, dtype=dtype)
         lens = [doc_lengths(tokens, docs, seed) for seed in range(NUM_BUFFERS)]
         return cls(kind, tokens, docs, args.device, layers, inputs, grad_out, lens)
 
-    def prepare(self, mode: str, i: int) -> Callable[[], None]:
-        """Build iteration ``i``'s fresh offsets for ``mode`` now; return the step (forward, recompute, backward)."""
-        x = self.inputs[i % NUM_BUFFERS]
+    def prepare(self, mode: str, i: int, layer: torch.nn.Module | None = None) -> Step:
+        """Build iteration ``i``'s fresh offsets for ``mode`` now; return its step (``layer`` overrides the mode's)."""
         seqlens = make_seqlens(mode, self.lens[i % NUM_BUFFERS], self.device)
-        layer = self.layers[mode]
-
-        def step() -> None:
-            layer(x, seqlens=seqlens).backward(self.grad_out)
-            x.grad = None
-
-        return step
+        return Step(layer or self.layers[mode], self.inputs[i % NUM_BUFFERS], seqlens, self.grad_out)
 
     def synchronize(self) -> None:
         if self.device != "cpu":
@@ -298,36 +378,66 @@ def probe_step(group: Group, mode: str, i: int) -> tuple[int, dict[str, int], in
     return len(sites), dict(collections.Counter(sites)), probe.misses + probe.bypasses
 
 
-def peak_step(group: Group, mode: str, i: int) -> float:
-    """Peak memory of one untimed step of ``mode`` above what was allocated before it, MiB (0 on CPU)."""
+def memory_step(group: Group, mode: str, i: int) -> tuple[float, float]:
+    """``(peak, held)`` MiB of one untimed step of ``mode`` above what was allocated before it (0, 0 on CPU).
+
+    ``held``: allocated after the forward, before the backward (what the layer keeps for its backward, its
+    output included); ``peak``: the step's maximum.
+    """
     with cache_context(mode):
         step = group.prepare(mode, i)
         if group.device == "cpu":
             step()
-            return 0.0
+            return 0.0, 0.0
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        step()
+        out = step.forward()
         torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
+        held = (torch.cuda.memory_allocated() - base) / MIB
+        step.backward(out)
+        del out
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / MIB, held
+
+
+def profile_step(group: Group, mode: str, i: int) -> dict:
+    """The recompute's per-kernel breakdown of one step of checkpointed ``mode`` (``recompute_profile``)."""
+    profiler = sibling("recompute_profile")
+    layer = group.layers[mode]
+    marker = lambda context_fn: profiler.marked(context_fn, group.synchronize)  # noqa: E731
+    profiled = wrap_for_mode(layer._checkpoint_wrapped_module, mode, marker)  # same weights, marked recompute
+    with cache_context(mode):
+        step = group.prepare(mode, i, layer=profiled)
+        group.synchronize()
+        return profiler.profile(step, group.device)
 
 
 # ----------------------------------------------------------------------------------------- one group
-def run_group(kind: str, tokens: int, docs: int, modes: list[str], args) -> list[Row]:
-    """Warm up, probe, measure memory and time every mode of one group, interleaved; one :class:`Row` per mode."""
+def run_group(kind: str, tokens: int, docs: int, modes: list[str], args) -> tuple[list[Row], list[dict]]:
+    """Warm up, probe, measure memory and time every mode of one group, interleaved; profile on request.
+
+    Returns one :class:`Row` per mode and, with ``--profile``, one recompute breakdown per checkpointed mode.
+    """
     group = Group.build(kind, tokens, docs, modes, args)
     for i in range(args.warmup):
         for mode in rotated(modes, i):
             warm_step(group, mode, i)
     group.synchronize()
     probes = {mode: probe_step(group, mode, 0) for mode in modes}
-    peaks = {mode: peak_step(group, mode, 1) for mode in modes}
+    memory = {mode: memory_step(group, mode, 1) for mode in modes}
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for i in range(args.iters):
         for mode in rotated(modes, i):
             times[mode].append(time_step(group, mode, i))
-    return [summarise(group, mode, times, peaks[mode], probes[mode]) for mode in modes]
+    saved = {mode: sibling("saved_outputs").saved_mib(kind, tokens, args.hidden, SAVED.get(mode, ())) for mode in modes}
+    rows = [summarise(group, mode, times, memory[mode], saved[mode], probes[mode]) for mode in modes]
+    profiles = []
+    if args.profile:
+        for mode in modes:
+            if mode != "no-ac":
+                profiles.append({"layer": kind, "tokens": tokens, "mode": mode, **profile_step(group, mode, 2)})
+    return rows, profiles
 
 
 def paired_ratio(times: list[float], reference: list[float]) -> float:
@@ -335,17 +445,19 @@ def paired_ratio(times: list[float], reference: list[float]) -> float:
     return statistics.median(t / r for t, r in zip(times, reference, strict=True))
 
 
-def summarise(group: Group, mode: str, times: dict[str, list[float]], peak_mib: float,
-              probe: tuple[int, dict[str, int], int]) -> Row:
+def summarise(group: Group, mode: str, times: dict[str, list[float]], memory: tuple[float, float],
+              saved_mib: float, probe: tuple[int, dict[str, int], int]) -> Row:
     """The :class:`Row` of ``mode``: statistics of its step times (ms) and the untimed measurements."""
     mine = times[mode]
     q = statistics.quantiles(mine, n=10, method="inclusive")  # linear interpolation, within the data
     median = statistics.median(mine)
-    shared = times.get("shared")
-    x_shared = median / statistics.median(shared) if shared else None
-    paired = paired_ratio(mine, shared) if shared else None
+    ratios = []
+    for reference in ("shared", "no-ac"):
+        other = times.get(reference)
+        ratios += [median / statistics.median(other), paired_ratio(mine, other)] if other else [None, None]
     syncs, sites, computations = probe
-    return Row(group.kind, group.tokens, group.docs, mode, median, q[0], q[-1], x_shared, paired, peak_mib,
+    peak, held = memory
+    return Row(group.kind, group.tokens, group.docs, mode, median, q[0], q[-1], *ratios, peak, held, saved_mib,
                syncs, computations, sites, list(mine))
 
 
@@ -354,23 +466,29 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _same_group(rows: list[Row], row: Row, mode: str) -> Row | None:
+    return next((r for r in rows if (r.layer, r.tokens, r.mode) == (row.layer, row.tokens, mode)), None)
+
+
 def print_table(rows: list[Row], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("layer", "T", "mode", "median ms", "p10-p90 ms", "x shared", "x shared (paired)", "peak MiB",
-                "d peak vs shared MiB", "syncs/step", "helper computations/step"):
+    for col in ("layer", "T", "mode", "median ms", "p10-p90 ms", "x shared (paired)", "x no-ac (paired)",
+                "peak MiB", "d peak vs shared", "held MiB", "d held vs isolated", "FLA outputs saved MiB",
+                "syncs/step", "helper computations/step"):
         table.add_column(col, justify="right")
     for row in rows:
-        shared = next((r for r in rows if (r.layer, r.tokens, r.mode) == (row.layer, row.tokens, "shared")), None)
+        shared, isolated = _same_group(rows, row, "shared"), _same_group(rows, row, "isolated")
         table.add_row(
             row.layer, str(row.tokens), row.mode, f"{row.median_ms:.3f}", f"{row.p10_ms:.3f}-{row.p90_ms:.3f}",
-            _fmt(row.x_shared, ".3f"), _fmt(row.paired_x_shared, ".3f"), f"{row.peak_mib:.1f}",
-            _fmt(row.peak_mib - shared.peak_mib if shared else None, "+.2f"),
+            _fmt(row.paired_x_shared, ".3f"), _fmt(row.paired_x_no_ac, ".3f"), f"{row.peak_mib:.1f}",
+            _fmt(row.peak_mib - shared.peak_mib if shared else None, "+.2f"), f"{row.held_mib:.1f}",
+            _fmt(row.held_mib - isolated.held_mib if isolated else None, "+.2f"), f"{row.saved_outputs_mib:.1f}",
             str(row.syncs_per_step), str(row.helper_computations_per_step),
         )
-    Console(width=220).print(table)
+    Console(width=240).print(table)
 
 
 def plot(rows: list[Row], path: str) -> None:
@@ -427,6 +545,8 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--first-config", action="store_true",
                         help="skip Triton autotuning (first config of each kernel; same kernels in every mode)")
     parser.add_argument("--where-syncs", action="store_true", help="print where each host sync was triggered")
+    parser.add_argument("--profile", action="store_true",
+                        help="per checkpointed mode, one profiled step: per-kernel times of the recompute")
     parser.add_argument("--json")
     parser.add_argument("--png")
     args = parser.parse_args(argv)
@@ -453,6 +573,7 @@ def main(argv=None) -> int:
     from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
 
     rows: list[Row] = []
+    profiles: list[dict] = []
     with (
         lift_hopper_gdn_guard() if args.lift_hopper_guard else contextlib.nullcontext(),
         first_autotune_config() if args.first_config else contextlib.nullcontext(),
@@ -460,11 +581,14 @@ def main(argv=None) -> int:
     ):
         for kind in args.layers:
             for tokens in args.tokens:
-                for row in run_group(kind, tokens, args.docs, args.modes, args):
+                group_rows, group_profiles = run_group(kind, tokens, args.docs, args.modes, args)
+                for row in group_rows:
                     print(f"{kind} T={tokens} {row.mode}: {row.median_ms:.3f} ms, paired x shared "
-                          f"{_fmt(row.paired_x_shared, '.3f')}, {row.syncs_per_step} syncs, "
+                          f"{_fmt(row.paired_x_shared, '.3f')}, paired x no-ac {_fmt(row.paired_x_no_ac, '.3f')}, "
+                          f"held {row.held_mib:.1f} MiB, {row.syncs_per_step} syncs, "
                           f"{row.helper_computations_per_step} helper computations", flush=True)
-                    rows.append(row)
+                rows += group_rows
+                profiles += group_profiles
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     meta: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -473,10 +597,11 @@ def main(argv=None) -> int:
         "modes": args.modes, "order": "interleaved; iteration i starts at mode i % len(modes)",
         "first_config": args.first_config, "hopper_guard_lifted": args.lift_hopper_guard,
         "layer_fields": {kind: layer_fields(kind, args.hidden) for kind in args.layers},
+        "saved_ops": {mode: SAVED[mode] for mode in args.modes if mode in SAVED},
     }
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "profile": profiles}, f, indent=1)
     if args.png:
         plot(rows, args.png)
     if args.where_syncs:
@@ -485,6 +610,9 @@ def main(argv=None) -> int:
     smoke = " - CPU SMOKE TEST, not a measurement" if args.device == "cpu" else ""
     print_table(rows, f"isolation cost per layer step (forward + recompute + backward), {dtype}, "
                       f"{args.iters} interleaved iterations{smoke}")
+    for entry in profiles:
+        title = f"{entry['layer']} T={entry['tokens']} {entry['mode']}"
+        print(sibling("recompute_profile").format_breakdown(title, entry))
     return 0
 
 

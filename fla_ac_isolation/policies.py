@@ -10,6 +10,8 @@ trainers use and that expose the FLA cache fault (docs: "The fault in one pictur
 * :func:`save_ops` - save a given list of ops, optionally only when the output has given dtypes.
 * :func:`torchtitan_selective` - torchtitan 0.3's op-level SAC: the D2H rule, its compute/communication
   save list (``torchtitan.distributed.activation_checkpoint``), every second matmul recomputed.
+* :func:`save_fla_ops` - save the outputs of FLA's calls made saveable (``saveable=True`` in
+  :mod:`fla_ac_isolation.ops` and the mixers): per op, memory instead of recompute time.
 * :func:`any_of` - combine policies; the first one that says "save" wins.
 
 :func:`checkpoint_layers` wraps every ``freq``-th layer of a model in torch's non-reentrant checkpoint
@@ -33,6 +35,7 @@ __all__ = [
     "sac_context_fn",
     "save_all_copies",
     "save_device_to_host_copies",
+    "save_fla_ops",
     "save_ops",
     "torchtitan_selective",
 ]
@@ -123,15 +126,83 @@ def save_ops(
 
 
 def any_of(*policies: Policy, name: str | None = None) -> Policy:
-    """Combine policies: MUST_SAVE if any of them says MUST_SAVE or PREFER_SAVE."""
+    """Combine policies: MUST_SAVE if any of them says MUST_SAVE or PREFER_SAVE, else PREFER_RECOMPUTE.
 
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        for p in policies:
+    The result has a ``fresh()`` method that renews every stateful member (one with ``fresh()``, e.g.
+    :class:`torchtitan_selective`), so :func:`sac_context_fn` gives each checkpointed call fresh members,
+    as it does for a stateful policy used alone.
+
+    Raises:
+        TypeError: a member is not a policy function (``(ctx, op, *args, **kwargs)``).
+    """
+    for p in policies:
+        _check_policy(p)
+    return _AnyOf(policies, name or "any_of(" + ", ".join(getattr(p, "__name__", "?") for p in policies) + ")")
+
+
+class _AnyOf:
+    """The policy :func:`any_of` returns: callable like a policy function, renewed by :meth:`fresh`."""
+
+    def __init__(self, policies: tuple[Policy, ...], name: str) -> None:
+        self.policies = policies
+        self.__name__ = name
+
+    def fresh(self) -> _AnyOf:
+        """The same combination with every stateful member renewed (``member.fresh()``)."""
+        return _AnyOf(tuple(p.fresh() if hasattr(p, "fresh") else p for p in self.policies), self.__name__)
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        for p in self.policies:
             if p(ctx, op, *args, **kwargs) in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    policy.__name__ = name or "any_of(" + ", ".join(getattr(p, "__name__", "?") for p in policies) + ")"
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+FLA_OP_NAMES: tuple[str, ...] = ("gated_delta_rule", "causal_conv1d", "ssd")
+"""The operations :func:`save_fla_ops` can save (``ops.SAVEABLE_OPS``' keys)."""
+
+
+def save_fla_ops(ops: Sequence[str] = FLA_OP_NAMES) -> Policy:
+    """MUST_SAVE the outputs of the named FLA operations, on both backends; recompute everything else.
+
+    Only calls made with ``saveable=True`` (:mod:`fla_ac_isolation.ops`, the mixers' ``saveable``) are
+    custom operators a policy can see; the default path is not affected. A saved operation is not rerun in
+    the recompute (nor does it look anything up in FLA's cache there); its outputs stay in memory from the
+    forward to the backward of the checkpointed region. Per call (``fla`` backend, the operators of
+    :data:`fla_ac_isolation.ops.SAVEABLE_OPS`):
+
+    * ``"gated_delta_rule"`` (GDN core): ``o [B, T, HV, V]``, ``A [B, T, HV, 64]`` (bf16 with bf16 inputs),
+      ``g_cumsum [B, T, HV]`` and ``q_rstd``/``k_rstd`` ``[B, T, H]`` in float32;
+    * ``"causal_conv1d"``: ``y [B, T, D]`` (the conv output, ``D`` its channels);
+    * ``"ssd"`` (Mamba2 core, FLA's simple GLA): ``o [B, T, H, P]`` and ``g_cumsum [B, T, H]`` float32.
+
+    Compose it with the policy you use for everything else, e.g.
+    ``any_of(save_fla_ops(("gated_delta_rule", "ssd")), torchtitan_selective())``; docs/benchmarks.md gives
+    the sizes per layer and the trade per operation.
+
+    Args:
+        ops: names among :data:`FLA_OP_NAMES`; default all three.
+
+    Raises:
+        TypeError: ``ops`` is a single string or holds non-strings.
+        ValueError: ``ops`` is empty or names an unknown operation (the message lists the valid names).
+    """
+    if isinstance(ops, str) or not all(isinstance(name, str) for name in ops):
+        raise TypeError(f"ops must be a sequence of operation names such as {FLA_OP_NAMES}, got {ops!r}")
+    unknown = [name for name in ops if name not in FLA_OP_NAMES]
+    if unknown or not ops:
+        raise ValueError(f"ops must name one or more of {FLA_OP_NAMES}, got {tuple(ops)!r}")
+    from fla_ac_isolation.ops import SAVEABLE_OPS  # registers the custom operators on first use
+
+    wanted = frozenset(overload for name in ops for overload in SAVEABLE_OPS[name])
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in wanted else CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy.__name__ = "save_fla_ops(" + ", ".join(ops) + ")"
     return policy
 
 

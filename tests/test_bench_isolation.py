@@ -24,6 +24,8 @@ from helpers import FAMILIES, HIDDEN
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_isolation.py"
 TOKENS, DOCS, ITERS = 192, 3, 3  # several 64-token chunks per document
 LAYER_FAMILY = {"gdn": "qwen3_5_moe", "mamba2": "nemotron_h"}
+SAVEABLE_MODES = {"isolated+save-core": ("gated_delta_rule", "ssd"),
+                  "isolated+save-core+conv": ("gated_delta_rule", "ssd", "causal_conv1d")}
 
 
 def _load_bench():
@@ -63,7 +65,7 @@ def run(bench, modes, tmp_path_factory):
         rc = bench.main([
             "--device", "cpu", "--layers", "gdn", "mamba2", "--hidden", str(HIDDEN), "--tokens", str(TOKENS),
             "--docs", str(DOCS), "--iters", str(ITERS), "--warmup", "1", "--modes", *modes,
-            "--json", str(json_path), "--png", str(png_path),
+            "--json", str(json_path), "--png", str(png_path), "--profile",
         ])
     assert rc == 0
     return json.loads(json_path.read_text()), png_path, stdout.getvalue()
@@ -79,19 +81,23 @@ def _helper_computations(bench, kind: str, mode: str) -> int:
 
     from fla_ac_isolation.fla_cache import probe_tensor_cache, tensor_cache_disabled
     from fla_ac_isolation.modes import SharedSeqlens
-    from fla_ac_isolation.policies import sac_context_fn, torchtitan_selective
+    from fla_ac_isolation.policies import any_of, sac_context_fn, save_fla_ops, torchtitan_selective
     from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
-    mixer = FAMILIES[LAYER_FAMILY[kind]].build(backend="reference")
+    saved = SAVEABLE_MODES.get(mode)
+    mixer = FAMILIES[LAYER_FAMILY[kind]].build(backend="reference", saveable=saved is not None)
     lens = bench.doc_lengths(TOKENS, DOCS, seed=0)
     host = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     seqlens = {
         "isolated": lambda: LayerLocalSeqlens(host.clone()),
         "isolated+cpu": lambda: LayerLocalSeqlens(host.clone(), cu_seqlens_cpu=host),
         "isolated-no-indices": lambda: LayerLocalSeqlens(host.clone(), chunk_indices=False),
+        "isolated+save-core": lambda: LayerLocalSeqlens(host.clone()),
+        "isolated+save-core+conv": lambda: LayerLocalSeqlens(host.clone()),
     }.get(mode, lambda: SharedSeqlens(host.clone()))()
     x = torch.randn(1, TOKENS, HIDDEN, requires_grad=True)
-    context = sac_context_fn(torchtitan_selective())
+    policy = torchtitan_selective() if saved is None else any_of(save_fla_ops(saved), torchtitan_selective())
+    context = sac_context_fn(policy)
     cache = tensor_cache_disabled() if mode == "global-disable" else contextlib.nullcontext()
     with cache, probe_tensor_cache() as probe:
         if mode == "no-ac":
@@ -144,6 +150,54 @@ def test_helper_computations_match_an_independent_count(run, bench, modes):
             assert got["isolated-no-indices"] > got["isolated"]
         else:
             assert got["isolated-no-indices"] == got["isolated"]
+
+
+def test_paired_ratio_to_no_ac_is_per_iteration_median_and_exactly_one_for_no_ac(run):
+    rows = _rows(run)
+    for r in rows:
+        floor = next(s for s in rows if (s["layer"], s["tokens"], s["mode"]) == (r["layer"], r["tokens"], "no-ac"))
+        expected = statistics.median(t / s for t, s in zip(r["times_ms"], floor["times_ms"]))
+        assert r["paired_x_no_ac"] == pytest.approx(expected, rel=1e-12)
+        if r["mode"] == "no-ac":
+            assert r["paired_x_no_ac"] == 1.0 and r["x_no_ac"] == 1.0
+
+
+def test_saved_outputs_column_is_the_saved_operators_outputs(run, bench):
+    """The saveable modes report the MiB their saved operators keep (from the fake kernels at the group's
+    shapes), the other modes 0; held memory is a CUDA measurement, 0 on CPU."""
+    saved_outputs = bench.sibling("saved_outputs")
+    for r in _rows(run):
+        ops = SAVEABLE_MODES.get(r["mode"], ())
+        assert r["saved_outputs_mib"] == saved_outputs.saved_mib(r["layer"], TOKENS, HIDDEN, ops)
+        assert (r["saved_outputs_mib"] > 0) == bool(ops) and r["held_mib"] == 0.0
+        if r["mode"] == "isolated+save-core+conv":
+            core = next(s for s in _rows(run) if (s["layer"], s["mode"]) == (r["layer"], "isolated+save-core"))
+            assert r["saved_outputs_mib"] > core["saved_outputs_mib"]
+
+
+def test_profile_shows_the_saved_core_missing_from_the_recompute(run, modes):
+    """One profiled step per checkpointed mode; on CPU the breakdown lists every operator of the recompute
+    (self times). The reference GDN core's triangular solve and the SSD's cumulative sums run in the
+    isolated recompute; in the saveable modes the saved operator's dispatch returns SAC's stored output, so
+    none of its inner operators runs, and the conv's inner ops run only when the conv is not saved."""
+    profiles = {(p["layer"], p["mode"]): p for p in run[0]["profile"]}
+    assert sorted(profiles) == sorted((layer, mode) for layer in ("gdn", "mamba2") for mode in modes if mode != "no-ac")
+    for p in profiles.values():
+        assert p["ranges"] == 1 and p["method"] == "cpu operators" and p["wall_ms"] >= p["kernel_ms"] > 0
+        assert p["launches"] == sum(k["calls"] for k in p["kernels"])
+
+    def calls(layer, mode, name):
+        return sum(k["calls"] for k in profiles[(layer, mode)]["kernels"] if k["name"] == name)
+
+    assert calls("gdn", "isolated", "aten::linalg_solve_triangular") > 0
+    assert calls("mamba2", "isolated", "aten::cumsum") > 0
+    for mode in SAVEABLE_MODES:
+        assert calls("gdn", mode, "aten::linalg_solve_triangular") == 0
+        assert calls("mamba2", mode, "aten::cumsum") == 0
+        assert calls("gdn", mode, "fla_ac_isolation::gated_delta_rule_reference") == 1  # the cached dispatch
+    conv_ops = {mode: calls("gdn", mode, "aten::conv1d") for mode in SAVEABLE_MODES}
+    assert conv_ops == {"isolated+save-core": calls("gdn", "isolated", "aten::conv1d"), "isolated+save-core+conv": 0}
+    assert "gdn T=192 isolated+save-core: recompute" in run[2]
 
 
 def test_json_and_png_are_written_with_the_printed_rows(run, bench):

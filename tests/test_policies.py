@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import sac_forward_storages, saved_indices
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
@@ -12,6 +13,7 @@ from fla_ac_isolation.policies import (
     checkpoint_layers,
     save_all_copies,
     save_device_to_host_copies,
+    save_fla_ops,
     save_ops,
     torchtitan_selective,
 )
@@ -48,6 +50,76 @@ def test_any_of_saves_when_one_policy_saves():
     p = any_of(save_ops([aten.mm.default]), save_ops([aten.clone.default]))
     assert p(ctx(), aten.clone.default) is SAVE and p(ctx(), aten.mm.default) is SAVE
     assert p(ctx(), aten.add.Tensor) is RECOMPUTE
+
+
+def test_any_of_renews_a_stateful_member_for_every_checkpointed_region():
+    """Regression: any_of used to drop ``fresh()``, so torchtitan's per-region matmul counter ran on across
+    regions (region 2 saved the matmuls region 1 recomputed). ``sac_context_fn`` freshens the policy for
+    every checkpointed call; each region must then start counting at its first matmul."""
+    policy = any_of(torchtitan_selective(), save_ops([aten.clone.default]))
+    w = torch.empty(4, 4)
+    regions = []
+    for _ in range(3):
+        p = policy.fresh() if hasattr(policy, "fresh") else policy  # what sac_context_fn does per region
+        regions.append([p(ctx(), aten.mm.default, w, w) for _ in range(3)])
+    assert regions == [[SAVE, RECOMPUTE, SAVE]] * 3
+    assert policy.__name__ == "any_of(torchtitan_selective, save_ops)"
+
+
+def test_any_of_with_torchtitan_saves_the_same_matmuls_in_every_checkpointed_layer():
+    """End to end, read from SAC's own storage after the forward: both regions save matmuls 1 and 3."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3))) for _ in range(2)]
+
+    def forward(context_fn):
+        h = torch.randn(2, 4, requires_grad=True)
+        for layer in layers:
+            h = checkpoint(layer, h, use_reentrant=False, context_fn=context_fn)
+
+    storages = sac_forward_storages(any_of(torchtitan_selective(), save_ops([aten.clone.default])), forward)
+    assert [saved_indices(storage, aten.mm.default) for storage in storages] == [[0, 2], [0, 2]]
+
+
+def test_save_fla_ops_saves_the_named_operations_of_both_backends_only():
+    ops = torch.ops.fla_ac_isolation
+    everything = save_fla_ops()
+    core = save_fla_ops(("gated_delta_rule", "ssd"))
+    for op in (ops.gated_delta_rule.default, ops.gated_delta_rule_reference.default, ops.simple_gla.default,
+               ops.ssd_scan_reference.default):
+        assert everything(ctx(), op) is SAVE and core(ctx(), op) is SAVE
+    for op in (ops.causal_conv1d.default, ops.causal_conv1d_reference.default):
+        assert everything(ctx(), op) is SAVE and core(ctx(), op) is RECOMPUTE
+    for op in (ops.gated_delta_rule_backward.default, ops.causal_conv1d_reference_backward.default, aten.mm.default,
+               aten._to_copy.default):
+        assert everything(ctx(), op) is RECOMPUTE
+    assert core.__name__ == "save_fla_ops(gated_delta_rule, ssd)"
+    combined = any_of(core, save_device_to_host_copies())
+    assert combined(ctx(), ops.simple_gla.default) is SAVE
+    assert combined(ctx(), aten._to_copy.default, torch.empty(2, device="meta"), device="cpu") is SAVE
+    assert combined(ctx(), ops.causal_conv1d.default) is RECOMPUTE
+
+
+@pytest.mark.parametrize(
+    ("ops", "error", "match"),
+    [
+        (("gated_delta_rule", "conv"), ValueError,
+         r"ops must name one or more of \('gated_delta_rule', 'causal_conv1d', 'ssd'\), got \('gated_delta_rule', 'conv'\)"),
+        ((), ValueError, r"ops must name one or more of .*, got \(\)"),
+        ("ssd", TypeError, "ops must be a sequence of operation names .* got 'ssd'"),
+        ((torch.ops.fla_ac_isolation.simple_gla.default,), TypeError, "ops must be a sequence of operation names"),
+    ],
+    ids=["unknown", "empty", "one-string", "an-overload"],
+)
+def test_save_fla_ops_refuses_unknown_names(ops, error, match):
+    with pytest.raises(error, match=match):
+        save_fla_ops(ops)
+
+
+def test_any_of_refuses_an_uncalled_policy_constructor():
+    with pytest.raises(TypeError, match=r"save_fla_ops does not take \(ctx, op\); did you mean save_fla_ops\(\)"):
+        any_of(save_fla_ops, save_all_copies())
 
 
 def test_torchtitan_policy_recomputes_every_second_matmul_per_pass():

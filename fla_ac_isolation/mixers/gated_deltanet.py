@@ -90,6 +90,10 @@ class GatedDeltaNet(nn.Module):
         backend: ``"auto"`` (default: FLA kernels for CUDA inputs, reference elsewhere), ``"fla"`` or
             ``"reference"``.
         output_gate: activation of the output gate, ``"silu"`` or ``"sigmoid"``. Default ``"silu"``.
+        saveable: route the conv and the gated delta rule through custom operators whose outputs a
+            selective-AC policy can save (``ops(..., saveable=True)``; save them with
+            :func:`fla_ac_isolation.policies.save_fla_ops`). Same parameters, same ``state_dict``.
+            Default ``False``.
 
     Config fields read: ``hidden_size``, ``linear_num_key_heads`` (``H``), ``linear_num_value_heads``
     (``HV``), ``linear_key_head_dim`` (``K``), ``linear_value_head_dim`` (``V``),
@@ -102,16 +106,20 @@ class GatedDeltaNet(nn.Module):
     ``out_proj.weight [D, HV*V]``.
 
     Raises:
+        TypeError: ``saveable`` is not a bool.
         ValueError: unknown ``backend``; a missing config field; ``HV`` not a multiple of ``H``;
             ``hidden_act`` other than SiLU (FLA's conv offers only SiLU); unknown ``output_gate``;
             ``layer_idx`` outside ``config.layer_types``.
         TypeError: ``layer_idx`` is not an ``int`` (or ``None``).
     """
 
-    def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", output_gate: str = "silu") -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, *, backend: str = "auto", output_gate: str = "silu", saveable: bool = False
+    ) -> None:
         super().__init__()
         config = text_config(config)
         self.backend = ops.check_backend(backend)
+        self.saveable = ops.check_saveable(saveable)
         self.hidden_size = config_field(config, "hidden_size")
         self.num_v_heads = config_field(config, "linear_num_value_heads")
         self.num_k_heads = config_field(config, "linear_num_key_heads")
@@ -203,6 +211,7 @@ class GatedDeltaNet(nn.Module):
             "cu_seqlens": local.cu_seqlens if local is not None else None,
             "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
             "backend": ops.resolve_backend(self.backend, hidden_states),
+            "saveable": self.saveable,
         }
         chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
         hidden_states = apply_padding_mask(hidden_states, attention_mask)
@@ -239,4 +248,5 @@ class GatedDeltaNet(nn.Module):
         return (
             f"key_heads={self.num_k_heads}, value_heads={self.num_v_heads}, head_k_dim={self.head_k_dim}, "
             f"head_v_dim={self.head_v_dim}, gate={self.norm.activation}, backend={self.backend!r}"
+            + (", saveable=True" if self.saveable else "")
         )

@@ -87,6 +87,10 @@ class NemotronHMamba2Mixer(nn.Module):
         initialize_mixer_weights: fill ``A_log = log(1..H)``, ``D = 1``, ``dt_bias = 1`` as transformers
             does (its ``_init_weights`` may overwrite them later). Default ``True``.
         backend: ``"auto"`` (default) | ``"fla"`` | ``"reference"``, keyword only.
+        saveable: route the conv and the SSD scan through custom operators whose outputs a selective-AC
+            policy can save (``ops(..., saveable=True)``; save them with
+            :func:`fla_ac_isolation.policies.save_fla_ops`). Same parameters, same ``state_dict``.
+            Keyword only, default ``False``.
 
     Config fields read: ``hidden_size`` (``D``), ``mamba_num_heads`` (``H``), ``mamba_head_dim`` (``P``),
     ``n_groups`` (``G``), ``ssm_state_size`` (``N``), ``conv_kernel`` (``W``), ``use_conv_bias``,
@@ -101,6 +105,7 @@ class NemotronHMamba2Mixer(nn.Module):
     ``norm.weight [I]``, ``out_proj.weight [D, I]`` (+ bias if ``use_bias``).
 
     Raises:
+        TypeError: ``saveable`` is not a bool.
         ValueError: unknown ``backend``; missing config field; ``H`` not a multiple of ``G``;
             ``mamba_hidden_act`` other than SiLU; ``layer_idx`` outside ``config.layer_types``.
         TypeError: ``layer_idx`` is not an ``int`` (or ``None``).
@@ -113,11 +118,13 @@ class NemotronHMamba2Mixer(nn.Module):
         initialize_mixer_weights: bool = True,
         *,
         backend: str = "auto",
+        saveable: bool = False,
     ) -> None:
         super().__init__()
         config = text_config(config)
         self.config = config
         self.backend = ops.check_backend(backend)
+        self.saveable = ops.check_saveable(saveable)
         self.num_heads = config_field(config, "mamba_num_heads")
         self.hidden_size = config_field(config, "hidden_size")
         self.ssm_state_size = config_field(config, "ssm_state_size")
@@ -222,6 +229,7 @@ class NemotronHMamba2Mixer(nn.Module):
             "cu_seqlens": local.cu_seqlens if local is not None else None,
             "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
             "backend": ops.resolve_backend(self.backend, hidden_states),
+            "saveable": self.saveable,
         }
         chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
         dtype = hidden_states.dtype
@@ -263,4 +271,5 @@ class NemotronHMamba2Mixer(nn.Module):
         return (
             f"heads={self.num_heads}, head_dim={self.head_dim}, groups={self.n_groups}, "
             f"state={self.ssm_state_size}, backend={self.backend!r}"
+            + (", saveable=True" if self.saveable else "")
         )

@@ -35,10 +35,12 @@ class Qwen3_5MoeGatedDeltaNet(GatedDeltaNet):
         config: ``Qwen3_5MoeTextConfig`` or ``Qwen3_5TextConfig`` (or their multimodal parents).
         layer_idx: index of the layer in the decoder.
         backend: ``"auto"`` | ``"fla"`` | ``"reference"`` (keyword only; default ``"auto"``).
+        saveable: FLA's calls as custom operators SAC can save (keyword only; default ``False``), see
+            :class:`~fla_ac_isolation.mixers.gated_deltanet.GatedDeltaNet`.
 
     Shapes, config fields, parameters and errors: see :class:`~fla_ac_isolation.mixers.gated_deltanet.GatedDeltaNet`.
     ``forward(hidden_states [B, T, D], seqlens=None, *, cu_seq_lens_q=None, ...) -> [B, T, D]``.
     """
 
-    def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto") -> None:
-        super().__init__(config, layer_idx, backend=backend, output_gate="silu")
+    def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", saveable: bool = False) -> None:
+        super().__init__(config, layer_idx, backend=backend, output_gate="silu", saveable=saveable)

@@ -27,6 +27,8 @@ class Qwen3_8FlashNextGatedDeltaNet(GatedDeltaNet):
             :class:`~fla_ac_isolation.mixers.gated_deltanet.GatedDeltaNet`, plus ``output_gate_type``.
         layer_idx: index of the layer in the decoder.
         backend: ``"auto"`` | ``"fla"`` | ``"reference"`` (keyword only; default ``"auto"``).
+        saveable: FLA's calls as custom operators SAC can save (keyword only; default ``False``), see
+            :class:`~fla_ac_isolation.mixers.gated_deltanet.GatedDeltaNet`.
 
     Raises:
         ValueError: as :class:`GatedDeltaNet`; ``output_gate_type`` (or ``hidden_act``) missing or not
@@ -35,9 +37,9 @@ class Qwen3_8FlashNextGatedDeltaNet(GatedDeltaNet):
     ``forward(hidden_states [B, T, D], seqlens=None, *, cu_seq_lens_q=None, ...) -> [B, T, D]``.
     """
 
-    def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto") -> None:
+    def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", saveable: bool = False) -> None:
         config = text_config(config)
         gate = getattr(config, "output_gate_type", None) or config_field(config, "hidden_act")
         if gate not in ("silu", "sigmoid"):
             raise ValueError(f"output_gate_type must be 'silu' or 'sigmoid', got {gate!r}")
-        super().__init__(config, layer_idx, backend=backend, output_gate=gate)
+        super().__init__(config, layer_idx, backend=backend, output_gate=gate, saveable=saveable)

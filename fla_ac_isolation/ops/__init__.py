@@ -14,6 +14,27 @@ and optionally ``cu_seqlens_cpu`` (its host copy); both backends hand them to FL
 pass the per-layer tensors of :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`. The conv and the gated
 delta rule also take FLA's ``chunk_indices`` (``LocalSeqlens.chunk_indices``), which spares them
 ``prepare_chunk_indices``; FLA's simple GLA (behind :func:`ssd`) has no such argument.
+
+``saveable=True`` (opt-in) routes a call through torch custom operators instead
+(:mod:`fla_ac_isolation.fla_seam.custom_ops` | :mod:`fla_ac_isolation.ops.reference_ops`): the same
+computation, FLA's own forward and backward functions on the ``fla`` backend, but one operator per call,
+whose outputs a selective-AC policy can save (:func:`fla_ac_isolation.policies.save_fla_ops`, operators
+listed in :data:`SAVEABLE_OPS`) and which ``torch.compile`` traces without a graph break. A saved operator
+is not rerun in the recompute, so it looks nothing up in FLA's cache there. Because FLA's index helpers
+then run *inside* one operator, a ``cu_seqlens`` shared by checkpointed layers becomes safe **for these
+operators**; it does not make anything else safe (context-parallel metadata built outside them, other FLA
+helpers, foreign modules): keep passing :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`'s tensors.
+
+``SAVEABLE_OPS`` (``dict[str, tuple[OpOverload, OpOverload]]``): the custom operators behind
+``saveable=True``, per operation (``"gated_delta_rule"``, ``"causal_conv1d"``, ``"ssd"``): the ``fla`` and
+the ``reference`` backend's forward overloads, whose outputs :func:`fla_ac_isolation.policies.save_fla_ops`
+saves. Outputs per call:
+
+* ``gated_delta_rule`` (``fla``): ``o [B, T, HV, V]`` (dtype of q), ``A [B, T, HV, 64]`` (dtype of k),
+  ``g_cumsum [B, T, HV]`` fp32, ``q_rstd``/``k_rstd`` ``[B, T, H]`` fp32; (``reference``): ``o``.
+* ``causal_conv1d``: ``y [B, T, D]`` (dtype of x).
+* ``ssd`` (``fla``, FLA's simple GLA): ``o [B, T, H, P]`` (dtype of x), ``g_cumsum [B, T, H]`` fp32;
+  (``reference``, the scan): ``y [B, T, H, P]`` in float32.
 """
 
 from __future__ import annotations
@@ -23,16 +44,20 @@ from typing import Literal
 
 import torch
 
+from fla_ac_isolation.fla_seam import custom_ops as fla_saveable_backend
 from fla_ac_isolation.fla_seam import kernels as fla_backend
 from fla_ac_isolation.ops import reference as reference_backend
+from fla_ac_isolation.ops import reference_ops as reference_saveable_backend
 from fla_ac_isolation.seqlens import devices_match
 
 __all__ = [
     "BACKENDS",
+    "SAVEABLE_OPS",
     "Backend",
     "causal_conv1d",
     "check_backend",
     "check_chunk_indices",
+    "check_saveable",
     "chunk_gated_delta_rule",
     "resolve_backend",
     "ssd",
@@ -40,6 +65,14 @@ __all__ = [
 
 Backend = Literal["auto", "fla", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "fla", "reference")
+
+def __getattr__(name: str):
+    # SAVEABLE_OPS is built on first access: the operator modules import this package's reference backend,
+    # so whichever of them is imported first, this package may still be initialising (PEP 562).
+    if name == "SAVEABLE_OPS":
+        return {op: (fla_saveable_backend.OPS[op], reference_saveable_backend.OPS[op])
+                for op in ("gated_delta_rule", "causal_conv1d", "ssd")}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_backend(backend: str) -> str:
@@ -65,8 +98,28 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> Literal["fla", "refer
     return backend  # type: ignore[return-value]
 
 
-def _module(backend: str, tensor: torch.Tensor):
-    return fla_backend if resolve_backend(backend, tensor) == "fla" else reference_backend
+def check_saveable(saveable: bool) -> bool:
+    """Return ``saveable`` if it is a bool.
+
+    Raises:
+        TypeError: naming ``saveable`` and what was given.
+    """
+    if not isinstance(saveable, bool):
+        raise TypeError(f"saveable must be True or False, got {saveable!r}")
+    return saveable
+
+
+def _module(backend: str, tensor: torch.Tensor, saveable: bool):
+    """The module implementing the three operations for ``backend`` on ``tensor``, plain or as custom ops.
+
+    Raises:
+        ValueError: unknown ``backend``.
+        TypeError: ``saveable`` is not a bool.
+    """
+    check_saveable(saveable)
+    if resolve_backend(backend, tensor) == "fla":
+        return fla_saveable_backend if saveable else fla_backend
+    return reference_saveable_backend if saveable else reference_backend
 
 
 def check_chunk_indices(chunk_indices: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> None:
@@ -107,19 +160,21 @@ def causal_conv1d(
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     backend: Backend = "auto",
+    saveable: bool = False,
 ) -> torch.Tensor:
     """Depthwise causal conv1d (+ SiLU) restarted at every document.
 
     ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` -> ``[B, T, D]``. See
-    :func:`fla_ac_isolation.ops.reference.causal_conv1d` for the details.
+    :func:`fla_ac_isolation.ops.reference.causal_conv1d` for the details. ``saveable=True``: one custom
+    operator (``fla_ac_isolation::causal_conv1d`` | ``causal_conv1d_reference``), see the module docstring.
 
     Raises:
         ValueError: unknown ``backend``; malformed ``chunk_indices`` (:func:`check_chunk_indices`); the
             backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
-        TypeError: ``chunk_indices`` is not an integer tensor.
+        TypeError: ``chunk_indices`` is not an integer tensor; ``saveable`` is not a bool.
     """
     check_chunk_indices(chunk_indices, cu_seqlens)
-    return _module(backend, x).causal_conv1d(
+    return _module(backend, x, saveable).causal_conv1d(
         x, weight, bias, activation=activation, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         chunk_indices=chunk_indices,
     )
@@ -138,19 +193,21 @@ def chunk_gated_delta_rule(
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     backend: Backend = "auto",
+    saveable: bool = False,
 ) -> torch.Tensor:
     """Gated delta rule, zero state at every document start.
 
     ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]``. See
-    :func:`fla_ac_isolation.ops.reference.chunk_gated_delta_rule`.
+    :func:`fla_ac_isolation.ops.reference.chunk_gated_delta_rule`. ``saveable=True``: one custom operator
+    (``fla_ac_isolation::gated_delta_rule`` | ``gated_delta_rule_reference``), see the module docstring.
 
     Raises:
         ValueError: unknown ``backend``; malformed ``chunk_indices`` (:func:`check_chunk_indices`); the
             backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
-        TypeError: ``chunk_indices`` is not an integer tensor.
+        TypeError: ``chunk_indices`` is not an integer tensor; ``saveable`` is not a bool.
     """
     check_chunk_indices(chunk_indices, cu_seqlens)
-    return _module(backend, q).chunk_gated_delta_rule(
+    return _module(backend, q, saveable).chunk_gated_delta_rule(
         q, k, v, g, beta,
         scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -173,13 +230,20 @@ def ssd(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     backend: Backend = "auto",
+    saveable: bool = False,
 ) -> torch.Tensor:
     """Mamba2 SSD scan, zero state at every document start.
 
     ``x [B, T, H, P]``, ``dt [B, T, H]`` (raw), ``A [H]``, ``B, C [B, T, G, N]``, ``D [H]`` ->
-    ``[B, T, H, P]``. See :func:`fla_ac_isolation.ops.reference.ssd`.
+    ``[B, T, H, P]``. See :func:`fla_ac_isolation.ops.reference.ssd`. ``saveable=True``: the scan is one
+    custom operator (``fla_ac_isolation::simple_gla`` | ``ssd_scan_reference``), see the module docstring.
+
+    Raises:
+        ValueError: unknown ``backend``; ``H`` not a multiple of the groups of ``B``/``C``; the backend's
+            own checks (see :mod:`~fla_ac_isolation.ops.reference`).
+        TypeError: ``saveable`` is not a bool.
     """
-    return _module(backend, x).ssd(
+    return _module(backend, x, saveable).ssd(
         x, dt, A, B, C,
         D=D,
         dt_bias=dt_bias,

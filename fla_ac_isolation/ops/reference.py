@@ -44,7 +44,19 @@ import torch.nn.functional as F
 
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
 
-__all__ = ["CHUNK_SIZE", "causal_conv1d", "chunk_gated_delta_rule", "discretize_dt", "ssd"]
+__all__ = [
+    "CHUNK_SIZE",
+    "causal_conv1d",
+    "check_activation",
+    "check_groups",
+    "check_heads",
+    "check_packed",
+    "chunk_gated_delta_rule",
+    "compute_dtype",
+    "discretize_dt",
+    "ssd",
+    "ssd_scan",
+]
 
 
 # ------------------------------------------------------------------------------------ chunk schedule
@@ -122,14 +134,19 @@ def _documents(
     return documents
 
 
-def _check_packed(name: str, t: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
+def check_packed(name: str, t: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
+    """Packed input (``cu_seqlens`` given) has batch size 1.
+
+    Raises:
+        ValueError: naming ``name`` and its shape.
+    """
     if cu_seqlens is not None and t.shape[0] != 1:
         raise ValueError(
             f"{name} must have batch size 1 when cu_seqlens is given (packed input), got shape {tuple(t.shape)}"
         )
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """float32 for half/bfloat16/float32 inputs; float64 stays float64 (handy as a test oracle)."""
     return torch.promote_types(t.dtype, torch.float32)
 
@@ -142,7 +159,12 @@ def _concat_time(pieces: list[torch.Tensor], like: torch.Tensor, shape: tuple[in
 
 
 # ------------------------------------------------------------------------------------ causal conv1d
-def _check_activation(activation: str | None) -> None:
+def check_activation(activation: str | None) -> None:
+    """The conv's activation is one FLA offers.
+
+    Raises:
+        ValueError: naming ``activation`` and the accepted values.
+    """
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be 'silu', 'swish' or None (what FLA's conv offers), got {activation!r}")
 
@@ -180,8 +202,8 @@ def causal_conv1d(
     Raises:
         ValueError: bad ``activation``; ``B != 1`` with ``cu_seqlens``; ``weight`` not ``[D, W]``.
     """
-    _check_activation(activation)
-    _check_packed("x", x, cu_seqlens)
+    check_activation(activation)
+    check_packed("x", x, cu_seqlens)
     if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight must be [D, W] with D = {x.shape[-1]}, got shape {tuple(weight.shape)}")
     width = weight.shape[1]
@@ -255,6 +277,19 @@ def _gdn_chunk(
     return out, state
 
 
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q and k share ``H`` heads and v's ``HV`` heads are a multiple of ``H`` (GVA).
+
+    Raises:
+        ValueError: naming the three shapes.
+    """
+    if k.shape[2] != q.shape[2] or v.shape[2] % q.shape[2]:
+        raise ValueError(
+            f"q and k must share H heads and v's HV heads must be a multiple of H; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -290,16 +325,12 @@ def chunk_gated_delta_rule(
     Raises:
         ValueError: head counts that do not divide; ``B != 1`` with ``cu_seqlens``.
     """
-    _check_packed("q", q, cu_seqlens)
+    check_packed("q", q, cu_seqlens)
+    check_heads(q, k, v)
     heads, value_heads = q.shape[2], v.shape[2]
-    if k.shape[2] != heads or value_heads % heads:
-        raise ValueError(
-            f"q and k must share H heads and v's HV heads must be a multiple of H; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
     out_dtype = q.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype(q)
     qf, kf = q.to(dtype), k.to(dtype)
     if use_qk_l2norm_in_kernel:
         qf, kf = _l2_normalize(qf), _l2_normalize(kf)
@@ -330,7 +361,7 @@ def discretize_dt(
 ) -> torch.Tensor:
     """``clamp(softplus(dt + dt_bias), *dt_limit)``, the Mamba2 time step ``[B, T, H]``, in float32 (float64
     stays float64)."""
-    dt = dt.to(_compute_dtype(dt))
+    dt = dt.to(compute_dtype(dt))
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     dt = F.softplus(dt)
@@ -398,16 +429,55 @@ def ssd(
     Raises:
         ValueError: ``H`` not a multiple of ``G``; ``B != 1`` with ``cu_seqlens``.
     """
-    _check_packed("x", x, cu_seqlens)
-    heads, groups = x.shape[2], B.shape[2]
+    check_packed("x", x, cu_seqlens)
+    check_groups(x.shape[2], B, C)
+    dtype = compute_dtype(x)
+    dt = discretize_dt(dt, dt_bias, dt_limit).to(dtype)
+    y = ssd_scan(x.to(dtype) * dt.unsqueeze(-1), dt * A.to(dtype), B.to(dtype), C.to(dtype),
+                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    if D is not None:
+        y = y + D.to(dtype)[:, None] * x.to(dtype)
+    return y.to(x.dtype)
+
+
+def check_groups(heads: int, B: torch.Tensor, C: torch.Tensor) -> None:
+    """Mamba2's grouped ``B``/``C`` ``[B, T, G, N]`` must share ``G`` groups dividing the ``heads``.
+
+    Raises:
+        ValueError: naming the head and group counts.
+    """
+    groups = B.shape[2]
     if heads % groups or C.shape[2] != groups:
         raise ValueError(f"heads ({heads}) must be a multiple of the B/C groups ({groups}, {C.shape[2]})")
-    dtype = _compute_dtype(x)
-    dt = discretize_dt(dt, dt_bias, dt_limit).to(dtype)
-    xf = (x.to(dtype) * dt.unsqueeze(-1)).transpose(1, 2)                     # [B, H, T, P]
-    af = (dt * A.to(dtype)).transpose(1, 2)                                   # [B, H, T]
-    bf = B.to(dtype).repeat_interleave(heads // groups, dim=2).transpose(1, 2)  # [B, H, T, N]
-    cf = C.to(dtype).repeat_interleave(heads // groups, dim=2).transpose(1, 2)
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    log_decay: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The scan of :func:`ssd`, the part FLA's simple GLA computes: no discretisation, no ``D`` skip.
+
+    Args:
+        x: ``[B, T, H, P]`` discretised inputs ``dt * x``, in the compute dtype (float32 or float64).
+        log_decay: ``[B, T, H]`` ``dt * A`` (``<= 0``), same dtype.
+        B: ``[B, T, G, N]`` input projections, same dtype; head ``h`` uses group ``h // (H // G)``.
+        C: ``[B, T, G, N]`` output projections, same dtype.
+        cu_seqlens: optional ``[N + 1]`` offsets (then ``B == 1``).
+        cu_seqlens_cpu: optional host copy of ``cu_seqlens``.
+
+    Returns:
+        ``y [B, T, H, P]`` with ``y_t = C_t . S_t``, ``S_t = exp(a_t) S_{t-1} + B_t (x) x_t``, in the dtype of ``x``.
+    """
+    heads, groups = x.shape[2], B.shape[2]
+    xf = x.transpose(1, 2)                                                     # [B, H, T, P]
+    af = log_decay.transpose(1, 2)                                             # [B, H, T]
+    bf = B.repeat_interleave(heads // groups, dim=2).transpose(1, 2)           # [B, H, T, N]
+    cf = C.repeat_interleave(heads // groups, dim=2).transpose(1, 2)
 
     batch, _, time, head_dim = xf.shape
     pieces = []
@@ -416,7 +486,4 @@ def ssd(
         for lo, hi in doc.chunks:
             out, state = _ssd_chunk(xf[:, :, lo:hi], af[:, :, lo:hi], bf[:, :, lo:hi], cf[:, :, lo:hi], state)
             pieces.append(out.transpose(1, 2))
-    y = _concat_time(pieces, xf, (batch, time, heads, head_dim))
-    if D is not None:
-        y = y + D.to(dtype)[:, None] * x.to(dtype)
-    return y.to(x.dtype)
+    return _concat_time(pieces, xf, (batch, time, heads, head_dim))

@@ -1,0 +1,121 @@
+"""What ``policies.save_fla_ops`` keeps per layer: the outputs of each saveable FLA operator, in MiB.
+
+The sizes are those of the ``fla`` backend's custom operators (``fla_seam.custom_ops``) at the benchmark's
+layer shapes (``bench_isolation.layer_fields``), in bf16: each operator's fake kernel is run under
+``FakeTensorMode`` on inputs shaped as the mixer hands them, so nothing is allocated and no GPU is needed.
+They are exact: a checkpointed layer under ``save_fla_ops(ops)`` holds these tensors, and only these, from
+its forward to its backward (more than without saving; the step's peak, set in the backward, need not move).
+
+    python benchmarks/saved_outputs.py                 # the two tables of docs/benchmarks.md
+    python benchmarks/saved_outputs.py --tokens 8192 --hidden 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+MIB = 2**20
+OPERATIONS = ("gated_delta_rule", "ssd", "causal_conv1d")  # the names save_fla_ops takes
+CORE = {"gdn": "gated_delta_rule", "mamba2": "ssd"}
+
+
+def _bench():
+    """``bench_isolation`` (the layer shapes), loaded from this directory."""
+    if "bench_isolation" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_isolation", Path(__file__).with_name("bench_isolation.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_isolation"]
+
+
+def output_bytes(kind: str, tokens: int, hidden: int) -> dict[str, dict[str, int]]:
+    """``{operation: {output name: bytes}}`` of one ``kind`` layer (``gdn`` | ``mamba2``) on ``tokens`` packed tokens.
+
+    Raises:
+        ValueError: ``kind`` or ``hidden`` not accepted by ``bench_isolation.layer_fields``.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import fla_ac_isolation.fla_seam.custom_ops  # noqa: F401  (registers the operators)
+
+    fields = _bench().layer_fields(kind, hidden)
+    ops, bf16 = torch.ops.fla_ac_isolation, torch.bfloat16
+    with FakeTensorMode():
+        cu = torch.tensor([0, tokens], dtype=torch.int32)
+        if kind == "gdn":
+            heads, k_dim = fields["linear_num_key_heads"], fields["linear_key_head_dim"]
+            v_heads, v_dim = fields["linear_num_value_heads"], fields["linear_value_head_dim"]
+            channels = 2 * heads * k_dim + v_heads * v_dim
+            q = k = torch.empty(1, tokens, heads, k_dim, dtype=bf16)
+            v = torch.empty(1, tokens, v_heads, v_dim, dtype=bf16)
+            g, beta = torch.empty(1, tokens, v_heads), torch.empty(1, tokens, v_heads, dtype=bf16)
+            core = dict(zip(("o", "A", "g_cumsum", "q_rstd", "k_rstd"),
+                            ops.gated_delta_rule(q, k, v, g, beta, k_dim**-0.5, True, cu, cu, None)))
+        else:
+            heads, p_dim = fields["mamba_num_heads"], fields["mamba_head_dim"]
+            groups, state = fields["n_groups"], fields["ssm_state_size"]
+            channels = heads * p_dim + 2 * groups * state
+            c = b = torch.empty(1, tokens, groups, state, dtype=bf16)
+            v, g = torch.empty(1, tokens, heads, p_dim, dtype=bf16), torch.empty(1, tokens, heads)
+            core = dict(zip(("o", "g_cumsum"), ops.simple_gla(c, b, v, g, 1.0, cu, cu)))
+        x = torch.empty(1, tokens, channels, dtype=bf16)
+        conv = {"y": ops.causal_conv1d(x, torch.empty(channels, 4, dtype=bf16), None, "silu", cu, cu, None)}
+    nbytes = {name: t.numel() * t.element_size() for name, t in core.items()}
+    return {CORE[kind]: nbytes, "causal_conv1d": {"y": conv["y"].numel() * conv["y"].element_size()}}
+
+
+def saved_mib(kind: str, tokens: int, hidden: int, operations: tuple[str, ...]) -> float:
+    """MiB a ``kind`` layer keeps under ``save_fla_ops(operations)`` (operations it does not run count 0)."""
+    sizes = output_bytes(kind, tokens, hidden)
+    return sum(sum(sizes[op].values()) for op in operations if op in sizes) / MIB
+
+
+def table(tokens: list[int], hidden: int) -> str:
+    """The markdown table of docs/benchmarks.md: MiB kept per operation and layer, one column per ``T``."""
+    columns = " | ".join(f"T = {t}" for t in tokens)
+    lines = [f"| layer | operation (`save_fla_ops` name) | outputs kept | {columns} |",
+             "|---|---|---|" + "---|" * len(tokens)]
+    for kind, label in (("gdn", "GDN"), ("mamba2", "Mamba2")):
+        per_t = [output_bytes(kind, t, hidden) for t in tokens]
+        for op in (CORE[kind], "causal_conv1d"):
+            parts = ", ".join(per_t[0][op])
+            cells = " | ".join(f"{sum(sizes[op].values()) / MIB:.0f}" for sizes in per_t)
+            lines.append(f"| {label} | `{op}` | {parts} | {cells} |")
+    return "\n".join(lines)
+
+
+def totals_table(tokens: list[int], hidden: int, layers: list[int]) -> str:
+    """GiB a model keeps under each saveable mode: the per-layer MiB times ``L`` layers of one kind."""
+    modes = (("save-core", 1), ("save-core+conv", 2))
+    header = " | ".join(f"T = {t}, L = {n}" for t in tokens for n in layers)
+    lines = [f"| layers | mode | {header} |", "|---|---|" + "---|" * (len(tokens) * len(layers))]
+    for kind, label in (("gdn", "GDN"), ("mamba2", "Mamba2")):
+        for mode, count in modes:
+            operations = (CORE[kind], "causal_conv1d")[:count]
+            per_layer = {t: saved_mib(kind, t, hidden, operations) for t in tokens}
+            cells = " | ".join(f"{per_layer[t] * n / 1024:.1f}" for t in tokens for n in layers)
+            lines.append(f"| {label} | `isolated+{mode}` | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", nargs="+", type=int, default=[24, 48],
+                        help="numbers of linear-attention layers for the per-model totals (GiB)")
+    args = parser.parse_args(argv)
+    print(table(args.tokens, args.hidden))
+    print()
+    print(totals_table(args.tokens, args.hidden, args.layers))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,416 @@
+"""The ``fla`` backend as torch custom operators: FLA's calls made visible to SAC as single ops.
+
+FLA's kernels are ``torch.autograd.Function`` s that launch Triton directly, so selective activation
+checkpointing (SAC) sees only the few aten ops around the launches and can never save their outputs: every
+recompute reruns the whole FLA forward. Here each FLA call is one operator of the ``fla_ac_isolation``
+namespace, with a fake (meta) kernel and an autograd formula whose backward is an operator too, so
+
+* a SAC policy can save an op's outputs (:func:`fla_ac_isolation.policies.save_fla_ops`), and a saved op
+  neither reruns nor consults FLA's index cache in the recompute;
+* ``torch.compile`` traces a mixer through the call without a graph break (FLA's public functions are
+  ``torch.compiler.disable`` d).
+
+No kernel is ours: every forward op calls FLA 0.6's own forward function, every backward op FLA's own
+backward function, with the arguments FLA's ``Function`` s pass. Operators (all outputs contiguous):
+
+* ``causal_conv1d(x, weight, bias?, activation?, cu_seqlens?, cu_seqlens_cpu?, chunk_indices?) -> y``:
+  ``fla.modules.causal_conv1d.causal_conv1d_fwd``, ``y [B, T, D]`` in the dtype of ``x`` (FLA saves only
+  inputs, so do we). Backward operator ``causal_conv1d_backward``: ``causal_conv1d_bwd`` -> ``dx, dw, db``.
+* ``gated_delta_rule(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens?, cu_seqlens_cpu?,
+  chunk_indices?) -> (o, A, g_cumsum, q_rstd, k_rstd)``: FLA's ``ChunkGatedDeltaRuleFunction.forward``
+  (``l2norm_fwd``, ``chunk_gated_delta_rule_fwd``): ``o [B, T, HV, V]`` (dtype of q) plus what its backward
+  reads, ``A [B, T, HV, 64]`` (dtype of k), ``g_cumsum [B, T, HV]`` fp32 and ``q_rstd``/``k_rstd``
+  ``[B, T, H]`` fp32 (empty without the L2 norm). Backward operator ``gated_delta_rule_backward``:
+  ``chunk_gated_delta_rule_bwd`` and ``l2norm_bwd``.
+* ``simple_gla(q, k, v, g, scale, cu_seqlens?, cu_seqlens_cpu?) -> (o, g_cumsum)``: FLA's
+  ``ChunkSimpleGLAFunction.forward`` (``chunk_local_cumsum``, ``chunk_simple_gla_fwd``): ``o [B, T, H, V]``,
+  ``g_cumsum [B, T, H]`` fp32; ``q``/``k`` may have ``G`` groups dividing ``H`` (expanded inside). Backward
+  operator ``simple_gla_backward``: ``chunk_simple_gla_bwd`` and the reverse cumsum.
+
+Deviations from FLA's ``Function`` s, all without effect on the numbers (under Triton's interpreter a GDN +
+Mamba2 stack with these operators equals the default path, FLA's public functions, bit for bit):
+
+* the gated delta rule's outputs are "lean": the L2-normalised q/k are not outputs (a SAC policy saving the
+  op would store them too); the backward op recomputes them from the raw q/k with FLA's ``l2norm_fwd``
+  (same kernel, same input, same bits);
+* simple GLA takes Mamba2's grouped ``B``/``C`` and expands them inside, forward and backward, so neither
+  AC nor autograd keeps the ``H``-head copies; the backward sums each group's heads, which equals
+  autograd's gradient of ``repeat_interleave``;
+* FLA's ``dispatch`` to alternative backends of the gated delta rule (FlashQLA) is not taken: the op calls
+  the Triton path.
+
+Inputs are used in the dtypes given (custom ops run outside autocast; the mixers cast explicitly).
+``cp_context``, initial and final states are not offered. FLA is imported inside the kernels, never at
+import; the kernels need CUDA tensors (or ``TRITON_INTERPRET=1`` with the test shims).
+
+A custom op's output may not alias an input or another output (torch checks): ``v`` is never an output,
+placeholders are distinct empty tensors, and an absent conv bias gradient is ``empty(0)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import Tensor
+
+from fla_ac_isolation.fla_seam import kernels
+from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
+from fla_ac_isolation.ops.reference import check_groups, discretize_dt
+
+__all__ = ["OPS", "causal_conv1d", "chunk_gated_delta_rule", "ssd"]
+
+_NS = "fla_ac_isolation"
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _contiguous(t: Tensor | None) -> Tensor | None:
+    """What FLA's ``input_guard`` does to every tensor argument (the same object when already contiguous)."""
+    return t.contiguous() if t is not None else None
+
+
+def _device(t: Tensor):
+    """FLA's ``input_guard`` device context: kernels launch on the device of the inputs."""
+    from fla.utils import custom_device_ctx
+
+    return custom_device_ctx(t.device.index) if t.device.type != "cpu" else contextlib.nullcontext()
+
+
+def _schedule(cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None):
+    """FLA's chunk schedule: the given one, else ``prepare_chunk_indices`` (as FLA's ``Function`` s do)."""
+    if chunk_indices is None and cu_seqlens is not None:
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=cu_seqlens_cpu)
+    return chunk_indices
+
+
+def _conv_schedule(chunk_indices: Tensor | None) -> Tensor | None:
+    """The schedule for FLA's conv only while its chunk size is ours; else FLA builds its own (see
+    :func:`~fla_ac_isolation.fla_seam.layout.conv_takes_chunk_indices`). Read inside the op's kernel, which
+    ``torch.compile`` never traces (``inspect.signature`` would break the graph)."""
+    return chunk_indices if conv_takes_chunk_indices() else None
+
+
+def _expand(t: Tensor, heads: int) -> Tensor:
+    """``[B, T, G, K]`` -> ``[B, T, heads, K]``, group ``i`` serving heads ``i * heads/G ...``."""
+    return t if t.shape[2] == heads else t.repeat_interleave(heads // t.shape[2], dim=2)
+
+
+# ------------------------------------------------------------------------------------------ causal conv
+@torch.library.custom_op(f"{_NS}::causal_conv1d", mutates_args=())
+def _conv_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
+) -> Tensor:
+    from fla.modules.causal_conv1d.ops import _has_non_standard_layout, causal_conv1d_fwd
+
+    with _device(x):
+        y, _ = causal_conv1d_fwd(
+            x=x, weight=weight, bias=bias, residual=None, initial_state=None, output_final_state=False,
+            activation=activation, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            chunk_indices=_conv_schedule(chunk_indices), layout_fallback=_has_non_standard_layout(x=x),
+        )
+    return y.contiguous()
+
+
+@_conv_forward.register_fake
+def _(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(f"{_NS}::causal_conv1d_backward", mutates_args=())
+def _conv_backward_op(
+    dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    from fla.modules.causal_conv1d.ops import _has_non_standard_layout, causal_conv1d_bwd
+
+    with _device(x):
+        dx, dw, db, _, _ = causal_conv1d_bwd(
+            x=x, dy=dy, dht=None, weight=weight, bias=bias, residual=None, initial_state=None,
+            activation=activation, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            chunk_indices=_conv_schedule(chunk_indices), layout_fallback=_has_non_standard_layout(x=x),
+        )
+    db = db.contiguous() if db is not None else weight.new_empty(0)
+    return dx.contiguous(), dw.contiguous(), db
+
+
+@_conv_backward_op.register_fake
+def _(dy, x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+    db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty(0)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), db
+
+
+def _conv_setup(ctx, inputs, output) -> None:
+    x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices = inputs
+    ctx.save_for_backward(x, weight, bias, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    ctx.activation = activation
+
+
+def _conv_backward(ctx, dy):
+    x, weight, bias, cu_seqlens, cu_seqlens_cpu, chunk_indices = ctx.saved_tensors
+    dx, dw, db = _conv_backward_op(dy, x, weight, bias, ctx.activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    return dx, dw, (db if bias is not None else None), None, None, None, None
+
+
+_conv_forward.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+# ------------------------------------------------------------------------------------- gated delta rule
+@torch.library.custom_op(f"{_NS}::gated_delta_rule", mutates_args=())
+def _gdn_forward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+    q, k, v, g, beta = (_contiguous(t) for t in (q, k, v, g, beta))
+    q_rstd, k_rstd = g.new_empty(0), g.new_empty(0)  # distinct objects: outputs may not alias each other
+    with _device(q):
+        if use_qk_l2norm_in_kernel:
+            q, q_rstd = l2norm_fwd(q)
+            k, k_rstd = l2norm_fwd(k)
+        chunk_indices = _schedule(cu_seqlens, cu_seqlens_cpu, chunk_indices)
+        g_cumsum, o, A, _, _, _ = chunk_gated_delta_rule_fwd(
+            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=None, output_final_state=False,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK_SIZE,
+        )
+    return o.to(q.dtype), A, g_cumsum, q_rstd, k_rstd
+
+
+@_gdn_forward.register_fake
+def _(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+    batch, tokens, heads, _ = q.shape
+    value_heads = v.shape[2]
+    if use_qk_l2norm_in_kernel:
+        q_rstd = q.new_empty(batch, tokens, heads, dtype=torch.float32)
+        k_rstd = q.new_empty(batch, tokens, heads, dtype=torch.float32)
+    else:
+        q_rstd, k_rstd = g.new_empty(0), g.new_empty(0)
+    return (q.new_empty(v.shape), k.new_empty(batch, tokens, value_heads, CHUNK_SIZE),
+            g.new_empty(g.shape, dtype=torch.float32), q_rstd, k_rstd)
+
+
+@torch.library.custom_op(f"{_NS}::gated_delta_rule_backward", mutates_args=())
+def _gdn_backward_op(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, A: Tensor, g_cumsum: Tensor, q_rstd: Tensor,
+    k_rstd: Tensor, g_dtype: torch.dtype, scale: float, use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+
+    dtypes = (q.dtype, k.dtype, v.dtype, beta.dtype)
+    q, k, v, beta, do = (_contiguous(t) for t in (q, k, v, beta, do))
+    with _device(q):
+        if use_qk_l2norm_in_kernel:  # the forward's normalised q/k: same kernel, same input, same bits
+            q, _ = l2norm_fwd(q)
+            k, _ = l2norm_fwd(k)
+        chunk_indices = _schedule(cu_seqlens, cu_seqlens_cpu, chunk_indices)
+        dq, dk, dv, dbeta, dg, _, _, _ = chunk_gated_delta_rule_bwd(
+            q=q, k=k, v=v, g=g_cumsum, beta=beta, A=A, scale=scale, initial_state=None, do=do, dht=None,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK_SIZE,
+        )
+        if use_qk_l2norm_in_kernel:
+            dq = l2norm_bwd(q, q_rstd, dq)
+            dk = l2norm_bwd(k, k_rstd, dk)
+    grads = (dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2]), dg.to(g_dtype), dbeta.to(dtypes[3]))
+    return tuple(t.contiguous() for t in grads)
+
+
+@_gdn_backward_op.register_fake
+def _(do, q, k, v, beta, A, g_cumsum, q_rstd, k_rstd, g_dtype, scale, l2, cu_seqlens, cu_seqlens_cpu, ci):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            g_cumsum.new_empty(g_cumsum.shape, dtype=g_dtype), beta.new_empty(beta.shape))
+
+
+def _gdn_setup(ctx, inputs, output) -> None:
+    q, k, v, g, beta, scale, l2, cu_seqlens, cu_seqlens_cpu, chunk_indices = inputs
+    _, A, g_cumsum, q_rstd, k_rstd = output
+    ctx.mark_non_differentiable(A, g_cumsum, q_rstd, k_rstd)
+    ctx.save_for_backward(q, k, v, beta, A, g_cumsum, q_rstd, k_rstd, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    ctx.meta = (g.dtype, scale, l2)
+
+
+def _gdn_backward(ctx, do, *_non_differentiable):
+    q, k, v, beta, A, g_cumsum, q_rstd, k_rstd, cu_seqlens, cu_seqlens_cpu, chunk_indices = ctx.saved_tensors
+    g_dtype, scale, l2 = ctx.meta
+    dq, dk, dv, dg, dbeta = _gdn_backward_op(
+        do, q, k, v, beta, A, g_cumsum, q_rstd, k_rstd, g_dtype, scale, l2, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+    )
+    return dq, dk, dv, dg, dbeta, None, None, None, None, None
+
+
+_gdn_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup)
+
+
+# ----------------------------------------------------------------------------- simple GLA (Mamba2 SSD)
+@torch.library.custom_op(f"{_NS}::simple_gla", mutates_args=())
+def _gla_forward(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    heads = v.shape[2]
+    q, k, v, g = _contiguous(_expand(q, heads)), _contiguous(_expand(k, heads)), _contiguous(v), _contiguous(g)
+    with _device(q):
+        chunk_indices = _schedule(cu_seqlens, cu_seqlens_cpu, None)  # as FLA's Function: always its own
+        g_cumsum = chunk_local_cumsum(g, chunk_size=CHUNK_SIZE, scale=RCP_LN2, cu_seqlens=cu_seqlens,
+                                      chunk_indices=chunk_indices)
+        o, _ = chunk_simple_gla_fwd(q=q, k=k, v=v, g=g_cumsum, g_gamma=None, scale=scale, initial_state=None,
+                                    output_final_state=False, cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE,
+                                    chunk_indices=chunk_indices)
+    return o.to(q.dtype), g_cumsum
+
+
+@_gla_forward.register_fake
+def _(q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu):
+    return q.new_empty(v.shape), g.new_empty(g.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_NS}::simple_gla_backward", mutates_args=())
+def _gla_backward_op(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, g_cumsum: Tensor, g_dtype: torch.dtype, scale: float,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from fla.ops.simple_gla.chunk import chunk_simple_gla_bwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    heads, groups = v.shape[2], q.shape[2]
+    qe, ke, v, do = _contiguous(_expand(q, heads)), _contiguous(_expand(k, heads)), _contiguous(v), _contiguous(do)
+    with _device(q):
+        chunk_indices = _schedule(cu_seqlens, cu_seqlens_cpu, None)
+        dq, dk, dv, dg, _ = chunk_simple_gla_bwd(
+            q=qe, k=ke, v=v, g=g_cumsum, g_gamma=None, initial_state=None, do=do, dht=None, scale=scale,
+            cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices,
+        )
+        dg = chunk_local_cumsum(dg, chunk_size=CHUNK_SIZE, reverse=True, cu_seqlens=cu_seqlens,
+                                chunk_indices=chunk_indices).to(g_cumsum)
+    dq, dk = dq.to(qe.dtype), dk.to(ke.dtype)
+    if groups != heads:  # the gradient of the expansion: each group sums its heads
+        batch, tokens, _, dim = dq.shape
+        dq = dq.view(batch, tokens, groups, heads // groups, dim).sum(3)
+        dk = dk.view(batch, tokens, groups, heads // groups, dim).sum(3)
+    return dq.contiguous(), dk.contiguous(), dv.to(v.dtype).contiguous(), dg.to(g_dtype).contiguous()
+
+
+@_gla_backward_op.register_fake
+def _(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            g_cumsum.new_empty(g_cumsum.shape, dtype=g_dtype))
+
+
+def _gla_setup(ctx, inputs, output) -> None:
+    q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu = inputs
+    g_cumsum = output[1]
+    ctx.mark_non_differentiable(g_cumsum)
+    ctx.save_for_backward(q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu)
+    ctx.meta = (g.dtype, scale)
+
+
+def _gla_backward(ctx, do, _dg_cumsum):
+    q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    g_dtype, scale = ctx.meta
+    grads = _gla_backward_op(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu)
+    return (*grads, None, None, None)
+
+
+_gla_forward.register_autograd(_gla_backward, setup_context=_gla_setup)
+
+OPS: dict[str, torch._ops.OpOverload] = {
+    "causal_conv1d": torch.ops.fla_ac_isolation.causal_conv1d.default,
+    "gated_delta_rule": torch.ops.fla_ac_isolation.gated_delta_rule.default,
+    "ssd": torch.ops.fla_ac_isolation.simple_gla.default,
+}
+"""The forward operator behind each saveable operation (what a SAC policy saves), by operation name."""
+
+
+# ------------------------------------------------------------------- the backend functions (ops facade)
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    activation: str | None = "silu",
+    cu_seqlens: Tensor | None = None,
+    cu_seqlens_cpu: Tensor | None = None,
+    chunk_indices: Tensor | None = None,
+) -> Tensor:
+    """:func:`fla_ac_isolation.fla_seam.kernels.causal_conv1d` as the ``fla_ac_isolation::causal_conv1d`` op.
+
+    ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` or ``None`` -> ``[B, T, D]`` (dtype of ``x``, contiguous).
+    Follows FLA's ``CausalConv1dFunction``: ``causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (Triton backend).
+
+    Raises:
+        ValueError: CPU tensors outside Triton's interpreter.
+    """
+    kernels._check_device(x)
+    return _conv_forward(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    cu_seqlens: Tensor | None = None,
+    cu_seqlens_cpu: Tensor | None = None,
+    chunk_indices: Tensor | None = None,
+) -> Tensor:
+    """:func:`fla_ac_isolation.fla_seam.kernels.chunk_gated_delta_rule` as the ``gated_delta_rule`` op.
+
+    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]`` (dtype of ``q``).
+    ``scale`` defaults to ``K ** -0.5``. Follows FLA's ``ChunkGatedDeltaRuleFunction`` (``l2norm_fwd``,
+    ``chunk_gated_delta_rule_fwd`` / ``chunk_gated_delta_rule_bwd``, ``l2norm_bwd``), chunk size 64.
+
+    Raises:
+        ValueError: CPU tensors outside Triton's interpreter.
+    """
+    kernels._check_device(q)
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    return _gdn_forward(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu,
+                        chunk_indices)[0]
+
+
+def ssd(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    *,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    cu_seqlens: Tensor | None = None,
+    cu_seqlens_cpu: Tensor | None = None,
+) -> Tensor:
+    """:func:`fla_ac_isolation.fla_seam.kernels.ssd` with its simple GLA call as the ``simple_gla`` op.
+
+    ``x [B, T, H, P]``, ``dt [B, T, H]``, ``A [H]``, ``B, C [B, T, G, N]``, ``D [H]`` -> ``[B, T, H, P]``.
+    The same maths as the plain ``fla`` backend (discretisation, ``v = dt * x`` in the dtype of ``x``,
+    ``g = dt * A`` in float32, the ``D`` skip outside the op); ``B``/``C`` reach the op grouped. Follows
+    FLA's ``ChunkSimpleGLAFunction`` (``chunk_simple_gla_fwd`` / ``chunk_simple_gla_bwd``).
+
+    Raises:
+        ValueError: CPU tensors outside Triton's interpreter; ``H`` not a multiple of ``G``.
+    """
+    kernels._check_device(x)
+    check_groups(x.shape[2], B, C)
+    dt = discretize_dt(dt, dt_bias, dt_limit)
+    value = (x.float() * dt.unsqueeze(-1)).to(x.dtype)
+    log_decay = dt * A.float()
+    y, _ = _gla_forward(C.to(x.dtype), B.to(x.dtype), value, log_decay, 1.0, cu_seqlens, cu_seqlens_cpu)
+    if D is not None:
+        y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
+    return y
