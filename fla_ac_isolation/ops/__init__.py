@@ -14,6 +14,9 @@ and optionally ``cu_seqlens_cpu`` (its host copy); both backends hand them to FL
 pass the per-layer tensors of :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`. The conv and the gated
 delta rule also take FLA's ``chunk_indices`` (``LocalSeqlens.chunk_indices``), which spares them
 ``prepare_chunk_indices``; FLA's simple GLA (behind :func:`ssd`) has no such argument.
+
+Context parallelism: the conv and the gated delta rule take ``cp_context`` (``LocalSeqlens.cp_context``),
+FLA's CP metadata; only the ``fla`` backend has CP kernels (:func:`check_cp_backend`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "causal_conv1d",
     "check_backend",
     "check_chunk_indices",
+    "check_cp_backend",
     "chunk_gated_delta_rule",
     "resolve_backend",
     "ssd",
@@ -97,6 +101,26 @@ def check_chunk_indices(chunk_indices: torch.Tensor | None, cu_seqlens: torch.Te
         )
 
 
+def check_cp_backend(cp_context: object | None, backend: str, tensor: torch.Tensor) -> None:
+    """Refuse context parallelism on a backend without CP kernels.
+
+    Raises:
+        NotImplementedError: ``cp_context`` is given and ``backend`` resolves to ``reference`` for ``tensor``
+            (the pure-torch backend computes whole sequences only; FLA's CP kernels are the ``fla`` backend:
+            CUDA, or a CPU under ``TRITON_INTERPRET=1`` with the test shims of
+            :mod:`fla_ac_isolation.testing.cp_shims`).
+    """
+    if cp_context is None or resolve_backend(backend, tensor) != "reference":
+        return
+    chosen = f"backend={backend!r}" + (f" (which picks 'reference' for {tensor.device.type} tensors)"
+                                       if backend == "auto" else "")
+    raise NotImplementedError(
+        f"context parallelism needs FLA's CP kernels, but {chosen} has none: the reference backend computes "
+        "whole sequences only; use backend='fla' (CUDA, or a CPU under TRITON_INTERPRET=1 with "
+        "fla_ac_isolation.testing.cp_shims)"
+    )
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -106,19 +130,28 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
+    cp_context: object | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Depthwise causal conv1d (+ SiLU) restarted at every document.
 
     ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` -> ``[B, T, D]``. See
-    :func:`fla_ac_isolation.ops.reference.causal_conv1d` for the details.
+    :func:`fla_ac_isolation.ops.reference.causal_conv1d` for the details. With ``cp_context`` (FLA's
+    ``FLACPContext``): ``x`` is this rank's ``[1, T / W, D]`` shard, FLA's ``causal_conv1d_cp`` fetches the
+    conv history from the previous rank, and ``weight``/``bias`` receive this rank's part of their
+    gradient (sum it over the CP group).
 
     Raises:
         ValueError: unknown ``backend``; malformed ``chunk_indices`` (:func:`check_chunk_indices`); the
             backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
         TypeError: ``chunk_indices`` is not an integer tensor.
+        NotImplementedError: ``cp_context`` with the reference backend (:func:`check_cp_backend`).
     """
     check_chunk_indices(chunk_indices, cu_seqlens)
+    check_cp_backend(cp_context, backend, x)
+    if cp_context is not None:
+        return fla_backend.causal_conv1d(x, weight, bias, activation=activation, chunk_indices=chunk_indices,
+                                         cp_context=cp_context)
     return _module(backend, x).causal_conv1d(
         x, weight, bias, activation=activation, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         chunk_indices=chunk_indices,
@@ -137,19 +170,28 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
+    cp_context: object | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Gated delta rule, zero state at every document start.
 
     ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]``. See
-    :func:`fla_ac_isolation.ops.reference.chunk_gated_delta_rule`.
+    :func:`fla_ac_isolation.ops.reference.chunk_gated_delta_rule`. With ``cp_context``: ``T`` is this
+    rank's ``T / W`` tokens and FLA passes the recurrent states along the CP ranks
+    (``fla.ops.gated_delta_rule.chunk_gated_delta_rule(..., cp_context=)``).
 
     Raises:
         ValueError: unknown ``backend``; malformed ``chunk_indices`` (:func:`check_chunk_indices`); the
             backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
         TypeError: ``chunk_indices`` is not an integer tensor.
+        NotImplementedError: ``cp_context`` with the reference backend (:func:`check_cp_backend`).
     """
     check_chunk_indices(chunk_indices, cu_seqlens)
+    check_cp_backend(cp_context, backend, q)
+    if cp_context is not None:
+        return fla_backend.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale,
+                                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                                  chunk_indices=chunk_indices, cp_context=cp_context)
     return _module(backend, q).chunk_gated_delta_rule(
         q, k, v, g, beta,
         scale=scale,
