@@ -6,7 +6,8 @@ ranks and parameters). A mode *matches* when it completed every step and its dev
 ``rtol`` (0 by default on the CPU reference backend in float32: bit for bit). The run passes (exit code
 0) when ``no-ac`` completed and ``isolated`` and ``global-disable`` (those of them that ran) match;
 ``shared`` is the unsafe mode and never changes the exit code: the table says whether it reproduced the
-fault (it failed or diverged).
+fault (it failed or diverged). Under context parallelism the modes are also judged against the run
+without CP (:mod:`.cp_report`), and the CP-only ``field`` mode is unsafe too.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fla_ac_isolation.extras import require
+from fla_ac_isolation.regression.cp_report import apply_cp1_verdicts, default_cp_rtol
 from fla_ac_isolation.regression.spec import ModeResult, RegressionResult
 
 __all__ = ["Verdict", "default_rtol", "exit_code", "print_report", "verdicts", "write_json", "write_plot"]
 
 #: modes whose mismatch fails the run
 REQUIRED = ("isolated", "global-disable")
+#: the unsafe modes: run to show the fault, never change the exit code
+UNSAFE = ("shared", "field")
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,8 @@ def _deviation(mode: ModeResult, ref: ModeResult) -> tuple[float, str]:
     return (loss_dev, "loss") if loss_dev >= grad_dev else (grad_dev, "grad")
 
 
-def verdicts(result: RegressionResult, rtol: float | None = None) -> dict[str, Verdict]:
-    """A :class:`Verdict` per mode of ``result`` (``rtol``: see the module docstring)."""
+def verdicts(result: RegressionResult, rtol: float | None = None, cp_rtol: float | None = None) -> dict[str, Verdict]:
+    """A :class:`Verdict` per mode of ``result`` (``rtol``, ``cp_rtol``: see the module docstring)."""
     spec = result.spec
     rtol = default_rtol(spec.device, spec.dtype) if rtol is None else rtol
     ref = result.modes.get("no-ac")
@@ -84,6 +88,8 @@ def verdicts(result: RegressionResult, rtol: float | None = None) -> dict[str, V
                 out[name] = Verdict(name, "matches", text, dev)
             else:
                 out[name] = Verdict(name, "diverged", f"DIVERGED by {dev:.2e} ({what})", dev)
+    if spec.cp > 1:
+        apply_cp1_verdicts(out, result, default_cp_rtol(spec.device, spec.dtype) if cp_rtol is None else cp_rtol)
     return out
 
 
@@ -95,9 +101,10 @@ def exit_code(result: RegressionResult, rtol: float | None = None) -> int:
     return 0 if all(found[m].ok for m in REQUIRED if m in found) else 1
 
 
-def fault_reproduced(result: RegressionResult, rtol: float | None = None) -> bool | None:
-    """Whether the unsafe ``shared`` mode failed or diverged (``None`` if it did not run or no reference)."""
-    found = verdicts(result, rtol).get("shared")
+def fault_reproduced(result: RegressionResult, rtol: float | None = None, mode: str = "shared") -> bool | None:
+    """Whether the unsafe ``mode`` (``shared``, or ``field`` under CP) failed or diverged (``None`` if it did
+    not run or had no reference)."""
+    found = verdicts(result, rtol).get(mode)
     if found is None or found.status == "no reference":
         return None
     return found.status in ("failed", "diverged")
@@ -118,7 +125,7 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
     found = verdicts(result, rtol)
     ac = "full" if spec.ac == "full" else f"selective, policy {spec.policy}"
     title = (
-        f"{spec.model}  EP={spec.ep}  AC {ac}, every {spec.freq} block(s)  backend={spec.backend}  "
+        f"{spec.model}  {_parallelism(spec)}  AC {ac}, every {spec.freq} block(s)  backend={spec.backend}  "
         f"{spec.device}/{spec.dtype}  hidden={spec.hidden_size}  {spec.num_experts} experts top-{spec.top_k}"
     )
     for note in result.notes:
@@ -129,8 +136,13 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
         f"most experts without any token in one MoE layer (all ranks). Seconds per mode: {seconds}."
     )
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
-    for col, justify in (("mode", "left"), ("step", "right"), ("loss", "right"), ("grad norm", "right"),
-                         ("max |grad - ref|", "right"), ("idle experts", "right"), ("verdict", "left")):
+    columns = [("mode", "left"), ("step", "right"), ("loss", "right"), ("grad norm", "right"),
+               ("max |grad - ref|", "right"), ("idle experts", "right"), ("verdict", "left")]
+    if spec.cp > 1:
+        columns.insert(5, ("max |grad - CP=1|", "right"))
+        caption += " max |grad - CP=1|: largest full-gradient difference to the run without CP (one rank)."
+    table.caption = caption
+    for col, justify in columns:
         table.add_column(col, justify=justify)
     for name, mode in result.modes.items():
         verdict = found[name]
@@ -138,26 +150,30 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
         rows = max(len(mode.losses), 1)
         for i in range(rows):
             done = i < len(mode.losses)
-            table.add_row(
+            cells = [
                 name if i == 0 else "",
                 str(i) if done else "-",
                 _fmt(mode.losses[i], ".8f") if done else "-",
                 _fmt(mode.grad_norms[i], ".6g") if done else "-",
-                _fmt(mode.grad_diffs[i], ".3e") if done and name != "no-ac" else "-",
+                _fmt(mode.grad_diffs[i], ".3e") if done and i < len(mode.grad_diffs) else "-",
                 str(mode.idle_experts[i]) if done else "-",
                 f"[{style}]{verdict.text}[/{style}]" if i == 0 and style else (verdict.text if i == 0 else ""),
-                end_section=i == rows - 1,
-            )
+            ]
+            if spec.cp > 1:
+                cells.insert(5, _fmt(mode.cp1_grad_diffs[i], ".3e") if done and i < len(mode.cp1_grad_diffs) else "-")
+            table.add_row(*cells, end_section=i == rows - 1)
     console.print(table)
     for name in REQUIRED:
         if name in found:
             ok = found[name].ok
             console.print(f"{name:>15}: {'[green]PASS[/green]' if ok else '[red]FAIL[/red]'}  {found[name].text}")
-    if "shared" in found:
-        reproduced = fault_reproduced(result, rtol)
+    for name in UNSAFE:
+        if name not in found:
+            continue
+        reproduced = fault_reproduced(result, rtol, name)
         what = {True: "[magenta]fault reproduced[/magenta]", False: "fault NOT reproduced under this policy",
                 None: "not judged"}[reproduced]
-        console.print(f"{'shared (unsafe)':>15}: {what}  {found['shared'].text}  (does not affect the exit code)")
+        console.print(f"{name + ' (unsafe)':>15}: {what}  {found[name].text}  (does not affect the exit code)")
     if verbose:
         _print_cache(result, console)
         for name, mode in result.modes.items():
@@ -165,6 +181,14 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
                 rank = mode.failed_ranks[0] if mode.failed_ranks else "?"
                 console.print(f"[red]{name}[/red] traceback (rank {rank}):")
                 console.print(mode.traceback, markup=False, highlight=False)
+
+
+def _parallelism(spec) -> str:
+    """``EP=2``; under context parallelism ``CP=2 (zigzag) x EP=2`` or ``CP=2 (contiguous), EP=1``."""
+    if spec.cp == 1:
+        return f"EP={spec.ep}"
+    cp = f"CP={spec.cp} ({spec.cp_layout})"
+    return f"{cp} x EP={spec.ep}" if spec.ep > 1 else f"{cp}, EP=1"
 
 
 def _print_cache(result: RegressionResult, console) -> None:
@@ -190,6 +214,8 @@ def to_document(result: RegressionResult, rtol: float | None = None) -> dict[str
     doc = result.to_dict()
     doc["verdicts"] = {name: {**asdict(v), "ok": v.ok} for name, v in verdicts(result, rtol).items()}
     doc["fault_reproduced"] = fault_reproduced(result, rtol)
+    if "field" in result.modes:
+        doc["field_fault_reproduced"] = fault_reproduced(result, rtol, "field")
     doc["exit_code"] = exit_code(result, rtol)
     return doc
 
@@ -234,7 +260,8 @@ def write_plot(result: RegressionResult, path: str, rtol: float | None = None) -
         if mode.error is not None and steps:
             ax.plot([steps[-1] + 0.5], [mode.losses[-1]], "x", color=color, markersize=10)
     spec = result.spec
-    ax.set_title(f"{spec.model}, EP={spec.ep}, AC {spec.ac}" + (f" ({spec.policy})" if spec.ac == "selective" else ""))
+    policy = f" ({spec.policy})" if spec.ac == "selective" else ""
+    ax.set_title(f"{spec.model}, {_parallelism(spec)}, AC {spec.ac}{policy}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_xticks(range(spec.steps))

@@ -2,7 +2,8 @@
 
 A mode that fails on every rank is recorded and the run continues; a rank that fails while another is
 still running ends the whole job with the error (torchrun then stops the other ranks), since that other
-rank waits in a collective.
+rank waits in a collective. Under context parallelism every rank runs the one-rank
+:data:`~.spec.CP1_REFERENCE` itself, on its own.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from fla_ac_isolation.failures import first_line
 from fla_ac_isolation.regression.launch import FAILURE_GRACE_S
-from fla_ac_isolation.regression.spec import ModeResult, RegressionResult, RegressionSpec
+from fla_ac_isolation.regression.spec import CP1_REFERENCE, ModeResult, RegressionResult, RegressionSpec
 from fla_ac_isolation.regression.train import RankContext, all_reduce, run_mode_on_rank, setup_process
 
 __all__ = ["run_under_torchrun", "under_torchrun"]
@@ -33,8 +34,11 @@ def run_under_torchrun(spec: RegressionSpec, on_step) -> RegressionResult:
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != spec.ep:
-        raise ValueError(f"torchrun started {world} processes but --ep is {spec.ep}; make them equal")
+    if world != spec.world:
+        raise ValueError(
+            f"torchrun started {world} processes but the spec runs {spec.world} ranks (--ep, or --cp under context "
+            "parallelism); make them equal"
+        )
     device, shim_notes, _rank_context = setup_process(spec, int(os.environ["LOCAL_RANK"]))
     notes.extend(n for n in shim_notes if n not in notes)
     owns_group = not dist.is_initialized()
@@ -46,18 +50,21 @@ def run_under_torchrun(spec: RegressionSpec, on_step) -> RegressionResult:
         )
     store = dist.distributed_c10d._get_default_store()
     results: dict[str, ModeResult] = {}
-    reference = None
+    reference = cp1_reference = None
     for mode in spec.ordered_modes:
         group = dist.new_group(backend="gloo" if spec.device == "cpu" else None)
-        ctx = RankContext(rank, world, device, group)
+        ctx = RankContext(0, 1, device, None) if mode == CP1_REFERENCE else RankContext(rank, world, device, group)
         start = time.monotonic()
         try:
             result, grads = run_mode_on_rank(
-                spec, mode, ctx, reference, (lambda s, m=mode: on_step(m, s)) if on_step and rank == 0 else None
+                spec, mode, ctx, reference, (lambda s, m=mode: on_step(m, s)) if on_step and rank == 0 else None,
+                cp1_reference=cp1_reference,
             )
             store.set(f"fla-ac-regress/{mode}/{rank}", "ok")
             if mode == "no-ac":
                 reference = grads
+            elif mode == CP1_REFERENCE:
+                cp1_reference = grads
         except Exception as err:
             result = ModeResult(mode, error=first_line(err), traceback=traceback.format_exc(), failed_ranks=[rank])
             store.set(f"fla-ac-regress/{mode}/{rank}", "error:" + first_line(err))

@@ -151,7 +151,10 @@ def cpu_cp_harness() -> Iterator[None]:
     """What a CPU rank of a CP test or regression enters: the interpreter shims and the three CP shims.
 
     Also silences the ``FutureWarning`` torch 2.13 emits for every FLA CP all-gather
-    (``dist.all_gather_into_tensor`` is deprecated there). Used as the regression's ``rank_setup``
+    (``dist.all_gather_into_tensor`` is deprecated there) and numpy's ``RuntimeWarning`` s from the
+    interpreter (``overflow encountered in exp2``, ``invalid value encountered in multiply``: FLA's kernels
+    compute ``exp`` in masked-out lanes and discard them with ``tl.where``, silently on a GPU). Used as the
+    regression's ``rank_setup``
     (``"fla_ac_isolation.testing.cp_shims:cpu_cp_harness"``) with ``TRITON_INTERPRET=1`` in the rank's
     environment.
 
@@ -164,4 +167,5 @@ def cpu_cp_harness() -> Iterator[None]:
 
     with warnings.catch_warnings(), interpreter_shims(), fla_cp_cpu_shims():
         warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
         yield
