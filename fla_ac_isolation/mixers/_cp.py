@@ -22,19 +22,19 @@ def check_cp_conv(cp_context: Any, backend: str, hidden_states: torch.Tensor, co
 
     Raises:
         NotImplementedError: the mixer's ``backend`` has no CP kernels (:func:`ops.check_cp_backend`).
-        ValueError: the context has no process group (a ``CPConfig`` built with ``world_size``/``rank``
-            only, for metadata), or its ``conv_kernel_size`` is ``None`` or smaller than this layer's conv
-            width (the interval-length check of ``CPConfig`` then did not cover this conv).
+        ValueError: the context's ``conv_kernel_size`` is ``None`` or smaller than this layer's conv width
+            (the interval-length check of ``CPConfig`` then did not cover this conv), or the context has no
+            process group (a ``CPConfig`` built with ``world_size``/``rank`` only, for metadata).
     """
     ops.check_cp_backend(cp_context, backend, hidden_states)
-    if cp_context.group is None:
-        raise ValueError(
-            "seqlens was built with CPConfig(world_size=..., rank=...) and no group: that describes the layout "
-            "only; FLA's CP kernels need the CP process group (CPConfig(group=...))"
-        )
     width = cp_context.conv1d_kernel_size
     if width is None or width < conv_kernel_size:
         raise ValueError(
             f"CPConfig.conv_kernel_size must be at least this layer's conv width ({conv_kernel_size}), got {width}: "
             "FLA's CP conv needs it, and every rank must hold conv_kernel_size - 1 tokens of history"
+        )
+    if cp_context.group is None:
+        raise ValueError(
+            "seqlens was built with CPConfig(world_size=..., rank=...) and no group: that describes the layout "
+            "only; FLA's CP kernels need the CP process group (CPConfig(group=...))"
         )

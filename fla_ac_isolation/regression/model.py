@@ -276,7 +276,10 @@ class TinyDecoderRecipe:
 
 
 def _qwen_layer_types(num_layers: int) -> list[str]:
-    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    """Three Gated DeltaNet layers then one attention layer, repeated; a decoder of 2 or 3 layers still ends
+    with attention (the smallest decoder with both kinds, used by the context-parallel tests)."""
+    last = num_layers - 1 if 1 < num_layers < 4 else None
+    return ["full_attention" if (i + 1) % 4 == 0 or i == last else "linear_attention" for i in range(num_layers)]
 
 
 def _qwen_kwargs(size: ModelSize) -> dict[str, Any]:
