@@ -135,33 +135,10 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
         "max |grad - ref|: largest gradient difference to no-ac over all ranks and parameters; idle experts: "
         f"most experts without any token in one MoE layer (all ranks). Seconds per mode: {seconds}."
     )
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
-    columns = [("mode", "left"), ("step", "right"), ("loss", "right"), ("grad norm", "right"),
-               ("max |grad - ref|", "right"), ("idle experts", "right"), ("verdict", "left")]
     if spec.cp > 1:
-        columns.insert(5, ("max |grad - CP=1|", "right"))
         caption += " max |grad - CP=1|: largest full-gradient difference to the run without CP (one rank)."
-    table.caption = caption
-    for col, justify in columns:
-        table.add_column(col, justify=justify)
-    for name, mode in result.modes.items():
-        verdict = found[name]
-        style = {"matches": "green", "reference": "cyan", "failed": "red", "diverged": "red"}.get(verdict.status, "")
-        rows = max(len(mode.losses), 1)
-        for i in range(rows):
-            done = i < len(mode.losses)
-            cells = [
-                name if i == 0 else "",
-                str(i) if done else "-",
-                _fmt(mode.losses[i], ".8f") if done else "-",
-                _fmt(mode.grad_norms[i], ".6g") if done else "-",
-                _fmt(mode.grad_diffs[i], ".3e") if done and i < len(mode.grad_diffs) else "-",
-                str(mode.idle_experts[i]) if done else "-",
-                f"[{style}]{verdict.text}[/{style}]" if i == 0 and style else (verdict.text if i == 0 else ""),
-            ]
-            if spec.cp > 1:
-                cells.insert(5, _fmt(mode.cp1_grad_diffs[i], ".3e") if done and i < len(mode.cp1_grad_diffs) else "-")
-            table.add_row(*cells, end_section=i == rows - 1)
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    _add_rows(table, result, found)
     console.print(table)
     for name in REQUIRED:
         if name in found:
@@ -181,6 +158,35 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
                 rank = mode.failed_ranks[0] if mode.failed_ranks else "?"
                 console.print(f"[red]{name}[/red] traceback (rank {rank}):")
                 console.print(mode.traceback, markup=False, highlight=False)
+
+
+def _add_rows(table, result: RegressionResult, found: dict[str, Verdict]) -> None:
+    """One column per field, one row per mode and step (under CP also the difference to the run without CP)."""
+    cp = result.spec.cp > 1
+    columns = [("mode", "left"), ("step", "right"), ("loss", "right"), ("grad norm", "right"),
+               ("max |grad - ref|", "right"), ("idle experts", "right"), ("verdict", "left")]
+    if cp:
+        columns.insert(5, ("max |grad - CP=1|", "right"))
+    for col, justify in columns:
+        table.add_column(col, justify=justify)
+    for name, mode in result.modes.items():
+        verdict = found[name]
+        style = {"matches": "green", "reference": "cyan", "failed": "red", "diverged": "red"}.get(verdict.status, "")
+        rows = max(len(mode.losses), 1)
+        for i in range(rows):
+            done = i < len(mode.losses)
+            cells = [
+                name if i == 0 else "",
+                str(i) if done else "-",
+                _fmt(mode.losses[i], ".8f") if done else "-",
+                _fmt(mode.grad_norms[i], ".6g") if done else "-",
+                _fmt(mode.grad_diffs[i], ".3e") if done and i < len(mode.grad_diffs) else "-",
+                str(mode.idle_experts[i]) if done else "-",
+                f"[{style}]{verdict.text}[/{style}]" if i == 0 and style else (verdict.text if i == 0 else ""),
+            ]
+            if cp:
+                cells.insert(5, _fmt(mode.cp1_grad_diffs[i], ".3e") if done and i < len(mode.cp1_grad_diffs) else "-")
+            table.add_row(*cells, end_section=i == rows - 1)
 
 
 def _parallelism(spec) -> str:

@@ -28,6 +28,21 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
+def _merge_statuses(result: ModeResult, statuses: list[str], ctx: RankContext, world: int) -> ModeResult:
+    """The mode's result on every rank: the first failing rank's error, or the cache counts summed over ranks."""
+    errs = [(r, s[len("error:"):]) for r, s in enumerate(statuses) if s.startswith("error:")]
+    if errs and result.error is None:
+        result = ModeResult(result.mode)
+    if errs:
+        result.error = f"rank {errs[0][0]}: {errs[0][1]}" if world > 1 else errs[0][1]
+        result.failed_ranks = [r for r, _ in errs]
+    else:
+        cache = torch.tensor([result.cache.get(k, 0) for k in ("hit", "miss", "bypass")], dtype=torch.int64)
+        all_reduce(cache, ctx)
+        result.cache = dict(zip(("hit", "miss", "bypass"), cache.tolist()))
+    return result
+
+
 def run_under_torchrun(spec: RegressionSpec, on_step) -> RegressionResult:
     """Run every mode of ``spec`` in the processes ``torchrun`` started (every rank returns the same result)."""
     notes: list[str] = []
@@ -76,17 +91,7 @@ def run_under_torchrun(spec: RegressionSpec, on_step) -> RegressionResult:
             print(f"fla-ac-isolation regress: mode {mode!r} failed on rank {rank} while other ranks still wait "
                   f"in a collective; ending the job. Error: {result.error}", flush=True)
             os._exit(1)
-        statuses = [store.get(k).decode() for k in keys]
-        errs = [(r, s[len("error:"):]) for r, s in enumerate(statuses) if s.startswith("error:")]
-        if errs and result.error is None:
-            result = ModeResult(mode)
-        if errs:
-            result.error = f"rank {errs[0][0]}: {errs[0][1]}" if world > 1 else errs[0][1]
-            result.failed_ranks = [r for r, _ in errs]
-        else:
-            cache = torch.tensor([result.cache.get(k, 0) for k in ("hit", "miss", "bypass")], dtype=torch.int64)
-            all_reduce(cache, ctx)
-            result.cache = dict(zip(("hit", "miss", "bypass"), cache.tolist()))
+        result = _merge_statuses(result, [store.get(k).decode() for k in keys], ctx, world)
         result.seconds = time.monotonic() - start
         results[mode] = result
     if owns_group:  # leave no live gloo/NCCL group to interpreter shutdown
