@@ -12,6 +12,13 @@ receive, and in which FLA cache context the step runs.
 (:func:`~fla_ac_isolation.fla_cache.tensor_cache_disabled`); ``shared`` is what models do today (one
 ``cu_seqlens`` object for every layer), run so that each check shows the fault it guards against.
 
+Under context parallelism (``cp=CPConfig(...)``) the four keep their meaning for FLA's CP context (one
+context for every layer, or a fresh one per layer call), and a fifth mode exists, in :data:`CP_MODES`:
+
+* ``field``: checkpointed; :class:`FieldCPSeqlens`: every layer builds FLA's CP context inside its forward
+  from the one shared ``cu_seqlens`` (FLA's cached ``build_cp_context``, no host offsets), as models in
+  the field do: UNSAFE, on purpose. Meaningful only with CP.
+
 Example::
 
     mode = MODES["isolated"]
@@ -33,7 +40,7 @@ import torch
 from fla_ac_isolation.fla_seam.cache import tensor_cache_disabled
 from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens
 
-__all__ = ["MODES", "MODE_NAMES", "Mode", "SharedSeqlens", "get_mode"]
+__all__ = ["ALL_MODES", "CP_MODES", "MODES", "MODE_NAMES", "FieldCPSeqlens", "Mode", "SharedSeqlens", "get_mode"]
 
 
 class SharedSeqlens(LayerLocalSeqlens):
@@ -57,9 +64,49 @@ class SharedSeqlens(LayerLocalSeqlens):
             self._cu_seqlens, self._cu_seqlens_cpu if self._host_given else None, self.max_seqlen, self._chunk_indices
         )
 
-    def local(self) -> LocalSeqlens:
-        """The same objects on every call (the shared, unsafe behaviour)."""
+    def local(self, *, whole_batch: bool = False) -> LocalSeqlens:
+        """The same objects on every call (the shared, unsafe behaviour); under CP, one FLA CP context."""
+        if self._cp is not None and not whole_batch:
+            return self._cp.shared()
         return self._shared
+
+
+class FieldCPSeqlens(SharedSeqlens):
+    """UNSAFE under context parallelism, on purpose: each :meth:`local` builds FLA's CP context in the layer.
+
+    What a model in the field does: every layer calls FLA's ``build_cp_context`` inside its forward with the
+    one ``cu_seqlens`` object of the batch and no host offsets
+    (:func:`fla_ac_isolation.fla_seam.cp.build_cp_context_in_layer`). FLA's identity cache then misses in
+    the first layer's forward (on an accelerator it also copies the offsets to the host there) and hits in
+    its recompute, so a checkpointed region runs other ops in the recompute than in the forward. Built
+    like :class:`~fla_ac_isolation.LayerLocalSeqlens` with ``cp=`` (required here, with a process group).
+
+    Raises:
+        ValueError: ``cp`` is missing or has no process group (FLA's ``build_cp_context`` reads the rank
+            from the group).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._cp is None or self._cp.config.group is None:
+            raise ValueError(
+                "mode 'field' builds FLA's CP context inside each layer and needs cp=CPConfig(group=...); "
+                "it is meaningful only under context parallelism"
+            )
+
+    def local(self, *, whole_batch: bool = False) -> LocalSeqlens:
+        """FLA's context from the shared ``cu_seqlens``, built now (``whole_batch``: the shared global offsets)."""
+        if whole_batch:
+            return self._shared
+        from fla_ac_isolation.fla_seam.cp import build_cp_context_in_layer
+
+        cp = self._cp.config
+        context = build_cp_context_in_layer(
+            self._cu_seqlens, group=cp.group, layout=cp.layout, conv_kernel_size=cp.conv_kernel_size
+        )
+        return LocalSeqlens(context.cu_seqlens, context.cu_seqlens_cpu, self._cp.max_seqlen, None, context)
 
 
 @dataclass(frozen=True)
@@ -72,6 +119,8 @@ class Mode:
         checkpointed: the layers run under activation checkpointing.
         isolated: every layer gets fresh ``cu_seqlens`` objects (:class:`~fla_ac_isolation.LayerLocalSeqlens`).
         cache_disabled: FLA's tensor cache is disabled process-wide while the step runs.
+        field: every layer builds FLA's CP context from the shared ``cu_seqlens`` (:class:`FieldCPSeqlens`);
+            needs context parallelism.
     """
 
     name: str
@@ -79,10 +128,14 @@ class Mode:
     checkpointed: bool
     isolated: bool
     cache_disabled: bool
+    field: bool = False
 
     @property
     def seqlens_class(self) -> type[LayerLocalSeqlens]:
-        """:class:`~fla_ac_isolation.LayerLocalSeqlens` when isolated, else :class:`SharedSeqlens`."""
+        """:class:`~fla_ac_isolation.LayerLocalSeqlens` when isolated, :class:`FieldCPSeqlens` for ``field``,
+        else :class:`SharedSeqlens`."""
+        if self.field:
+            return FieldCPSeqlens
         return LayerLocalSeqlens if self.isolated else SharedSeqlens
 
     def seqlens(self, cu_seqlens: torch.Tensor, **kwargs: Any) -> LayerLocalSeqlens:
@@ -116,13 +169,22 @@ MODES: dict[str, Mode] = {
 
 MODE_NAMES: tuple[str, ...] = tuple(MODES)
 
+CP_MODES: dict[str, Mode] = {
+    "field": Mode("field", "UNSAFE: each layer builds FLA's CP context from the shared cu_seqlens", checkpointed=True,
+                  isolated=False, cache_disabled=False, field=True),
+}
+"""Modes that exist only under context parallelism (run after the four of :data:`MODES`)."""
+
+ALL_MODES: dict[str, Mode] = {**MODES, **CP_MODES}
+"""Every mode by name: :data:`MODES`, then :data:`CP_MODES`."""
+
 
 def get_mode(name: str) -> Mode:
-    """The :class:`Mode` called ``name``.
+    """The :class:`Mode` called ``name`` (one of :data:`ALL_MODES`).
 
     Raises:
         ValueError: naming ``name`` and the known modes.
     """
-    if name not in MODES:
-        raise ValueError(f"mode must be one of {MODE_NAMES}, got {name!r}")
-    return MODES[name]
+    if name not in ALL_MODES:
+        raise ValueError(f"mode must be one of {tuple(ALL_MODES)}, got {name!r}")
+    return ALL_MODES[name]

@@ -20,12 +20,15 @@ from __future__ import annotations
 import itertools
 import numbers
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fla_ac_isolation.fla_seam.layout import chunk_indices_for
+
+if TYPE_CHECKING:
+    from fla_ac_isolation.parallel.config import CPConfig
 
 __all__ = ["LayerLocalSeqlens", "LocalSeqlens", "devices_match"]
 
@@ -47,12 +50,17 @@ class LocalSeqlens(NamedTuple):
             ``prepare_chunk_indices`` and its host-to-device copy. ``None`` when the
             :class:`LayerLocalSeqlens` was built with
             ``chunk_indices=False`` and from :class:`~fla_ac_isolation.modes.SharedSeqlens`.
+        cp_context: under context parallelism (``LayerLocalSeqlens(..., cp=...)``), FLA's ``FLACPContext``
+            for this layer, holding the very ``cu_seqlens``/``cu_seqlens_cpu`` objects above (then the
+            RANK-LOCAL int32 offsets, ``max_seqlen`` the longest local piece and ``chunk_indices`` the
+            local schedule); pass it to FLA's CP-aware conv and gated delta rule. ``None`` without CP.
     """
 
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor | None
     max_seqlen: int
     chunk_indices: torch.Tensor | None = None
+    cp_context: Any = None
 
 
 @torch.compiler.disable
@@ -113,15 +121,24 @@ class LayerLocalSeqlens:
             gated delta rule, which then skip ``prepare_chunk_indices`` and the
             blocking host-to-device copy it ends with (a stream synchronisation per call). ``False``
             restores FLA's own computation inside every layer call.
+        cp: context parallelism (:class:`~fla_ac_isolation.parallel.CPConfig`: group, layout, conv width).
+            ``cu_seqlens`` (and ``num_tokens``) then describe the WHOLE packed batch of all CP ranks, and
+            FLA's CP context for this rank is built here, once, from the host offsets (no device-to-host
+            sync); :meth:`local` hands each layer a fresh copy (``LocalSeqlens.cp_context``), and
+            :meth:`check_tokens` expects this rank's ``T / W`` tokens. See ``docs/context-parallel.md``.
 
     Raises:
         TypeError: ``cu_seqlens``/``cu_seqlens_cpu`` is not a tensor, or not int32/int64; ``max_seqlen``
-            or ``num_tokens`` is not an ``int``; ``chunk_indices`` is not a bool.
+            or ``num_tokens`` is not an ``int``; ``chunk_indices`` is not a bool; ``cp`` is not a
+            :class:`~fla_ac_isolation.parallel.CPConfig`.
         ValueError: ``cu_seqlens`` is not 1-D with at least 2 entries, does not start at 0, decreases,
             is a meta tensor, sits on another device than ``device``, or its last value differs from ``num_tokens``;
             ``cu_seqlens_cpu`` is not on the CPU or differs in shape or values (compared as int64, so an
             int32 copy of larger offsets cannot pass); ``max_seqlen`` is smaller than the longest
-            document; ``num_tokens`` is negative; ``device`` is not a device.
+            document; ``num_tokens`` is negative; ``device`` is not a device; with ``cp``: ``cu_seqlens``
+            off the CPU without ``cu_seqlens_cpu``, a token count that does not split as ``cp.layout``
+            needs, an interval shorter than ``cp.conv_kernel_size - 1``
+            (:meth:`~fla_ac_isolation.parallel.CPConfig.check_num_tokens`).
 
     Ownership: the object keeps its own snapshot, one clone of ``cu_seqlens`` (and of
     ``cu_seqlens_cpu``) taken here and validated; mutating or reusing the caller's tensors afterwards
@@ -153,7 +170,8 @@ class LayerLocalSeqlens:
     """
 
     __slots__ = (
-        "_chunk_indices", "_cu_seqlens", "_cu_seqlens_cpu", "_host_given", "max_seqlen", "num_seqs", "num_tokens"
+        "_chunk_indices", "_cp", "_cu_seqlens", "_cu_seqlens_cpu", "_host_given", "max_seqlen", "num_seqs",
+        "num_tokens",
     )
 
     def __init__(
@@ -165,8 +183,13 @@ class LayerLocalSeqlens:
         device: torch.device | str | None = None,
         num_tokens: int | None = None,
         chunk_indices: bool = True,
+        cp: CPConfig | None = None,
     ) -> None:
         _check_index_tensor(cu_seqlens, "cu_seqlens")
+        if cp is not None:
+            from fla_ac_isolation.parallel.seqlens_cp import check_cp_arguments
+
+            check_cp_arguments(cp, cu_seqlens, cu_seqlens_cpu)
         if not isinstance(chunk_indices, bool):
             raise TypeError(f"chunk_indices must be a bool (precompute FLA's chunk schedule), got {chunk_indices!r}")
         if device is not None and not devices_match(cu_seqlens.device, _parse_device(device)):
@@ -200,6 +223,11 @@ class LayerLocalSeqlens:
         self._chunk_indices = (
             _to_device(chunk_indices_for(offsets).to(own.dtype), own.device) if chunk_indices else None
         )
+        self._cp = None
+        if cp is not None:
+            from fla_ac_isolation.parallel.seqlens_cp import CPSeqlens
+
+            self._cp = CPSeqlens(cp, host, cu_seqlens.device, chunk_indices=chunk_indices)
 
     # ----------------------------------------------------------------------------------------- builders
     @classmethod
@@ -211,6 +239,7 @@ class LayerLocalSeqlens:
         *,
         with_cpu: bool = True,
         chunk_indices: bool | None = None,
+        cp: CPConfig | None = None,
     ) -> LayerLocalSeqlens:
         """Build from document lengths, e.g. ``[5, 0, 17]`` -> ``cu_seqlens = [0, 5, 5, 22]``.
 
@@ -223,6 +252,7 @@ class LayerLocalSeqlens:
             with_cpu: also keep the host offsets as ``cu_seqlens_cpu`` (no sync needed later).
             chunk_indices: precompute FLA's chunk schedule (see the class); ``None``: the class default
                 (``True``; ``False`` for :class:`~fla_ac_isolation.modes.SharedSeqlens`).
+            cp: context parallelism (see the class): ``seq_lens`` are then the documents of the whole batch.
 
         Raises:
             TypeError: ``seq_lens`` is not an iterable of lengths (``None``, a string), a length is not an
@@ -242,7 +272,7 @@ class LayerLocalSeqlens:
             _check_available(target)
         host = torch.tensor(offsets, dtype=dtype)
         cu = host.to(target) if target is not None else host
-        return cls(cu, cu_seqlens_cpu=host if with_cpu else None, **_given(chunk_indices=chunk_indices))
+        return cls(cu, cu_seqlens_cpu=host if with_cpu else None, **_given(chunk_indices=chunk_indices, cp=cp))
 
     @classmethod
     def from_position_ids(
@@ -289,7 +319,7 @@ class LayerLocalSeqlens:
         return cls(offsets.to(position_ids.device), cu_seqlens_cpu=offsets, **_given(chunk_indices=chunk_indices))
 
     # --------------------------------------------------------------------------------------------- use
-    def local(self) -> LocalSeqlens:
+    def local(self, *, whole_batch: bool = False) -> LocalSeqlens:
         """Fresh ``cu_seqlens`` (and ``cu_seqlens_cpu``) objects for the calling layer.
 
         Call it inside the layer's forward, so inside its checkpointed region. Every call returns new
@@ -304,21 +334,39 @@ class LayerLocalSeqlens:
             recompute's cache miss costs no device-to-host sync. ``chunk_indices`` is the schedule
             precomputed at construction (``None`` if built with ``chunk_indices=False``); FLA ops that
             take it skip their own ``prepare_chunk_indices`` and its blocking copy (docs/benchmarks.md).
+            Under context parallelism (``cp=``): this rank's offsets and schedule and a fresh
+            ``cp_context`` (see :class:`LocalSeqlens`); with ``whole_batch=True`` the GLOBAL offsets of
+            the whole batch instead, fresh, with ``cp_context=None`` (for layers that run whole sequences:
+            head-parallel Mamba2, gathered attention). Without ``cp``, ``whole_batch`` changes nothing.
         """
+        if self._cp is not None and not whole_batch:
+            return self._cp.local()
         chunk_indices = _fresh(self._chunk_indices) if self._chunk_indices is not None else None
         return LocalSeqlens(_fresh(self._cu_seqlens), _fresh(self._cu_seqlens_cpu), self.max_seqlen, chunk_indices)
 
     def check_tokens(self, num_tokens: int, name: str = "hidden_states") -> None:
-        """Reject a batch whose packed token count differs from ``cu_seqlens[-1]``.
+        """Reject a batch whose packed token count differs from ``cu_seqlens[-1]`` (under CP: ``T / W``).
 
         Raises:
             ValueError: naming ``name`` and ``cu_seqlens`` when ``num_tokens != cu_seqlens[-1]``.
         """
-        if num_tokens != self.num_tokens:
+        if self._cp is not None and num_tokens != self._cp.num_tokens:
+            cp = self._cp.config
+            raise ValueError(
+                f"{name} has {num_tokens} packed tokens but CP rank {cp.rank} of {cp.world_size} holds "
+                f"{self._cp.num_tokens} of the cu_seqlens[-1] = {self.num_tokens} tokens ({cp.layout} layout): "
+                "shard the batch with fla_ac_isolation.parallel.shard_packed_batch"
+            )
+        if self._cp is None and num_tokens != self.num_tokens:
             raise ValueError(
                 f"{name} has {num_tokens} packed tokens but cu_seqlens[-1] = {self.num_tokens}: "
                 "the offsets must describe exactly the tokens of this batch"
             )
+
+    @property
+    def cp(self) -> CPConfig | None:
+        """The context-parallel configuration given at construction, or ``None``."""
+        return self._cp.config if self._cp is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -340,7 +388,8 @@ class LayerLocalSeqlens:
             f"LayerLocalSeqlens(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
             f"max_seqlen={self.max_seqlen}, device={self.device}, dtype={self.dtype}, "
             f"cu_seqlens_cpu={'given' if self._host_given else 'not given'}, "
-            f"chunk_indices={'precomputed' if self._chunk_indices is not None else 'off'})"
+            f"chunk_indices={'precomputed' if self._chunk_indices is not None else 'off'}"
+            + (f", cp={self._cp!r})" if self._cp is not None else ")")
         )
 
 

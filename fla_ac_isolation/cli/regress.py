@@ -5,6 +5,13 @@ Example (the README's main job; about a minute on a 2-core CPU machine)::
     fla-ac-isolation regress --model qwen3_5_moe --ep 2 --steps 3
     fla-ac-isolation regress --model nemotron_h --ac full --json out.json --plot out.png
     torchrun --nproc-per-node 2 -m fla_ac_isolation.cli regress --device cuda --ep 2   # ranks from torchrun
+    fla-ac-isolation regress --cp 2                       # context parallelism (FLA's CP), experts replicated
+    fla-ac-isolation regress --cp 2 --ep 2 --layout zigzag   # CP 2 x EP 2 on the same 2 ranks
+
+On a CPU, ``--cp`` runs FLA's CP kernels under Triton's interpreter: every rank gets
+``TRITON_INTERPRET=1`` and enters the test shims of :mod:`fla_ac_isolation.testing.cp_shims` (named by
+their module path, as ``RegressionSpec.rank_setup``; FLA's CP refuses non-CUDA devices otherwise), and
+the command says so.
 
 Exit codes: 0 when ``isolated`` and ``global-disable`` match ``no-ac``; 1 when one of them (or
 ``no-ac``) does not; 2 for invalid arguments, refused before any rank starts (``--timeout <= 0``,
@@ -22,10 +29,14 @@ import os
 from fla_ac_isolation.cli.console import add_policy_arguments, console, escape, parse_modes
 from fla_ac_isolation.extras import require
 from fla_ac_isolation.families import FAMILY_NAMES
-from fla_ac_isolation.modes import MODE_NAMES
+from fla_ac_isolation.modes import ALL_MODES, MODE_NAMES
 from fla_ac_isolation.ops import BACKENDS
+from fla_ac_isolation.parallel import LAYOUTS
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["CPU_CP_RANK_SETUP", "add_arguments", "run"]
+
+CPU_CP_RANK_SETUP = "fla_ac_isolation.testing.cp_shims:cpu_cp_harness"
+"""``rank_setup`` of a CPU regression under context parallelism: FLA's CP kernels under the interpreter."""
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -47,8 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.formatter_class = _HelpFormatter
     parser.add_argument("--model", choices=FAMILY_NAMES, default="qwen3_5_moe", help="model family")
-    parser.add_argument("--ep", type=int, default=2, help="expert-parallel degree = number of ranks")
-    parser.add_argument("--steps", type=int, default=3, help="AdamW steps per mode")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert-parallel degree (default 2 = number of ranks; with --cp: 1, or equal to --cp)")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree = number of ranks (FLA's CP; 1 = none); adds the 'field' mode "
+                             "and a one-rank run without CP as a second reference")
+    parser.add_argument("--layout", choices=LAYOUTS, default="contiguous", help="FLA's CP layout (with --cp)")
+    parser.add_argument("--steps", type=int, default=None, help="AdamW steps per mode (default 3; 2 with --cp)")
     add_policy_arguments(parser)
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="mixer backend (auto: FLA kernels on CUDA, reference on CPU)")
@@ -56,12 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: cuda when at least --ep GPUs are visible, else cpu")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: float32 on cpu, bfloat16 on cuda")
-    parser.add_argument("--hidden-size", type=int, default=None, help="model width (default 128 on cpu, 512 on cuda)")
+    parser.add_argument("--hidden-size", type=int, default=None,
+                        help="model width (default 128 on cpu, 64 on cpu with --cp, 512 on cuda)")
     parser.add_argument("--layers", type=int, default=4, help="decoder blocks")
     parser.add_argument("--experts", type=int, default=16, help="routed experts per MoE")
     parser.add_argument("--top-k", type=int, default=4, help="experts per token")
-    parser.add_argument("--modes", default=",".join(MODE_NAMES),
-                        help="comma-separated subset of " + ", ".join(MODE_NAMES) + " (no-ac always runs)")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated subset of " + ", ".join(ALL_MODES) + " (default: all; field only "
+                             "with --cp; no-ac always runs)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--rtol", type=float, default=None,
@@ -119,18 +137,29 @@ def _spec(args: argparse.Namespace):
 
     from fla_ac_isolation.regression.spec import RegressionSpec
 
+    cp = args.cp
+    ep = args.ep if args.ep is not None else (2 if cp == 1 else 1)
+    ranks = cp if cp > 1 else ep
     device = args.device
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ep else "cpu"
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    hidden = args.hidden_size or (512 if device == "cuda" else 128)
-    modes = tuple(parse_modes(args.modes, MODE_NAMES))
-    return RegressionSpec(
-        model=args.model, ep=args.ep, steps=args.steps, ac=args.ac, policy=args.policy, freq=args.freq,
-        backend=args.backend, device=device, dtype=dtype, hidden_size=hidden, num_layers=args.layers,
-        num_experts=args.experts, top_k=args.top_k, seed=args.seed, lr=args.lr, modes=modes,
-        timeout_s=args.timeout, early_stop=not args.no_early_stop,
-    ).validate()
+    hidden = args.hidden_size or (512 if device == "cuda" else 64 if cp > 1 else 128)
+    modes = tuple(parse_modes(args.modes, tuple(ALL_MODES) if cp > 1 else MODE_NAMES)) if args.modes else None
+    cpu_cp = {}
+    if cp > 1 and device == "cpu":  # FLA's CP kernels under Triton's interpreter, with the test shims
+        from fla_ac_isolation.regression.model import RECIPES
+
+        backend = "fla" if args.backend == "auto" and RECIPES[args.model].fla_cp else args.backend
+        if backend == "fla":  # Nemotron-H's head-parallel Mamba2 runs the reference ops without it
+            cpu_cp = {"backend": backend, "env": (("TRITON_INTERPRET", "1"),), "rank_setup": CPU_CP_RANK_SETUP}
+    return RegressionSpec(**{
+        "model": args.model, "ep": ep, "cp": cp, "cp_layout": args.layout,
+        "steps": args.steps or (2 if cp > 1 else 3), "ac": args.ac, "policy": args.policy, "freq": args.freq,
+        "backend": args.backend, "device": device, "dtype": dtype, "hidden_size": hidden,
+        "num_layers": args.layers, "num_experts": args.experts, "top_k": args.top_k, "seed": args.seed,
+        "lr": args.lr, "modes": modes, "timeout_s": args.timeout, "early_stop": not args.no_early_stop, **cpu_cp,
+    }).validate()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"[red]fla-ac-isolation regress: error:[/red] {escape(str(err))}")
         return 2
     is_rank0 = not under_torchrun() or os.environ.get("RANK") == "0"
+    if is_rank0 and spec.rank_setup == CPU_CP_RANK_SETUP:
+        out.print("note: CPU run under context parallelism: every rank runs FLA's kernels under Triton's interpreter "
+                  f"(TRITON_INTERPRET=1) with the test shims of {CPU_CP_RANK_SETUP}")
     progress = None
     if is_rank0 and not args.no_progress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -171,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_regression(spec)
     else:
         with progress:
-            task = progress.add_task(f"starting {spec.ep} rank(s)", total=total)
+            task = progress.add_task(f"starting {spec.world} rank(s)", total=total)
 
             def on_step(mode: str, step: int) -> None:
                 done = modes.index(mode) * spec.steps + step + 1

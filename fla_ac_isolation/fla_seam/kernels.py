@@ -24,6 +24,12 @@ size is :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`
 (:func:`~fla_ac_isolation.fla_seam.layout.conv_takes_chunk_indices`), and otherwise left for FLA to
 compute. A schedule for another chunk size would be read silently wrong by the kernel.
 
+Context parallelism: the conv and the gated delta rule take FLA's ``cp_context`` (an ``FLACPContext``,
+``LocalSeqlens.cp_context``); the tensors are then this rank's shard and FLA takes the rank-local offsets
+from the context (``cu_seqlens`` is not passed), exchanging conv history and recurrent states with the
+other ranks of ``cp_context.group``. ``chunk_indices`` must then be the RANK-LOCAL schedule. FLA's simple
+GLA (behind :func:`ssd`) has no CP in FLA 0.6.
+
 FLA is imported inside each function, never at import. The kernels need CUDA tensors (or
 ``TRITON_INTERPRET=1`` with :mod:`fla_ac_isolation.testing` shims on CPU).
 """
@@ -59,14 +65,23 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
+    cp_context: object | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv1d reset at every document; see :func:`reference.causal_conv1d`.
 
-    ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` or ``None`` -> ``[B, T, D]`` (dtype of ``x``).
+    ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` or ``None`` -> ``[B, T, D]`` (dtype of ``x``). With
+    ``cp_context``: ``x [1, T / W, D]`` is this rank's shard and the result too (FLA's
+    ``causal_conv1d_cp``; the gradients of ``weight``/``bias`` are this rank's part, summed by the caller).
     """
     from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
 
     _check_device(x)
+    if cp_context is not None:
+        y, _ = fla_causal_conv1d(
+            x=x, weight=weight, bias=bias, activation=activation, backend="triton", cp_context=cp_context,
+            chunk_indices=chunk_indices if conv_takes_chunk_indices() else None,
+        )
+        return y
     y, _ = fla_causal_conv1d(
         x=x,
         weight=weight,
@@ -92,14 +107,18 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
+    cp_context: object | None = None,
 ) -> torch.Tensor:
     """The gated delta rule on FLA's chunk kernel; see :func:`reference.chunk_gated_delta_rule`.
 
-    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]``.
+    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]``. With
+    ``cp_context``: ``T`` is this rank's ``T / W`` tokens; FLA passes the states along the ranks.
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
     _check_device(q)
+    if cp_context is not None:
+        cu_seqlens = cu_seqlens_cpu = None  # FLA reads the rank-local offsets from the context
     out, _ = fla_chunk_gated_delta_rule(
         q=q,
         k=k,
@@ -112,6 +131,7 @@ def chunk_gated_delta_rule(
         cu_seqlens_cpu=cu_seqlens_cpu,
         chunk_indices=chunk_indices,
         chunk_size=CHUNK_SIZE,
+        cp_context=cp_context,
     )
     return out
 

@@ -18,6 +18,12 @@ every ``cu_seqlens`` offset), each call takes this layer's own ``cu_seqlens`` ob
 checkpointing), and the backend is chosen explicitly (``fla`` kernels on CUDA, the pure-torch
 ``reference`` elsewhere). Cached generation is not implemented.
 
+Context parallelism: with ``seqlens`` built with ``cp=CPConfig(...)``, ``hidden_states`` is this rank's
+shard ``[1, T / W, D]`` and the layer runs FLA's CP-aware conv and gated delta rule with the fresh
+``cp_context`` of ``seqlens.local()`` (same parameters; FLA exchanges conv history and states between
+ranks). The gradients of the replicated parameters (``conv1d.weight`` included) are then this rank's
+part: sum them over the CP group, as a data-parallel reduction over the CP ranks does.
+
 The model-specific classes (:mod:`.qwen3_5_moe`, :mod:`.qwen3_8`) only choose the output gate.
 """
 
@@ -39,6 +45,7 @@ from fla_ac_isolation.mixers._common import (
     resolve_seqlens,
     text_config,
 )
+from fla_ac_isolation.mixers._cp import check_cp_conv
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm"]
@@ -199,7 +206,8 @@ class GatedDeltaNet(nn.Module):
                 ``T == 0`` without offsets.
             TypeError: ``hidden_states`` not a float tensor, or (outside autocast) of another dtype than the
                 weights, naming both; ``seqlens`` of the wrong type; non-integer offsets.
-            NotImplementedError: a cache was passed.
+            NotImplementedError: a cache was passed; context parallelism with the reference backend or with
+                ``saveable=True``.
         """
         reject_cache(cache=cache, cache_params=cache_params, past_key_values=past_key_values)
         batch, tokens = check_hidden_states(hidden_states, self.hidden_size, self.in_proj_qkv.weight)
@@ -214,6 +222,9 @@ class GatedDeltaNet(nn.Module):
             "saveable": self.saveable,
         }
         chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
+        cp_context = local.cp_context if local is not None else None  # FLA's CP metadata (context parallelism)
+        if cp_context is not None:
+            check_cp_conv(cp_context, self.backend, hidden_states, self.conv_kernel_size, self.saveable)
         hidden_states = apply_padding_mask(hidden_states, attention_mask)
 
         # 1. Projections: q, k, v (through the conv), output gate z, write strength b, decay input a.
@@ -225,7 +236,7 @@ class GatedDeltaNet(nn.Module):
         # 2. Short causal conv + SiLU, restarted at every document.
         mixed_qkv = ops.causal_conv1d(
             mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation,
-            chunk_indices=chunk_indices, **varlen,
+            chunk_indices=chunk_indices, cp_context=cp_context, **varlen,
         )
         query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(batch, tokens, self.num_k_heads, self.head_k_dim)       # [B, T, H, K]
@@ -238,7 +249,7 @@ class GatedDeltaNet(nn.Module):
 
         # 4. Gated delta rule (q, k L2-normalised inside; value heads share key heads in groups).
         core = ops.chunk_gated_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=True,
-                                           chunk_indices=chunk_indices, **varlen)
+                                           chunk_indices=chunk_indices, cp_context=cp_context, **varlen)
 
         # 5. Per-head RMSNorm, output gate, output projection.
         core = self.norm(core, z)                                                     # [B, T, HV, V]

@@ -18,6 +18,10 @@ the next. Here the conv and the scan restart at every ``cu_seqlens`` offset, eac
 ``cu_seqlens`` (:meth:`~fla_ac_isolation.LayerLocalSeqlens.local`) inside ``forward``, and the backend is
 explicit (FLA's conv and ``chunk_simple_gla`` on CUDA, the pure-torch reference elsewhere; see
 :mod:`fla_ac_isolation.ops.fla` for why SSD runs on simple GLA). Cached generation is not implemented.
+
+Context parallelism: FLA 0.6 has no CP for simple GLA, so with ``seqlens`` built with ``cp=CPConfig(...)``
+the mixer runs head-parallel (:mod:`fla_ac_isolation.mixers.nemotron_h_cp`): two all-to-alls, and whole
+sequences per rank for ``mamba_num_heads / W`` heads with the existing ops and the global offsets.
 """
 
 from __future__ import annotations
@@ -214,13 +218,19 @@ class NemotronHMamba2Mixer(nn.Module):
         Raises:
             ValueError: wrong hidden size or rank; packed input with ``B > 1``; token count differs from
                 ``cu_seqlens[-1]``; offsets on another device; bad ``cu_seq_lens_q``, attention mask or
-                ``seq_idx`` without offsets; ``T == 0`` without offsets.
+                ``seq_idx`` without offsets; ``T == 0`` without offsets; under context parallelism,
+                ``mamba_num_heads`` not divisible by the CP degree
+                (:func:`~fla_ac_isolation.mixers.nemotron_h_cp.head_shard`) or a padding mask.
             TypeError: ``hidden_states`` not a float tensor, or (outside autocast) of another dtype than the
                 weights, naming both; ``seqlens`` of the wrong type; non-integer offsets.
             NotImplementedError: a cache was passed.
         """
         reject_cache(cache=cache, cache_params=cache_params, past_key_values=past_key_values)
         batch, tokens = check_hidden_states(hidden_states, self.hidden_size, self.in_proj.weight)
+        if isinstance(seqlens, LayerLocalSeqlens) and seqlens.cp is not None:  # context parallelism
+            from fla_ac_isolation.mixers.nemotron_h_cp import head_parallel_forward
+
+            return head_parallel_forward(self, hidden_states, seqlens, attention_mask=attention_mask)
         local = resolve_seqlens(
             seqlens, hidden_states,
             cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, seq_idx=kwargs.get("seq_idx"),

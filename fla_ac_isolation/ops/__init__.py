@@ -35,6 +35,10 @@ saves. Outputs per call:
 * ``causal_conv1d``: ``y [B, T, D]`` (dtype of x).
 * ``ssd`` (``fla``, FLA's simple GLA): ``o [B, T, H, P]`` (dtype of x), ``g_cumsum [B, T, H]`` fp32;
   (``reference``, the scan): ``y [B, T, H, P]`` in float32.
+
+Context parallelism: the conv and the gated delta rule take ``cp_context`` (``LocalSeqlens.cp_context``),
+FLA's CP metadata; only the ``fla`` backend has CP kernels (:func:`check_cp_backend`), and they are not
+wrapped as custom operators (``saveable=True`` with ``cp_context`` is refused).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ __all__ = [
     "causal_conv1d",
     "check_backend",
     "check_chunk_indices",
+    "check_cp_backend",
     "check_saveable",
     "chunk_gated_delta_rule",
     "resolve_backend",
@@ -150,6 +155,34 @@ def check_chunk_indices(chunk_indices: torch.Tensor | None, cu_seqlens: torch.Te
         )
 
 
+def check_cp_backend(cp_context: object | None, backend: str, tensor: torch.Tensor, saveable: bool = False) -> None:
+    """Refuse context parallelism on a backend without CP kernels, or through the custom operators.
+
+    Raises:
+        NotImplementedError: ``cp_context`` is given and ``backend`` resolves to ``reference`` for ``tensor``
+            (the pure-torch backend computes whole sequences only; FLA's CP kernels are the ``fla`` backend:
+            CUDA, or a CPU under ``TRITON_INTERPRET=1`` with the test shims of
+            :mod:`fla_ac_isolation.testing.cp_shims`); ``cp_context`` with ``saveable=True`` (FLA's CP
+            kernels are not wrapped as custom operators).
+    """
+    if cp_context is None:
+        return
+    if saveable:
+        raise NotImplementedError(
+            "saveable=True cannot run context parallelism: FLA's CP kernels are not wrapped as custom operators; "
+            "use saveable=False with cp_context"
+        )
+    if resolve_backend(backend, tensor) != "reference":
+        return
+    chosen = f"backend={backend!r}" + (f" (which picks 'reference' for {tensor.device.type} tensors)"
+                                       if backend == "auto" else "")
+    raise NotImplementedError(
+        f"context parallelism needs FLA's CP kernels, but {chosen} has none: the reference backend computes "
+        "whole sequences only; use backend='fla' (CUDA, or a CPU under TRITON_INTERPRET=1 with "
+        "fla_ac_isolation.testing.cp_shims)"
+    )
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -159,6 +192,7 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
+    cp_context: object | None = None,
     backend: Backend = "auto",
     saveable: bool = False,
 ) -> torch.Tensor:
@@ -167,13 +201,22 @@ def causal_conv1d(
     ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` -> ``[B, T, D]``. See
     :func:`fla_ac_isolation.ops.reference.causal_conv1d` for the details. ``saveable=True``: one custom
     operator (``fla_ac_isolation::causal_conv1d`` | ``causal_conv1d_reference``), see the module docstring.
+    With ``cp_context`` (FLA's ``FLACPContext``): ``x`` is this rank's ``[1, T / W, D]`` shard, FLA's
+    ``causal_conv1d_cp`` fetches the conv history from the previous rank, and ``weight``/``bias`` receive
+    this rank's part of their gradient (sum it over the CP group).
 
     Raises:
         ValueError: unknown ``backend``; malformed ``chunk_indices`` (:func:`check_chunk_indices`); the
             backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
         TypeError: ``chunk_indices`` is not an integer tensor; ``saveable`` is not a bool.
+        NotImplementedError: ``cp_context`` with the reference backend or ``saveable=True``
+            (:func:`check_cp_backend`).
     """
     check_chunk_indices(chunk_indices, cu_seqlens)
+    check_cp_backend(cp_context, backend, x, saveable)
+    if cp_context is not None:
+        return fla_backend.causal_conv1d(x, weight, bias, activation=activation, chunk_indices=chunk_indices,
+                                         cp_context=cp_context)
     return _module(backend, x, saveable).causal_conv1d(
         x, weight, bias, activation=activation, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         chunk_indices=chunk_indices,
@@ -192,6 +235,7 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
+    cp_context: object | None = None,
     backend: Backend = "auto",
     saveable: bool = False,
 ) -> torch.Tensor:
@@ -200,13 +244,22 @@ def chunk_gated_delta_rule(
     ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]``. See
     :func:`fla_ac_isolation.ops.reference.chunk_gated_delta_rule`. ``saveable=True``: one custom operator
     (``fla_ac_isolation::gated_delta_rule`` | ``gated_delta_rule_reference``), see the module docstring.
+    With ``cp_context``: ``T`` is this rank's ``T / W`` tokens and FLA passes the recurrent states along the
+    CP ranks (``fla.ops.gated_delta_rule.chunk_gated_delta_rule(..., cp_context=)``).
 
     Raises:
         ValueError: unknown ``backend``; malformed ``chunk_indices`` (:func:`check_chunk_indices`); the
             backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
         TypeError: ``chunk_indices`` is not an integer tensor; ``saveable`` is not a bool.
+        NotImplementedError: ``cp_context`` with the reference backend or ``saveable=True``
+            (:func:`check_cp_backend`).
     """
     check_chunk_indices(chunk_indices, cu_seqlens)
+    check_cp_backend(cp_context, backend, q, saveable)
+    if cp_context is not None:
+        return fla_backend.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale,
+                                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                                  chunk_indices=chunk_indices, cp_context=cp_context)
     return _module(backend, q, saveable).chunk_gated_delta_rule(
         q, k, v, g, beta,
         scale=scale,

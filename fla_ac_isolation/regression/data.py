@@ -16,6 +16,15 @@ Shape of the schedule (``T`` packed tokens per rank and step, ``N`` documents):
 Labels are next-token targets within a document; the last token of each document has no target
 (``-100``). The loss is the sum of token cross-entropies over all ranks divided by the global number of
 targets, so per-rank gradients add up to the gradient of the global mean.
+
+Under context parallelism every rank trains on ONE global batch (:func:`cp_batch`), cut by
+:func:`fla_ac_isolation.parallel.shard_packed_batch` after the labels were shifted. Its 128 tokens are
+laid out for the cuts of FLA's layouts over 2 ranks (contiguous: 64; zigzag: 32, 64, 96):
+``[10, 0, 30, 88]`` (the last document crosses the contiguous cut and rank 1 of the contiguous layout
+holds no document start) and ``[10, 0, 20, 70, 28]`` (a document over three zigzag cuts; rank 1 of the
+zigzag layout holds no document start); both have a zero-length document. Step 0 packs the one made
+for the layout (the step the run without CP is compared with gradient by gradient), step 1 the other.
+A token count that does not split is padded with a last document whose labels are all ignored.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedBatch", "global_batch", "rank_batch"]
+__all__ = ["CP_SCHEDULE", "PackedBatch", "cp_batch", "global_batch", "rank_batch"]
 
 IGNORE_INDEX = -100
 
@@ -102,3 +111,35 @@ def global_batch(
         tuple(n for p in parts for n in p.seq_lens),
         parts[0].num_targets_global,
     )
+
+
+CP_SCHEDULE: dict[str, tuple[tuple[int, ...], ...]] = {
+    "contiguous": ((10, 0, 30, 88), (10, 0, 20, 70, 28)),
+    "zigzag": ((10, 0, 20, 70, 28), (10, 0, 30, 88)),
+}
+"""Document lengths of the context-parallel batch per layout, per step (cycled)."""
+
+
+def cp_batch(
+    step: int, *, layout: str = "contiguous", multiple: int = 1, seed: int = 0, vocab_size: int = 256
+) -> PackedBatch:
+    """The one global batch of ``step`` under context parallelism (every CP rank shards it).
+
+    Args:
+        step: training step (``CP_SCHEDULE[layout]`` is cycled).
+        layout: the CP layout (step 0 packs the batch made for its cuts).
+        multiple: the token count is padded up to a multiple of it (``CPConfig.num_parts``) with a last
+            document whose labels are all ``-100``.
+        seed: token ids.
+        vocab_size: token ids are drawn from ``[0, vocab_size)``.
+    """
+    schedule = CP_SCHEDULE[layout]
+    lens = list(schedule[step % len(schedule)])
+    docs = _tokens(seed, step, 0, lens, vocab_size)
+    labels = _labels(docs)
+    pad = -sum(lens) % multiple
+    if pad:
+        lens.append(pad)
+        docs.append(torch.zeros(pad, dtype=torch.int64))
+        labels = torch.cat([labels, torch.full((pad,), IGNORE_INDEX)])
+    return PackedBatch(torch.cat(docs)[None], labels[None], tuple(lens), int((labels != IGNORE_INDEX).sum()))

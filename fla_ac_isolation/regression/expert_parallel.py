@@ -17,7 +17,9 @@ What this module adds is only the environment torchtitan expects:
   uses for size-1 axes.
 * :func:`expert_parallel_dims` / :func:`apply_expert_parallel` - a torchtitan ``ParallelDims`` with
   ``ep = world_size`` (all ranks are data-parallel and expert-parallel; no FSDP) and the call that
-  shards every MoE of a model on it.
+  shards every MoE of a model on it. Under context parallelism (``cp = world_size``) the EP ranks are
+  borrowed from the CP ranks exactly as torchtitan does it (``ParallelDims(cp=cp, ep=ep)``: its sparse
+  mesh ``(dp_replicate, efsdp, ep)`` with ``efsdp = dp_shard * cp / ep``).
 
 Gradients of non-expert parameters are per-rank partial sums (the data-parallel reduction that FSDP
 would do is done by the harness); expert gradients are complete on their owning rank after backward.
@@ -166,20 +168,23 @@ def build_moe(shape: MoEShape, *, num_layers: int, ep_enabled: bool) -> nn.Modul
     return moe
 
 
-def expert_parallel_dims(world_size: int):
-    """torchtitan ``ParallelDims`` with EP over all ``world_size`` ranks (data parallel, no FSDP/TP/CP/PP)."""
+def expert_parallel_dims(world_size: int, *, cp: int = 1):
+    """torchtitan ``ParallelDims`` with EP over all ``world_size`` ranks (data parallel, or ``cp`` ranks of
+    context parallelism; no FSDP/TP/PP)."""
     from torchtitan.distributed.parallel_dims import ParallelDims
 
     dims = ParallelDims(
-        dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=world_size, world_size=world_size,
+        dp_replicate=1, dp_shard=-1, cp=cp, tp=1, pp=1, ep=world_size, world_size=world_size,
         spmd_backend="partial_dtensor",
     )
     dims.build_mesh()
     return dims
 
 
-def apply_expert_parallel(moes: list[nn.Module], world_size: int) -> None:
+def apply_expert_parallel(moes: list[nn.Module], world_size: int, *, cp: int = 1) -> None:
     """Shard every MoE in ``moes`` over an EP mesh of ``world_size`` ranks with torchtitan's plan.
+
+    ``cp``: the context-parallel degree the ranks also form (``1`` or ``world_size``).
 
     Requires an initialised default process group and :func:`setup_torchtitan`. Routed-expert weights
     become ``DTensor`` s ``Shard(0)`` on the ``ep`` axis (``E / world_size`` local experts per rank);
@@ -188,7 +193,7 @@ def apply_expert_parallel(moes: list[nn.Module], world_size: int) -> None:
     Raises:
         ValueError: the number of experts is not a multiple of ``world_size``.
     """
-    dims = expert_parallel_dims(world_size)
+    dims = expert_parallel_dims(world_size, cp=cp)
     for moe in moes:
         experts = moe.routed_experts.inner_experts.num_experts
         if experts % world_size:

@@ -1,8 +1,10 @@
-"""The launcher: one set of ``spec.ep`` worker processes per mode, and how their failures are collected.
+"""The launcher: one set of ``spec.world`` worker processes per mode, and how their failures are collected.
 
-:func:`run_spawned` starts ``spec.ep`` worker processes per mode (on CPU from a ``forkserver`` preloaded
-with torch, FLA, torchtitan and transformers, so that a start costs about a second; on CUDA by
-``spawn``); gloo on CPU, NCCL on CUDA (one GPU per rank). One launch per mode keeps modes independent: a
+:func:`run_spawned` starts ``spec.world`` worker processes per mode (on CPU from a ``forkserver`` preloaded
+with torch, FLA, torchtitan and transformers, so that a start costs about a second; on CUDA, or when the
+spec sets environment variables for the ranks (``spec.env``, e.g. ``TRITON_INTERPRET=1``), by ``spawn``);
+gloo on CPU, NCCL on CUDA (one GPU per rank). Under context parallelism the
+:data:`~.spec.CP1_REFERENCE` run comes first, on one process. One launch per mode keeps modes independent: a
 mode that crashes, on one rank or all, is recorded as failed; its surviving ranks are killed within
 ``FAILURE_GRACE_S`` seconds (they would otherwise wait in a collective until the process-group timeout),
 and the next mode starts fresh. The ``no-ac`` workers write their per-step gradients to a temporary
@@ -33,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from fla_ac_isolation.failures import first_line
-from fla_ac_isolation.regression.spec import ModeResult, RegressionResult, RegressionSpec
+from fla_ac_isolation.regression.spec import CP1_REFERENCE, ModeResult, RegressionResult, RegressionSpec
 from fla_ac_isolation.regression.train import RankContext, run_mode_on_rank, setup_process
 
 __all__ = ["FAILURE_GRACE_S", "run_spawned"]
@@ -63,14 +65,12 @@ def _worker_main(rank: int, world: int, port: int, spec: RegressionSpec, mode: s
             group = dist.group.WORLD
         events.put(("started", rank, os.getpid()))
         ctx = RankContext(rank, world, device, group)
-        reference = None
-        ref_path = os.path.join(workdir, f"no-ac.rank{rank}.pt")
-        if mode != "no-ac" and os.path.exists(ref_path):
-            reference = torch.load(ref_path)
+        reference = _load(workdir, "no-ac", rank) if mode not in ("no-ac", CP1_REFERENCE) else None
+        cp1_reference = _load(workdir, CP1_REFERENCE, 0) if spec.cp > 1 and mode != CP1_REFERENCE else None
         on_step = (lambda step: events.put(("step", rank, step))) if rank == 0 else None
-        result, grads = run_mode_on_rank(spec, mode, ctx, reference, on_step)
-        if mode == "no-ac":
-            torch.save(grads, ref_path)
+        result, grads = run_mode_on_rank(spec, mode, ctx, reference, on_step, cp1_reference=cp1_reference)
+        if mode in ("no-ac", CP1_REFERENCE):
+            torch.save(grads, os.path.join(workdir, f"{mode}.rank{rank}.pt"))
         events.put(("result", rank, asdict(result)))
         if world > 1:
             dist.barrier()
@@ -88,6 +88,12 @@ class _Hooks:
 
     on_step: Callable[[str, int], None] | None = None
     on_rank_start: Callable[[str, int, int], None] | None = None
+
+
+def _load(workdir: str, mode: str, rank: int) -> list[torch.Tensor] | None:
+    """The per-step flat gradients a reference run (``no-ac``, :data:`CP1_REFERENCE`) saved, if it completed."""
+    path = os.path.join(workdir, f"{mode}.rank{rank}.pt")
+    return torch.load(path) if os.path.exists(path) else None
 
 
 def _free_port() -> int:
@@ -185,7 +191,7 @@ def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str], hoo
             return out
 
 
-def _merge(outcome: _Outcome, spec: RegressionSpec, mode: str, seconds: float) -> ModeResult:
+def _merge(outcome: _Outcome, spec: RegressionSpec, mode: str, seconds: float, nprocs: int) -> ModeResult:
     """One :class:`ModeResult` of a launch: rank 0's numbers, cache counts summed over ranks, the first error."""
     merged = ModeResult(mode, seconds=seconds)
     if 0 in outcome.results:
@@ -200,50 +206,70 @@ def _merge(outcome: _Outcome, spec: RegressionSpec, mode: str, seconds: float) -
     if outcome.errors:
         first = next(iter(outcome.errors))  # later errors are usually consequences (a peer's connection reset)
         text, trace = outcome.errors[first]
-        merged.error = f"rank {first}: {text}" if spec.ep > 1 else text
+        merged.error = f"rank {first}: {text}" if nprocs > 1 else text
         merged.traceback = trace or None
         merged.failed_ranks = list(outcome.errors)
     elif outcome.timed_out:
         merged.error = f"timed out after {spec.timeout_s:.0f} s"
-    elif len(outcome.results) < spec.ep:
+    elif len(outcome.results) < nprocs:
         merged.error = "ranks exited without a result"
     return merged
 
 
 def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: list[str], hooks: _Hooks) -> ModeResult:
-    """Start ``spec.ep`` workers for ``mode``, watch them, stop the survivors, merge what they reported.
+    """Start ``spec.world`` workers (one for :data:`CP1_REFERENCE`) for ``mode``, watch them, stop the
+    survivors, merge what they reported.
 
     The workers are stopped and reaped however this ends (a hook that raises, ``KeyboardInterrupt``).
     """
     events = mp_ctx.Queue()
     procs = []
+    nprocs = 1 if mode == CP1_REFERENCE else spec.world
     start = time.monotonic()
     try:
         port = _free_port()
         procs = [
-            mp_ctx.Process(target=_worker_main, args=(r, spec.ep, port, spec, mode, workdir, events), daemon=True,
+            mp_ctx.Process(target=_worker_main, args=(r, nprocs, port, spec, mode, workdir, events), daemon=True,
                            name=f"fla-ac-regress-{mode}-rank{r}")
-            for r in range(spec.ep)
+            for r in range(nprocs)
         ]
-        for p in procs:
-            p.start()
+        with _environment(spec.env):
+            for p in procs:
+                p.start()
         outcome = _watch(procs, events, spec, mode, notes, hooks)
     finally:
         _stop(procs)
         with contextlib.suppress(Exception):
             events.close()
-    return _merge(outcome, spec, mode, time.monotonic() - start)
+    return _merge(outcome, spec, mode, time.monotonic() - start, nprocs)
 
 
-def _mp_context(device: str):
-    """``forkserver`` preloaded with the heavy imports on CPU; plain ``spawn`` on CUDA.
+@contextlib.contextmanager
+def _environment(env: tuple[tuple[str, str], ...]):
+    """``os.environ`` updated with ``env`` while rank processes start (``spawn`` copies it), then restored."""
+    saved = {name: os.environ.get(name) for name, _ in env}
+    os.environ.update(dict(env))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _mp_context(device: str, env: tuple[tuple[str, str], ...] = ()):
+    """``forkserver`` preloaded with the heavy imports on CPU; plain ``spawn`` on CUDA or with ``env``.
 
     On CUDA the preload would be unsafe: importing FLA queries the GPU (its Hopper/Triton checks), which
-    initialises CUDA in the fork server, and forked children could then not use CUDA.
+    initialises CUDA in the fork server, and forked children could then not use CUDA. With ``env`` the
+    variables must be set before the rank imports anything (``TRITON_INTERPRET`` is read when FLA's
+    kernels are decorated), which a fork server started earlier cannot give.
     """
     import multiprocessing
 
-    if device == "cuda":
+    if device == "cuda" or env:
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["fla_ac_isolation.regression._preload"])
@@ -262,7 +288,7 @@ def run_spawned(
     is recorded as that mode's failure and the next mode runs; ``KeyboardInterrupt`` stops the run
     (after the workers are stopped).
     """
-    mp_ctx = _mp_context(spec.device)
+    mp_ctx = _mp_context(spec.device, spec.env)
     hooks = _Hooks(on_step, on_rank_start)
     notes: list[str] = []
     modes: dict[str, ModeResult] = {}

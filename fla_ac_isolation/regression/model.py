@@ -17,6 +17,13 @@ Token mixers are this package's drop-ins (:mod:`fla_ac_isolation.mixers`), chose
 is torchtitan's (:mod:`.expert_parallel`). Attention is causal *per document* (block-diagonal over
 ``cu_seqlens``), written with plain ``scaled_dot_product_attention`` and a boolean mask.
 
+Under context parallelism (``seqlens.cp`` set; every tensor holds this rank's ``T / W`` tokens) the mixers
+run their CP paths, and attention keeps it simple: each rank's queries attend to the keys and values of
+ALL ranks, gathered with torch's autograd all-gather and put in packed order
+(:func:`~fla_ac_isolation.parallel.gather_unshard`), through the rows of the per-document causal mask that
+belong to this rank's tokens (global positions, :func:`~fla_ac_isolation.parallel.cp_token_index`). The
+memory of that is ``T`` keys per rank, fine for a regression (ring attention is the scalable form).
+
 The decoder builds nothing per layer: :meth:`TinyDecoder.forward` takes ONE ``LayerLocalSeqlens`` (or the
 unsafe :class:`~fla_ac_isolation.modes.SharedSeqlens`) for the whole forward and hands it to every
 layer; each mixer calls ``.local()`` inside its own forward.
@@ -33,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fla_ac_isolation.families import FAMILIES
+from fla_ac_isolation.parallel import CPConfig, cp_token_index, gather_unshard
 from fla_ac_isolation.regression.expert_parallel import MoEShape, build_moe
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
@@ -59,7 +67,9 @@ class ModelSize:
 
     @property
     def head_dim(self) -> int:
-        return 32 if self.hidden_size <= 256 else 64
+        """Channels per attention and linear-attention head: 16 up to hidden 64 (the CPU context-parallel
+        runs, whose FLA kernels run under Triton's interpreter), 32 up to 256, else 64."""
+        return 16 if self.hidden_size <= 64 else 32 if self.hidden_size <= 256 else 64
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -67,12 +77,16 @@ class AttentionLayout(NamedTuple):
     """Per-forward attention inputs, built once from the document offsets.
 
     Attributes:
-        mask: ``[T, T]`` bool, True where query ``i`` may attend key ``j`` (same document, ``j <= i``).
-        positions: ``[T]`` int64 position of each token inside its document (for RoPE).
+        mask: ``[T, T]`` bool, True where query ``i`` may attend key ``j`` (same document, ``j <= i``);
+            under CP ``[T / W, T]``: the rows of this rank's tokens, keys in packed order.
+        positions: ``[T]`` int64 position of each token inside its document (for RoPE); under CP
+            ``[T / W]``, this rank's tokens (a document continues its count across ranks).
+        cp: the CP configuration when the batch is sharded (keys and values are then gathered).
     """
 
     mask: torch.Tensor
     positions: torch.Tensor
+    cp: CPConfig | None = None
 
     @classmethod
     def from_seqlens(cls, seqlens: LayerLocalSeqlens, device: torch.device) -> AttentionLayout:
@@ -82,7 +96,10 @@ class AttentionLayout(NamedTuple):
         positions = torch.arange(doc.numel()) - starts[doc]                          # [T]
         causal = torch.ones(doc.numel(), doc.numel(), dtype=torch.bool).tril()
         mask = causal & (doc[:, None] == doc[None, :])
-        return cls(mask.to(device), positions.to(device))
+        if seqlens.cp is not None:  # this rank's query rows, every key
+            index = cp_token_index(seqlens.num_tokens, seqlens.cp)
+            mask, positions = mask[index], positions[index]
+        return cls(mask.to(device), positions.to(device), seqlens.cp)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -161,6 +178,8 @@ class PackedAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, layout.positions), self._rope(k, layout.positions)
+        if layout.cp is not None:  # context parallelism: every rank's keys and values, packed order
+            k, v = gather_unshard(k, layout.cp), gather_unshard(v, layout.cp)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
         out = F.scaled_dot_product_attention(
@@ -219,6 +238,11 @@ class TinyDecoder(nn.Module):
         self.norm = nn.RMSNorm(hidden, eps=eps)
         self.lm_head = nn.Linear(hidden, vocab_size, bias=False)
 
+    @property
+    def conv_kernel_size(self) -> int:
+        """Width of the mixers' causal conv (``CPConfig.conv_kernel_size`` under context parallelism)."""
+        return getattr(self.config, "linear_conv_kernel_dim", None) or self.config.conv_kernel
+
     def moes(self) -> list[nn.Module]:
         """The torchtitan MoE modules, in layer order."""
         from torchtitan.models.common.moe import MoE
@@ -239,15 +263,23 @@ class TinyDecoder(nn.Module):
 # ------------------------------------------------------------------------------------------- families
 @dataclass(frozen=True)
 class TinyDecoderRecipe:
-    """How to build the tiny decoder of one family of :data:`fla_ac_isolation.families.FAMILIES`."""
+    """How to build the tiny decoder of one family of :data:`fla_ac_isolation.families.FAMILIES`.
+
+    ``fla_cp``: its mixers run FLA's CP kernels under context parallelism (the Gated DeltaNet families);
+    ``False`` for Nemotron-H, whose Mamba2 runs head-parallel with the existing ops.
+    """
 
     make_config: Callable[[ModelSize], Any]
     build_blocks: Callable[[Any, ModelSize, str, bool], list[DecoderBlock]]
     eps: Callable[[Any], float]
+    fla_cp: bool = True
 
 
 def _qwen_layer_types(num_layers: int) -> list[str]:
-    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    """Three Gated DeltaNet layers then one attention layer, repeated; a decoder of 2 or 3 layers still ends
+    with attention (the smallest decoder with both kinds, used by the context-parallel tests)."""
+    last = num_layers - 1 if 1 < num_layers < 4 else None
+    return ["full_attention" if (i + 1) % 4 == 0 or i == last else "linear_attention" for i in range(num_layers)]
 
 
 def _qwen_kwargs(size: ModelSize) -> dict[str, Any]:
@@ -389,7 +421,8 @@ def _nemotron_h_blocks(config: Any, size: ModelSize, backend: str, ep_enabled: b
 RECIPES: dict[str, TinyDecoderRecipe] = {
     "qwen3_5_moe": TinyDecoderRecipe(_qwen3_5_moe_config, _qwen_blocks("qwen3_5_moe"), lambda c: c.rms_norm_eps),
     "qwen3_8": TinyDecoderRecipe(_qwen3_8_config, _qwen_blocks("qwen3_8"), lambda c: c.rms_norm_eps),
-    "nemotron_h": TinyDecoderRecipe(_nemotron_h_config, _nemotron_h_blocks, lambda c: c.layer_norm_epsilon),
+    "nemotron_h": TinyDecoderRecipe(_nemotron_h_config, _nemotron_h_blocks, lambda c: c.layer_norm_epsilon,
+                                    fla_cp=False),
 }
 """The tiny decoder of every family in :data:`fla_ac_isolation.families.FAMILIES` (same keys)."""
 

@@ -6,7 +6,8 @@ ranks and parameters). A mode *matches* when it completed every step and its dev
 ``rtol`` (0 by default on the CPU reference backend in float32: bit for bit). The run passes (exit code
 0) when ``no-ac`` completed and ``isolated`` and ``global-disable`` (those of them that ran) match;
 ``shared`` is the unsafe mode and never changes the exit code: the table says whether it reproduced the
-fault (it failed or diverged).
+fault (it failed or diverged). Under context parallelism the modes are also judged against the run
+without CP (:mod:`.cp_report`), and the CP-only ``field`` mode is unsafe too.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fla_ac_isolation.extras import require
+from fla_ac_isolation.regression.cp_report import apply_cp1_verdicts, default_cp_rtol
 from fla_ac_isolation.regression.spec import ModeResult, RegressionResult
 
 __all__ = ["Verdict", "check_rtol", "default_rtol", "exit_code", "print_report", "verdicts", "write_json", "write_plot"]
 
 #: modes whose mismatch fails the run
 REQUIRED = ("isolated", "global-disable")
+#: the unsafe modes: run to show the fault, never change the exit code
+UNSAFE = ("shared", "field")
 
 
 @dataclass(frozen=True)
@@ -77,13 +81,14 @@ def check_rtol(rtol: float | None, name: str = "rtol") -> None:
         raise ValueError(f"{name} must be a finite number >= 0 (relative tolerance), got {rtol!r}")
 
 
-def verdicts(result: RegressionResult, rtol: float | None = None) -> dict[str, Verdict]:
-    """A :class:`Verdict` per mode of ``result`` (``rtol``: see the module docstring).
+def verdicts(result: RegressionResult, rtol: float | None = None, cp_rtol: float | None = None) -> dict[str, Verdict]:
+    """A :class:`Verdict` per mode of ``result`` (``rtol``, ``cp_rtol``: see the module docstring).
 
     Raises:
-        ValueError: ``rtol`` is negative, infinite or NaN.
+        ValueError: ``rtol`` or ``cp_rtol`` is negative, infinite or NaN.
     """
     check_rtol(rtol)
+    check_rtol(cp_rtol, "cp_rtol")
     spec = result.spec
     rtol = default_rtol(spec.device, spec.dtype) if rtol is None else rtol
     ref = result.modes.get("no-ac")
@@ -102,6 +107,8 @@ def verdicts(result: RegressionResult, rtol: float | None = None) -> dict[str, V
                 out[name] = Verdict(name, "matches", text, dev)
             else:
                 out[name] = Verdict(name, "diverged", f"DIVERGED by {dev:.2e} ({what})", dev)
+    if spec.cp > 1:
+        apply_cp1_verdicts(out, result, default_cp_rtol(spec.device, spec.dtype) if cp_rtol is None else cp_rtol)
     return out
 
 
@@ -113,9 +120,10 @@ def exit_code(result: RegressionResult, rtol: float | None = None) -> int:
     return 0 if all(found[m].ok for m in REQUIRED if m in found) else 1
 
 
-def fault_reproduced(result: RegressionResult, rtol: float | None = None) -> bool | None:
-    """Whether the unsafe ``shared`` mode failed or diverged (``None`` if it did not run or no reference)."""
-    found = verdicts(result, rtol).get("shared")
+def fault_reproduced(result: RegressionResult, rtol: float | None = None, mode: str = "shared") -> bool | None:
+    """Whether the unsafe ``mode`` (``shared``, or ``field`` under CP) failed or diverged (``None`` if it did
+    not run or had no reference)."""
+    found = verdicts(result, rtol).get(mode)
     if found is None or found.status == "no reference":
         return None
     return found.status in ("failed", "diverged")
@@ -145,7 +153,7 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
     found = verdicts(result, rtol)
     ac = "full" if spec.ac == "full" else f"selective, policy {spec.policy}"
     title = (
-        f"{spec.model}  EP={spec.ep}  AC {ac}, every {spec.freq} block(s)  backend={spec.backend}  "
+        f"{spec.model}  {_parallelism(spec)}  AC {ac}, every {spec.freq} block(s)  backend={spec.backend}  "
         f"{spec.device}/{spec.dtype}  hidden={spec.hidden_size}  {spec.num_experts} experts top-{spec.top_k}"
     )
     for note in result.notes:
@@ -156,26 +164,7 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
         f"most experts without any token in one MoE layer (all ranks). Seconds per mode: {seconds}."
     )
     table = Table(title=escape(title), title_justify="left", caption=escape(caption), caption_justify="left")
-    for col, justify in (("mode", "left"), ("step", "right"), ("loss", "right"), ("grad norm", "right"),
-                         ("max |grad - ref|", "right"), ("idle experts", "right"), ("verdict", "left")):
-        table.add_column(col, justify=justify)
-    for name, mode in result.modes.items():
-        verdict = found[name]
-        text = escape(verdict.text)
-        style = {"matches": "green", "reference": "cyan", "failed": "red", "diverged": "red"}.get(verdict.status, "")
-        rows = max(len(mode.losses), 1)
-        for i in range(rows):
-            done = i < len(mode.losses)
-            table.add_row(
-                name if i == 0 else "",
-                str(i) if done else "-",
-                _fmt(mode.losses[i], ".8f") if done else "-",
-                _fmt(mode.grad_norms[i], ".6g") if done else "-",
-                _fmt(mode.grad_diffs[i], ".3e") if done and name != "no-ac" else "-",
-                str(mode.idle_experts[i]) if done else "-",
-                f"[{style}]{text}[/{style}]" if i == 0 and style else (text if i == 0 else ""),
-                end_section=i == rows - 1,
-            )
+    _add_rows(table, result, found)
     console.print(table)
     _print_verdicts(result, found, rtol, console)
     if verbose:
@@ -188,19 +177,61 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
 
 
 def _print_verdicts(result: RegressionResult, found: dict[str, Verdict], rtol: float | None, console) -> None:
-    """One line per required mode (PASS/FAIL) and one for ``shared`` (whether it reproduced the fault)."""
+    """One line per required mode (PASS/FAIL) and one per unsafe mode (whether it reproduced the fault)."""
     from fla_ac_isolation.cli.console import escape
 
     for name in REQUIRED:
         if name in found:
             mark = "[green]PASS[/green]" if found[name].ok else "[red]FAIL[/red]"
             console.print(f"{name:>15}: {mark}  {escape(found[name].text)}")
-    if "shared" in found:
-        reproduced = fault_reproduced(result, rtol)
+    for name in UNSAFE:
+        if name not in found:
+            continue
+        reproduced = fault_reproduced(result, rtol, name)
         what = {True: "[magenta]fault reproduced[/magenta]", False: "fault NOT reproduced under this policy",
                 None: "not judged"}[reproduced]
-        text = escape(found["shared"].text)
-        console.print(f"{'shared (unsafe)':>15}: {what}  {text}  (does not affect the exit code)")
+        label = escape(name + " (unsafe)")
+        console.print(f"{label:>15}: {what}  {escape(found[name].text)}  (does not affect the exit code)")
+
+
+def _add_rows(table, result: RegressionResult, found: dict[str, Verdict]) -> None:
+    """One column per field, one row per mode and step (under CP also the difference to the run without CP)."""
+    from fla_ac_isolation.cli.console import escape
+
+    cp = result.spec.cp > 1
+    columns = [("mode", "left"), ("step", "right"), ("loss", "right"), ("grad norm", "right"),
+               ("max |grad - ref|", "right"), ("idle experts", "right"), ("verdict", "left")]
+    if cp:
+        columns.insert(5, ("max |grad - CP=1|", "right"))
+    for col, justify in columns:
+        table.add_column(col, justify=justify)
+    for name, mode in result.modes.items():
+        verdict = found[name]
+        text = escape(verdict.text)
+        style = {"matches": "green", "reference": "cyan", "failed": "red", "diverged": "red"}.get(verdict.status, "")
+        rows = max(len(mode.losses), 1)
+        for i in range(rows):
+            done = i < len(mode.losses)
+            cells = [
+                name if i == 0 else "",
+                str(i) if done else "-",
+                _fmt(mode.losses[i], ".8f") if done else "-",
+                _fmt(mode.grad_norms[i], ".6g") if done else "-",
+                _fmt(mode.grad_diffs[i], ".3e") if done and i < len(mode.grad_diffs) else "-",
+                str(mode.idle_experts[i]) if done else "-",
+                f"[{style}]{text}[/{style}]" if i == 0 and style else (text if i == 0 else ""),
+            ]
+            if cp:
+                cells.insert(5, _fmt(mode.cp1_grad_diffs[i], ".3e") if done and i < len(mode.cp1_grad_diffs) else "-")
+            table.add_row(*cells, end_section=i == rows - 1)
+
+
+def _parallelism(spec) -> str:
+    """``EP=2``; under context parallelism ``CP=2 (zigzag) x EP=2`` or ``CP=2 (contiguous), EP=1``."""
+    if spec.cp == 1:
+        return f"EP={spec.ep}"
+    cp = f"CP={spec.cp} ({spec.cp_layout})"
+    return f"{cp} x EP={spec.ep}" if spec.ep > 1 else f"{cp}, EP=1"
 
 
 def _print_cache(result: RegressionResult, console) -> None:
@@ -229,6 +260,8 @@ def to_document(result: RegressionResult, rtol: float | None = None) -> dict[str
     doc = result.to_dict()
     doc["verdicts"] = {name: {**asdict(v), "ok": v.ok} for name, v in verdicts(result, rtol).items()}
     doc["fault_reproduced"] = fault_reproduced(result, rtol)
+    if "field" in result.modes:
+        doc["field_fault_reproduced"] = fault_reproduced(result, rtol, "field")
     doc["exit_code"] = exit_code(result, rtol)
     return doc
 
@@ -274,7 +307,8 @@ def write_plot(result: RegressionResult, path: str, rtol: float | None = None) -
         if mode.error is not None and steps:
             ax.plot([steps[-1] + 0.5], [mode.losses[-1]], "x", color=color, markersize=10)
     spec = result.spec
-    ax.set_title(f"{spec.model}, EP={spec.ep}, AC {spec.ac}" + (f" ({spec.policy})" if spec.ac == "selective" else ""))
+    policy = f" ({spec.policy})" if spec.ac == "selective" else ""
+    ax.set_title(f"{spec.model}, {_parallelism(spec)}, AC {spec.ac}{policy}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_xticks(range(spec.steps))

@@ -28,7 +28,7 @@ def run_regression(
 ) -> RegressionResult:
     """Run every mode of ``spec`` and return the results.
 
-    Launches ``spec.ep`` processes per mode itself, or, under ``torchrun``, uses the current processes
+    Launches ``spec.world`` processes per mode itself, or, under ``torchrun``, uses the current processes
     (then every rank returns the same result; print it on rank 0). A mode whose rank raises, dies or
     hangs is recorded as failed (:attr:`ModeResult.error` names the rank and the first error line) and
     the next mode runs: the result always holds every mode of ``spec``.

@@ -10,11 +10,15 @@ from typing import Any
 import torch
 
 from fla_ac_isolation.families import FAMILIES
-from fla_ac_isolation.modes import MODE_NAMES, MODES
+from fla_ac_isolation.modes import ALL_MODES, CP_MODES, MODE_NAMES
 from fla_ac_isolation.ops import BACKENDS
+from fla_ac_isolation.parallel import LAYOUTS
 from fla_ac_isolation.policies import POLICIES
 
-__all__ = ["DTYPES", "ModeResult", "RegressionResult", "RegressionSpec"]
+__all__ = ["CP1_REFERENCE", "DTYPES", "ModeResult", "RegressionResult", "RegressionSpec"]
+
+CP1_REFERENCE = "no-ac-cp1"
+"""Under context parallelism: the run without AC and without CP (one rank, the whole batch), first."""
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Parameter/activation dtypes by the names a spec takes."""
@@ -26,7 +30,13 @@ class RegressionSpec:
 
     Attributes:
         model: family name, a key of :data:`fla_ac_isolation.families.FAMILIES`.
-        ep: expert-parallel degree = number of ranks.
+        ep: expert-parallel degree; the number of ranks when ``cp == 1``. Under context parallelism the
+            EP ranks are borrowed from the CP ranks (as torchtitan does): ``ep`` is 1 (experts
+            replicated) or ``cp``.
+        cp: context-parallel degree (FLA's CP; 1 = none). With ``cp > 1`` the ranks train on ONE global
+            batch sharded in ``cp_layout``, a :data:`CP1_REFERENCE` run (one rank, no CP, no AC) comes
+            first, and the CP-only ``field`` mode runs by default.
+        cp_layout: FLA's CP layout, ``"contiguous"`` or ``"zigzag"``.
         steps: AdamW steps per mode.
         ac: ``"full"`` or ``"selective"`` checkpointing for the AC modes.
         policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`), used with ``ac="selective"``.
@@ -39,7 +49,10 @@ class RegressionSpec:
             ``data_ranks=2`` the single rank trains on both ranks' documents (the same global batch).
         seed: weights and data.
         lr: AdamW learning rate.
-        modes: modes to run; ``no-ac`` is always run first (it is the reference).
+        modes: modes to run; ``no-ac`` is always run first (it is the reference). ``None``: the four of
+            :data:`~fla_ac_isolation.modes.MODES`, plus ``field`` under context parallelism for the families
+            whose mixers build FLA's CP context (not Nemotron-H: its head-parallel Mamba2 builds none, so
+            ``field`` would repeat ``shared``).
         timeout_s: wall-clock limit per mode in seconds, > 0 (also the process-group timeout).
         early_stop: torch's checkpoint early stop.
         fail_on: testing hook, ``(mode, rank)`` or ``(mode, rank, message)``: that rank raises
@@ -48,10 +61,15 @@ class RegressionSpec:
         rank_setup: ``"module:function"`` called in every rank process before training, e.g. a GPU test
             harness switch such as ``"fla_ac_isolation.testing.gpu:lift_hopper_gdn_guard"``; when it
             returns a context manager, that is entered and kept for the life of the process.
+        env: environment variables set in every rank process before it imports anything, e.g.
+            ``(("TRITON_INTERPRET", "1"),)`` for FLA's kernels on a CPU; rank processes are then started
+            with ``spawn`` (a fresh interpreter) instead of the preloaded fork server.
     """
 
     model: str = "qwen3_5_moe"
     ep: int = 2
+    cp: int = 1
+    cp_layout: str = "contiguous"
     steps: int = 3
     ac: str = "selective"
     policy: str = "save-all-copies"
@@ -66,17 +84,23 @@ class RegressionSpec:
     data_ranks: int | None = None
     seed: int = 0
     lr: float = 1e-3
-    modes: tuple[str, ...] = MODE_NAMES
+    modes: tuple[str, ...] | None = None
     timeout_s: float = 300.0
     early_stop: bool = True
     fail_on: tuple[str, int] | tuple[str, int, str] | None = None
     rank_setup: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def world(self) -> int:
+        """Number of rank processes: ``cp`` under context parallelism, else ``ep``."""
+        return self.cp if self.cp > 1 else self.ep
 
     def validate(self) -> RegressionSpec:
         """Return self after checking every field; errors name the field (``ValueError``)."""
         if self.model not in FAMILIES:
             raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {self.model!r}")
-        for name in ("ep", "steps", "freq", "hidden_size", "num_layers", "num_experts", "top_k"):
+        for name in ("ep", "cp", "steps", "freq", "hidden_size", "num_layers", "num_experts", "top_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -96,9 +120,11 @@ class RegressionSpec:
             raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
         if self.data_ranks is not None and self.data_ranks < self.ep:
             raise ValueError(f"data_ranks ({self.data_ranks}) must be >= ep ({self.ep})")
-        bad = [m for m in self.modes if m not in MODES]
-        if bad or not self.modes:
-            raise ValueError(f"modes must be a non-empty subset of {MODE_NAMES}, got {self.modes!r}")
+        allowed = tuple(ALL_MODES) if self.cp > 1 else MODE_NAMES
+        if self.modes is not None and (not self.modes or any(m not in allowed for m in self.modes)):
+            cp_only = [m for m in self.modes if m in CP_MODES]
+            hint = f" ({', '.join(cp_only)} needs cp > 1)" if cp_only and self.cp == 1 else ""
+            raise ValueError(f"modes must be a non-empty subset of {allowed}{hint}, got {self.modes!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not (
             0 < self.timeout_s < math.inf
         ):
@@ -106,26 +132,56 @@ class RegressionSpec:
         self._validate_fail_on()
         if self.rank_setup is not None and ":" not in self.rank_setup:
             raise ValueError(f"rank_setup must be 'module:function', got {self.rank_setup!r}")
-        if self.device == "cuda" and torch.cuda.device_count() < self.ep:
-            raise ValueError(f"ep={self.ep} needs {self.ep} CUDA devices, found {torch.cuda.device_count()}")
+        self._validate_cp()
+        if self.device == "cuda" and torch.cuda.device_count() < self.world:
+            raise ValueError(f"{self.world} ranks need {self.world} CUDA devices, found {torch.cuda.device_count()}")
         return self
 
     def _validate_fail_on(self) -> None:
         if self.fail_on is None:
             return
         fail_on = tuple(self.fail_on)
-        ok = len(fail_on) in (2, 3) and fail_on[0] in MODES and isinstance(fail_on[1], int) and (
-            not isinstance(fail_on[1], bool) and 0 <= fail_on[1] < self.ep
+        ok = len(fail_on) in (2, 3) and fail_on[0] in ALL_MODES and isinstance(fail_on[1], int) and (
+            not isinstance(fail_on[1], bool) and 0 <= fail_on[1] < self.world
         )
         if not ok or (len(fail_on) == 3 and not isinstance(fail_on[2], str)):
             raise ValueError(
-                f"fail_on must be (mode, rank) or (mode, rank, message) with a mode of {MODE_NAMES} and "
-                f"0 <= rank < ep={self.ep}, got {self.fail_on!r}"
+                f"fail_on must be (mode, rank) or (mode, rank, message) with a mode of {tuple(ALL_MODES)} and "
+                f"0 <= rank < {self.world} (the ranks), got {self.fail_on!r}"
+            )
+
+    def _validate_cp(self) -> None:
+        if self.cp_layout not in LAYOUTS:
+            raise ValueError(f"cp_layout must be one of {LAYOUTS}, got {self.cp_layout!r}")
+        if self.cp == 1:
+            return
+        if self.ep not in (1, self.cp):
+            raise ValueError(
+                f"ep ({self.ep}) must be 1 or equal cp ({self.cp}): the EP ranks are borrowed from the {self.cp} "
+                "CP ranks (one process per CP rank)"
+            )
+        runs_reference = self.backend == "reference" or (self.backend, self.device) == ("auto", "cpu")
+        if self._fla_cp and runs_reference:
+            raise ValueError(
+                f"backend must be 'fla' for context parallelism with {self.model}: its mixers need FLA's CP "
+                f"kernels, and backend={self.backend!r} on {self.device} runs the reference backend, which has none"
             )
 
     @property
+    def _fla_cp(self) -> bool:
+        """The family's mixers run FLA's CP kernels (the ``field`` mode builds FLA's CP context for them)."""
+        from fla_ac_isolation.regression.model import RECIPES
+
+        return self.model in RECIPES and RECIPES[self.model].fla_cp
+
+    @property
     def ordered_modes(self) -> tuple[str, ...]:
-        return ("no-ac", *tuple(m for m in MODE_NAMES[1:] if m in self.modes))
+        """What runs, in order: ``no-ac`` first (under CP, :data:`CP1_REFERENCE` before it), then the others."""
+        wanted = self.modes if self.modes is not None else (
+            (*MODE_NAMES, *CP_MODES) if self.cp > 1 and self._fla_cp else MODE_NAMES
+        )
+        order = [*MODE_NAMES[1:], *CP_MODES]
+        return (*((CP1_REFERENCE,) if self.cp > 1 else ()), "no-ac", *(m for m in order if m in wanted))
 
 
 @dataclass
@@ -139,6 +195,9 @@ class ModeResult:
         grad_diffs: per completed step, max ``|grad - grad_no_ac|`` over ranks and parameters
             (``None`` for ``no-ac`` itself, or when the reference is missing).
         ref_grad_max: per step, max ``|grad_no_ac|`` (the scale for relative differences).
+        cp1_grad_diffs: under context parallelism, per step, max ``|grad - grad_cp1|`` over every
+            parameter's full gradient (expert shards gathered) against :data:`CP1_REFERENCE`.
+        cp1_ref_grad_max: per step, max ``|grad_cp1|``.
         idle_experts: per step, the largest number of experts without any token in one MoE layer.
         cache: FLA tensor-cache events summed over ranks and steps, ``{"hit": .., "miss": .., "bypass": ..}``.
         cache_by_helper: the same per helper name.
@@ -155,6 +214,8 @@ class ModeResult:
     grad_norms: list[float] = field(default_factory=list)
     grad_diffs: list[float | None] = field(default_factory=list)
     ref_grad_max: list[float | None] = field(default_factory=list)
+    cp1_grad_diffs: list[float | None] = field(default_factory=list)
+    cp1_ref_grad_max: list[float | None] = field(default_factory=list)
     idle_experts: list[int] = field(default_factory=list)
     cache: dict[str, int] = field(default_factory=dict)
     cache_by_helper: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -5,6 +5,14 @@ cache context (:mod:`fla_ac_isolation.modes`) with FLA's cache probe on, sums th
 ranks (the data-parallel reduction FSDP would do; expert gradients are complete on their owning rank),
 compares every gradient with the ``no-ac`` reference of the same rank and step, and takes an AdamW step.
 Losses, norms and differences are all-reduced, so every rank returns the global numbers.
+
+Under context parallelism (``spec.cp > 1``) every rank trains on the one global batch of the step
+(:func:`~.data.cp_batch`), cut for it by :func:`~fla_ac_isolation.parallel.shard_packed_batch` after the
+labels were shifted, with ``LayerLocalSeqlens(..., cp=CPConfig(...))`` over the global offsets. The loss
+is the local sum over the GLOBAL target count, and the same sum over ranks of the non-expert gradients
+(now over the CP ranks) completes every replicated parameter's gradient, the causal convs' weights
+included, whose per-rank parts FLA leaves to the caller. The :data:`~.spec.CP1_REFERENCE` run (one rank,
+no CP) trains the same batches unsharded; every mode compares its full gradients with it.
 """
 
 from __future__ import annotations
@@ -19,11 +27,12 @@ import torch.nn.functional as F
 
 from fla_ac_isolation.fla_seam.cache import clear_tensor_cache, probe_tensor_cache
 from fla_ac_isolation.modes import Mode, get_mode
+from fla_ac_isolation.parallel import CPConfig, shard_packed_batch
 from fla_ac_isolation.policies import POLICIES, checkpoint_layers
-from fla_ac_isolation.regression.data import PackedBatch, global_batch, rank_batch
+from fla_ac_isolation.regression.data import PackedBatch, cp_batch, global_batch, rank_batch
 from fla_ac_isolation.regression.expert_parallel import apply_expert_parallel, is_expert_param
 from fla_ac_isolation.regression.model import ModelSize, build_model
-from fla_ac_isolation.regression.spec import DTYPES, ModeResult, RegressionSpec
+from fla_ac_isolation.regression.spec import CP1_REFERENCE, DTYPES, ModeResult, RegressionSpec
 
 __all__ = ["RankContext", "run_mode_on_rank", "setup_process"]
 
@@ -92,13 +101,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _cp_active(spec: RegressionSpec, ctx: RankContext) -> bool:
+    """The ranks of ``ctx`` shard the batch (the :data:`CP1_REFERENCE` run has one rank and does not)."""
+    return spec.cp > 1 and ctx.world > 1
+
+
 def _build_trainee(spec: RegressionSpec, mode: Mode, ctx: RankContext) -> _Trainee:
     size = ModelSize(spec.hidden_size, spec.num_layers, spec.num_experts, spec.top_k)
     torch.manual_seed(spec.seed)
-    model = build_model(spec.model, size, backend=spec.backend, ep_enabled=ctx.world > 1)
+    expert_parallel = ctx.world > 1 and (spec.cp == 1 or spec.ep > 1)
+    model = build_model(spec.model, size, backend=spec.backend, ep_enabled=expert_parallel)
     model.to(device=ctx.device, dtype=DTYPES[spec.dtype])
-    if ctx.world > 1:
-        apply_expert_parallel(model.moes(), ctx.world)
+    if expert_parallel:
+        apply_expert_parallel(model.moes(), ctx.world, cp=spec.cp if _cp_active(spec, ctx) else 1)
     if mode.checkpointed:
         policy = POLICIES[spec.policy]() if spec.ac == "selective" else None
         checkpoint_layers(model, mode=spec.ac, policy=policy, freq=spec.freq, early_stop=spec.early_stop)
@@ -116,17 +131,31 @@ def _build_trainee(spec: RegressionSpec, mode: Mode, ctx: RankContext) -> _Train
 def _batch(spec: RegressionSpec, step: int, ctx: RankContext) -> PackedBatch:
     data_ranks = spec.data_ranks or spec.ep
     vocab = ModelSize().vocab_size
+    if spec.cp > 1:  # one global batch, sharded in _rank_inputs (or whole, for the CP1_REFERENCE run)
+        parts = spec.cp * (2 if spec.cp_layout == "zigzag" else 1)
+        return cp_batch(step, layout=spec.cp_layout, multiple=parts, seed=spec.seed, vocab_size=vocab)
     if ctx.world == 1:
         return global_batch(step, data_ranks, seed=spec.seed, vocab_size=vocab)
     return rank_batch(step, ctx.rank, data_ranks, seed=spec.seed, vocab_size=vocab)
+
+
+def _rank_inputs(spec: RegressionSpec, mode: Mode, ctx: RankContext, trainee: _Trainee, batch: PackedBatch):
+    """``(input_ids, labels, seqlens)`` of this rank: the batch itself, or its CP shard and CP seqlens."""
+    if not _cp_active(spec, ctx):
+        return batch.input_ids, batch.labels, mode.from_seq_lens(batch.seq_lens, device=ctx.device)
+    cp = CPConfig(group=ctx.group, layout=spec.cp_layout, conv_kernel_size=trainee.model.conv_kernel_size)
+    offsets = torch.tensor(batch.seq_lens).cumsum(0).tolist()
+    shard = shard_packed_batch({"input_ids": batch.input_ids, "labels": batch.labels}, [0, *offsets], cp)
+    seqlens = mode.from_seq_lens(batch.seq_lens, device=ctx.device, cp=cp)
+    return shard.tensors["input_ids"], shard.tensors["labels"], seqlens
 
 
 def _forward_backward(
     spec: RegressionSpec, mode: Mode, ctx: RankContext, trainee: _Trainee, batch: PackedBatch
 ) -> tuple[torch.Tensor, float, dict[str, dict[str, int]]]:
     """One forward and backward of ``batch``: ``(loss, slowest rank's seconds, FLA cache counts per helper)``."""
-    input_ids, labels = batch.input_ids.to(ctx.device), batch.labels.to(ctx.device)
-    seqlens = mode.from_seq_lens(batch.seq_lens, device=ctx.device)
+    input_ids, labels, seqlens = _rank_inputs(spec, mode, ctx, trainee, batch)
+    input_ids, labels = input_ids.to(ctx.device), labels.to(ctx.device)
     clear_tensor_cache()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
@@ -162,6 +191,15 @@ def _reduce_gradients(trainee: _Trainee, ctx: RankContext) -> tuple[torch.Tensor
         if trainee.experts else dense_flat.new_zeros(0)
     )
     return dense_flat, expert_flat
+
+
+def _full_flat(trainee: _Trainee) -> torch.Tensor:
+    """Every parameter's complete gradient, in model order (expert shards gathered): comparable with one rank's."""
+    from torch.distributed.tensor import DTensor
+
+    return torch.cat([
+        (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).reshape(-1).float() for p in trainee.params
+    ])
 
 
 def _compare(flat: torch.Tensor, reference: torch.Tensor | None, ctx: RankContext) -> tuple[float | None, float | None]:
@@ -200,16 +238,19 @@ def run_mode_on_rank(
     ctx: RankContext,
     reference: list[torch.Tensor] | None,
     on_step: Callable[[int], None] | None = None,
+    *,
+    cp1_reference: list[torch.Tensor] | None = None,
 ) -> tuple[ModeResult, list[torch.Tensor]]:
     """Train ``spec.steps`` steps of ``mode_name`` on this rank.
 
     Returns the mode's :class:`ModeResult` (global losses, norms and gradient differences to
-    ``reference``; this rank's own FLA cache counts, which the caller sums over ranks) and, for ``no-ac``,
-    this rank's flat gradients per step (the reference of the other modes).
+    ``reference`` and, under CP, to ``cp1_reference``; this rank's own FLA cache counts, which the caller
+    sums over ranks) and, for ``no-ac`` and :data:`~.spec.CP1_REFERENCE`, this rank's flat gradients per
+    step (the references of the other modes).
     """
-    mode = get_mode(mode_name)
+    mode = get_mode("no-ac" if mode_name == CP1_REFERENCE else mode_name)
     trainee = _build_trainee(spec, mode, ctx)
-    result = ModeResult(mode.name, cache={"hit": 0, "miss": 0, "bypass": 0})
+    result = ModeResult(mode_name, cache={"hit": 0, "miss": 0, "bypass": 0})
     flat_grads: list[torch.Tensor] = []
     for step in range(spec.steps):
         loss, seconds, cache_counts = _forward_backward(spec, mode, ctx, trainee, _batch(spec, step, ctx))
@@ -226,6 +267,11 @@ def run_mode_on_rank(
         result.grad_norms.append(float((dense_flat.pow(2).sum() + stats[1]).sqrt()))
         result.grad_diffs.append(diff)
         result.ref_grad_max.append(ref_max)
+        if cp1_reference is not None:
+            full = _full_flat(trainee)
+            cp1_diff, cp1_max = _compare(full, cp1_reference[step] if step < len(cp1_reference) else None, ctx)
+            result.cp1_grad_diffs.append(cp1_diff)
+            result.cp1_ref_grad_max.append(cp1_max)
         result.idle_experts.append(_idle_experts(trainee, ctx))
         trainee.optimizer.step()
         trainee.optimizer.zero_grad(set_to_none=False)

@@ -1,0 +1,139 @@
+"""Nemotron-H's Mamba2 mixer under context parallelism: head-parallel, with the existing conv and SSD ops.
+
+FLA 0.6 has no CP for simple GLA (the kernel behind our Mamba2 SSD), so the mixer does not shard the
+scan along the sequence. Instead (the Ulysses scheme, as OLMo-core does for attention):
+
+1. ``in_proj`` runs on this rank's ``T / W`` tokens (every channel);
+2. one all-to-all (:func:`~fla_ac_isolation.parallel.sequence_to_heads`) gives each rank every token of
+   the channels of ITS heads: x of heads ``[r H/W, (r+1) H/W)``, the B/C groups those heads read, their dt;
+3. the existing varlen causal conv and SSD (:mod:`fla_ac_isolation.ops`, either backend) run on whole
+   documents with the GLOBAL offsets (``seqlens.local(whole_batch=True)``: fresh objects, as ever) and the
+   slices of the conv weight, ``A_log``, ``D`` and ``dt_bias`` that belong to those channels and heads;
+4. a second all-to-all (:func:`~fla_ac_isolation.parallel.heads_to_sequence`) returns ``y`` to this
+   rank's tokens for every head; the gated grouped RMSNorm and ``out_proj`` run on the shard.
+
+Same parameters as without CP. Every parameter gradient is this rank's part (its heads' slices, its
+tokens' projections): sum them over the CP group. Needs ``mamba_num_heads`` divisible by ``W``; traffic
+is activation-sized (four all-to-alls per layer with the backward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fla_ac_isolation import ops
+from fla_ac_isolation.parallel import CPConfig, heads_to_sequence, sequence_to_heads
+from fla_ac_isolation.seqlens import LayerLocalSeqlens, devices_match
+
+__all__ = ["head_parallel_forward", "head_shard"]
+
+
+def head_shard(mixer: Any, cp: CPConfig) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """Which channels of ``[x B C | dt]`` each rank computes, and this rank's heads.
+
+    Returns:
+        ``(channels, heads, groups)``: ``channels[d]`` int64 indices into ``in_proj``'s ``x B C | dt``
+        output for rank ``d`` (x of its heads, B then C of the groups they read, then their dt), this
+        rank's head indices, and the number of B/C groups this rank receives.
+
+    Raises:
+        ValueError: ``mamba_num_heads`` is not divisible by ``cp.world_size``, or a rank's heads would
+            split a B/C group unevenly (``n_groups`` neither a multiple nor a divisor of the rank count).
+    """
+    H, P, G, N, W = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size, cp.world_size
+    if H % W:
+        raise ValueError(
+            f"head-parallel context parallelism needs mamba_num_heads ({H}) divisible by the CP degree ({W}): "
+            "each rank runs whole sequences for mamba_num_heads / W heads"
+        )
+    per_rank, per_group = H // W, H // G
+    channels, mine = [], None
+    for d in range(W):
+        heads = torch.arange(d * per_rank, (d + 1) * per_rank)
+        groups = torch.unique(heads // per_group)
+        if per_rank % groups.numel() or not torch.equal(
+            heads // per_group - groups[0], torch.arange(per_rank) // (per_rank // groups.numel())
+        ):
+            raise ValueError(
+                f"head-parallel context parallelism over {W} ranks splits the B/C groups of mamba_num_heads={H}, "
+                f"n_groups={G} unevenly (rank {d} holds heads {heads.tolist()}); use a CP degree that divides "
+                "n_groups or is a multiple of it"
+            )
+        x = (heads[:, None] * P + torch.arange(P)).flatten()
+        b = H * P + (groups[:, None] * N + torch.arange(N)).flatten()
+        c = H * P + G * N + (groups[:, None] * N + torch.arange(N)).flatten()
+        channels.append(torch.cat([x, b, c, mixer.conv_dim + heads]))
+        if d == cp.rank:
+            mine = (heads, groups.numel())
+    return channels, mine[0], mine[1]
+
+
+def _check(mixer: Any, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, attention_mask: Any) -> None:
+    if hidden_states.shape[0] != 1:
+        raise ValueError(
+            f"packed input (cu_seqlens given) must have batch size 1, got hidden_states of shape "
+            f"{tuple(hidden_states.shape)}; flatten the batch into one row"
+        )
+    seqlens.check_tokens(hidden_states.shape[1], name="hidden_states")
+    if not devices_match(seqlens.device, hidden_states.device):
+        raise ValueError(f"cu_seqlens is on {seqlens.device} but hidden_states is on {hidden_states.device}")
+    if seqlens.cp.group is None:
+        raise ValueError(
+            "seqlens was built with CPConfig(world_size=..., rank=...) and no group: head-parallel context "
+            "parallelism needs the CP process group for its all-to-alls (CPConfig(group=...))"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            "attention_mask (a padding mask) is not supported under context parallelism: packed batches hold no "
+            "padding; pass attention_mask=None"
+        )
+
+
+def head_parallel_forward(
+    mixer: Any, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, *, attention_mask: Any = None
+) -> torch.Tensor:
+    """The forward of :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` under ``seqlens.cp``.
+
+    ``hidden_states [1, T / W, D]`` (this rank's shard, FLA's layout) -> ``[1, T / W, D]``.
+
+    Raises:
+        ValueError: see :func:`head_shard`; batch size > 1; a token count other than ``T / W``; offsets on
+            another device; a CP config without a group; an ``attention_mask``.
+    """
+    _check(mixer, hidden_states, seqlens, attention_mask)
+    cp = seqlens.cp
+    channels, heads, groups = head_shard(mixer, cp)
+    whole = seqlens.local(whole_batch=True)  # fresh GLOBAL offsets: each rank runs whole documents
+    backend = ops.resolve_backend(mixer.backend, hidden_states)
+    dtype, local_tokens = hidden_states.dtype, hidden_states.shape[1]
+    H_r, P, N = heads.numel(), mixer.head_dim, mixer.ssm_state_size
+
+    # 1. in_proj on this rank's tokens; 2. all-to-all: every token of this rank's channels.
+    gate, xbc, dt = mixer.in_proj(hidden_states).split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], -1)
+    full = sequence_to_heads(torch.cat([xbc, dt], dim=-1), channels, cp)             # [1, T, C_r + H_r]
+    conv_channels = channels[cp.rank][:-H_r]
+    xbc_r, dt_r = full.split([conv_channels.numel(), H_r], dim=-1)
+    tokens = full.shape[1]
+
+    # 3. the existing conv and SSD on whole documents, with this rank's slices of the parameters.
+    bias = mixer.conv1d.bias.index_select(0, conv_channels) if mixer.conv1d.bias is not None else None
+    xbc_r = ops.causal_conv1d(
+        xbc_r, mixer.conv1d.weight.squeeze(1).index_select(0, conv_channels), bias, activation=mixer.activation,
+        cu_seqlens=whole.cu_seqlens, cu_seqlens_cpu=whole.cu_seqlens_cpu, chunk_indices=whole.chunk_indices,
+        backend=backend, saveable=mixer.saveable,
+    )
+    x, B, C = xbc_r.split([H_r * P, groups * N, groups * N], dim=-1)
+    y = ops.ssd(
+        x.reshape(1, tokens, H_r, P), dt_r, -torch.exp(mixer.A_log.float()).index_select(0, heads),
+        B.reshape(1, tokens, groups, N), C.reshape(1, tokens, groups, N),
+        D=mixer.D.index_select(0, heads), dt_bias=mixer.dt_bias.index_select(0, heads),
+        dt_limit=mixer.time_step_limit, cu_seqlens=whole.cu_seqlens, cu_seqlens_cpu=whole.cu_seqlens_cpu,
+        backend=backend, saveable=mixer.saveable,
+    )                                                                                # [1, T, H_r, P]
+
+    # 4. back to this rank's tokens, every head; gated norm and out_proj on the shard.
+    y = heads_to_sequence(y, cp)                                                     # [1, T / W, H, P]
+    y = mixer.norm(y.reshape(1, local_tokens, mixer.intermediate_size), gate)
+    return mixer.out_proj(y.to(dtype))

@@ -1,0 +1,140 @@
+"""What FLA's context parallelism needs besides the offsets: :class:`CPConfig` (group, layout, conv width).
+
+FLA 0.6 (``fla/ops/cp/context.py``) cuts the ``T`` packed tokens of a batch into equal intervals:
+
+* ``contiguous``: ``W`` intervals of ``T / W`` tokens; rank ``r`` holds interval ``r``;
+* ``zigzag``: ``2W`` parts of ``p = T / (2W)`` tokens; rank ``r`` holds parts ``r`` and ``2W - 1 - r``,
+  concatenated in that order (its local buffer is ``[front; back]``).
+
+Documents may cross interval boundaries; FLA's CP kernels pass the recurrent state and the conv history
+along the chain of intervals. No padding is inserted anywhere: the batch must already hold a token count
+that divides (:meth:`CPConfig.check_num_tokens` says by how much to pad).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LAYOUTS", "CPConfig"]
+
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
+"""FLA's CP layouts."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class CPConfig:
+    """One context-parallel (CP) group as FLA's CP kernels see it.
+
+    Args:
+        group: the CP process group (``torch.distributed``). FLA's CP kernels communicate on it; when
+            ``None``, ``world_size`` and ``rank`` must be given and only metadata can be built (tests,
+            sharding a batch on a host that is not a rank), as FLA's ``get_cp_cu_seqlens`` allows.
+        layout: ``"contiguous"`` or ``"zigzag"`` (see the module docstring).
+        conv_kernel_size: the widest CP causal conv of the model, in tokens (FLA's
+            ``conv1d_kernel_size``); every interval must hold at least ``conv_kernel_size - 1`` tokens,
+            since FLA's CP conv takes its history from the previous interval only (FLA does not check this
+            for the contiguous layout). ``None`` for models without a CP conv (the Mamba2 head-parallel
+            path).
+        world_size: CP degree ``W``; read from ``group`` when ``None``. Must equal the group's size.
+        rank: this process's index in the CP group; read from ``group`` when ``None``.
+
+    Raises:
+        ValueError: unknown ``layout``; neither ``group`` nor ``world_size``/``rank``; ``world_size`` or
+            ``rank`` out of range or different from the group's; ``conv_kernel_size`` < 1; ``group`` given
+            while ``torch.distributed`` is not initialised, or this process is not in ``group``.
+        TypeError: a non-int ``world_size``, ``rank`` or ``conv_kernel_size``.
+
+    Example::
+
+        cp = CPConfig(group=cp_group, layout="zigzag", conv_kernel_size=4)
+        seqlens = LayerLocalSeqlens(cu_seqlens, cu_seqlens_cpu=host_offsets, cp=cp)   # GLOBAL offsets
+    """
+
+    group: Any = None
+    layout: str = "contiguous"
+    conv_kernel_size: int | None = None
+    world_size: int | None = None
+    rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"CPConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        for name in ("world_size", "rank", "conv_kernel_size"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise TypeError(f"CPConfig.{name} must be an int, got {type(value).__name__}")
+        if self.conv_kernel_size is not None and self.conv_kernel_size < 1:
+            raise ValueError(f"CPConfig.conv_kernel_size must be >= 1, got {self.conv_kernel_size}")
+        if self.group is not None:
+            self._resolve_from_group()
+        elif self.world_size is None or self.rank is None:
+            raise ValueError(
+                "CPConfig needs the CP process group (group=...) or, for metadata only, world_size= and rank=; "
+                f"got group=None, world_size={self.world_size}, rank={self.rank}"
+            )
+        if self.world_size < 1:
+            raise ValueError(f"CPConfig.world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"CPConfig.rank must be in [0, world_size={self.world_size}), got {self.rank}")
+
+    def _resolve_from_group(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("CPConfig.group is given but torch.distributed is not initialised in this process")
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if rank < 0:
+            raise ValueError("this process is not a member of CPConfig.group")
+        if self.world_size is not None and self.world_size != size:
+            raise ValueError(
+                f"CPConfig.world_size={self.world_size} differs from the size of CPConfig.group ({size} ranks); "
+                "leave world_size=None to read it from the group"
+            )
+        if self.rank is not None and self.rank != rank:
+            raise ValueError(f"CPConfig.rank={self.rank} differs from this process's rank in CPConfig.group ({rank})")
+        object.__setattr__(self, "world_size", size)
+        object.__setattr__(self, "rank", rank)
+
+    # ------------------------------------------------------------------------------------------- layout
+    @property
+    def num_parts(self) -> int:
+        """Intervals the batch is cut into: ``W`` (contiguous) or ``2W`` (zigzag)."""
+        return self.world_size * (1 if self.layout == "contiguous" else 2)
+
+    def check_num_tokens(self, num_tokens: int, name: str = "cu_seqlens[-1]") -> int:
+        """Return the interval length ``T / num_parts`` after checking that ``num_tokens`` splits.
+
+        Args:
+            num_tokens: the GLOBAL packed token count ``T`` (all ranks' tokens).
+            name: what ``num_tokens`` is called in the caller's arguments (for the message).
+
+        Raises:
+            ValueError: ``T`` is not a positive multiple of :attr:`num_parts`, or an interval holds fewer
+                than ``conv_kernel_size - 1`` tokens.
+        """
+        parts = self.num_parts
+        if num_tokens < parts or num_tokens % parts:
+            need = "world_size" if self.layout == "contiguous" else "2 * world_size"
+            padded = -(-max(num_tokens, 1) // parts) * parts
+            raise ValueError(
+                f"{name} = {num_tokens} packed tokens cannot be split by the {self.layout} CP layout over "
+                f"{self.world_size} ranks: it needs a positive multiple of {need} = {parts}; pad the batch to "
+                f"{padded} tokens (e.g. with a document whose labels are all ignored)"
+            )
+        part_len = num_tokens // parts
+        if self.conv_kernel_size is not None and part_len < self.conv_kernel_size - 1:
+            raise ValueError(
+                f"each CP interval of the {self.layout} layout holds {part_len} tokens ({name} = {num_tokens} over "
+                f"{parts} intervals), fewer than conv_kernel_size - 1 = {self.conv_kernel_size - 1}: FLA's CP conv "
+                "takes its history from the previous interval only; use fewer ranks or a longer batch"
+            )
+        return part_len
+
+    def local_num_tokens(self, num_tokens: int) -> int:
+        """Tokens each rank holds, ``T / W`` (after :meth:`check_num_tokens`)."""
+        return num_tokens // self.world_size

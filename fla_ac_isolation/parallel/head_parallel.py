@@ -1,0 +1,87 @@
+"""Head-parallel context parallelism: trade a sequence shard for a head shard and back (torch's all-to-all).
+
+For mixers that FLA has no CP kernel for (Mamba2's SSD runs on FLA's simple GLA, which has no CP in FLA
+0.6), each rank can instead run the WHOLE sequence for a subset of the heads with the existing varlen
+ops and the GLOBAL offsets (the Ulysses scheme, as OLMo-core does for attention):
+
+* :func:`sequence_to_heads` - ``[1, T / W, C]`` (this rank's tokens, every channel) to ``[1, T, C_r]``
+  (every token in packed order, the channels this rank computes);
+* :func:`heads_to_sequence` - ``[1, T, H_r, P]`` (every token, this rank's heads) back to
+  ``[1, T / W, H, P]`` (this rank's tokens, every head).
+
+Both are one ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (differentiable:
+its backward is the reverse all-to-all) plus a reorder from FLA's layout to packed order. Traffic per
+call is activation-sized (about ``T / W x C`` elements per rank), unlike FLA's GDN CP, which only
+exchanges recurrent states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fla_ac_isolation.parallel.config import CPConfig
+from fla_ac_isolation.parallel.sharding import _token_index, unshard
+
+__all__ = ["heads_to_sequence", "sequence_to_heads"]
+
+
+def _all_to_all(send: torch.Tensor, out_splits: list[int], in_splits: list[int], cp: CPConfig) -> torch.Tensor:
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(send, out_splits, in_splits, cp.group))
+
+
+def _check(local: torch.Tensor, cp: CPConfig, name: str) -> None:
+    if not isinstance(cp, CPConfig) or cp.group is None:
+        raise ValueError(f"{name} needs a CPConfig with a process group, got {cp!r}")
+    if local.dim() < 2 or local.shape[0] != 1:
+        raise ValueError(f"{name} expects packed input [1, T, ...], got shape {tuple(local.shape)}")
+
+
+def sequence_to_heads(local: torch.Tensor, channels: Sequence[torch.Tensor], cp: CPConfig) -> torch.Tensor:
+    """Send rank ``d`` the channels ``channels[d]`` of this rank's tokens; receive this rank's channels of all.
+
+    Args:
+        local: ``[1, T / W, C]``, this rank's tokens in FLA's ``cp.layout`` order.
+        channels: ``W`` int64 index tensors into ``C``; ``channels[d]`` are the channels rank ``d``
+            computes (sizes may differ between ranks, e.g. when B/C groups are shared by several ranks).
+        cp: the CP group.
+
+    Returns:
+        ``[1, T, len(channels[cp.rank])]``: every token of the batch, in packed order.
+
+    Raises:
+        ValueError: ``len(channels) != W``; ``cp`` without a group; input not ``[1, T / W, C]``.
+    """
+    _check(local, cp, "sequence_to_heads")
+    world = cp.world_size
+    if len(channels) != world:
+        raise ValueError(f"channels must hold one index tensor per CP rank ({world}), got {len(channels)}")
+    tokens = local.shape[1]
+    pieces = [local[0].index_select(-1, idx.to(local.device)) for idx in channels]     # [T/W, C_d] per rank d
+    send = torch.cat([p.reshape(-1) for p in pieces])
+    mine = channels[cp.rank].numel()
+    recv = _all_to_all(send, [tokens * mine] * world, [p.numel() for p in pieces], cp)
+    shards = list(recv.reshape(world, tokens, mine)[:, None].unbind(0))                 # [1, T/W, C_r] per source
+    return unshard(shards, cp.layout, dim=1)
+
+
+def heads_to_sequence(full: torch.Tensor, cp: CPConfig) -> torch.Tensor:
+    """Return this rank's tokens of every rank's heads: ``[1, T, H_r, ...]`` to ``[1, T / W, W * H_r, ...]``.
+
+    Rank ``s``'s heads land in block ``s`` of the head dimension, so with heads split evenly and in
+    order (rank ``s`` computes heads ``[s H_r, (s + 1) H_r)``) the result holds heads ``0 .. H - 1``.
+
+    Raises:
+        ValueError: ``cp`` without a group; input not ``[1, T, ...]`` with at least a head dimension.
+    """
+    _check(full, cp, "heads_to_sequence")
+    world, tokens = cp.world_size, full.shape[1]
+    local = tokens // world
+    order = torch.cat([_token_index(tokens, world, d, cp.layout) for d in range(world)])   # destination-major
+    send = full[0].index_select(0, order.to(full.device)).reshape(-1)
+    recv = _all_to_all(send, [send.numel() // world] * world, [send.numel() // world] * world, cp)
+    per_source = recv.reshape(world, local, *full.shape[2:])                               # [W, T/W, H_r, ...]
+    return per_source.transpose(0, 1).flatten(1, 2)[None]                                 # [1, T/W, W*H_r, ...]

@@ -1,0 +1,101 @@
+"""The context-parallel half of :class:`~fla_ac_isolation.LayerLocalSeqlens`: FLA's CP context, once per batch.
+
+:class:`CPSeqlens` is built by ``LayerLocalSeqlens(..., cp=CPConfig(...))`` at construction, i.e. once
+per batch and outside every checkpointed region. It builds this rank's ``FLACPContext`` from the GLOBAL
+host offsets (:func:`fla_ac_isolation.fla_seam.cp.build_cp_context`: FLA's own function, its cache
+bypassed, nothing read from a device), moves the rank-local offsets to the device once (pinned, not
+blocking) and precomputes the rank-local chunk schedule. Each layer then takes :meth:`CPSeqlens.local`:
+
+* fresh ``cu_seqlens`` / ``cu_seqlens_cpu`` objects (``seqlens._fresh``: invisible to SAC, the audit and
+  ``torch.compile``) and a fresh ``chunk_indices``;
+* a fresh ``FLACPContext`` holding THOSE SAME objects, so every FLA lookup of the layer (the conv's and
+  the gated delta rule's ``prepare_chunk_indices``/``prepare_chunk_offsets`` on ``ctx.cu_seqlens``) keys
+  on one new object: forward and recompute both start with a miss.
+
+A context built once and handed to every layer as is would not be safe: FLA's kernels look up
+``prepare_chunk_offsets(ctx.cu_seqlens)`` in every call, so the first layer misses in its forward and hits
+in its recompute (measured: ``CheckpointError`` under ``save_all_copies``). :meth:`CPSeqlens.shared` hands
+out exactly that, for the unsafe ``shared`` mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fla_ac_isolation.fla_seam.cp import build_cp_context, with_offsets
+from fla_ac_isolation.fla_seam.layout import chunk_indices_for
+from fla_ac_isolation.parallel.config import CPConfig
+from fla_ac_isolation.seqlens import LocalSeqlens, _fresh, _to_device
+
+__all__ = ["CPSeqlens", "check_cp_arguments"]
+
+
+def check_cp_arguments(cp: object, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None) -> None:
+    """What ``LayerLocalSeqlens(..., cp=...)`` checks before anything else.
+
+    Raises:
+        TypeError: ``cp`` is not a :class:`~fla_ac_isolation.parallel.CPConfig`.
+        ValueError: ``cu_seqlens`` is not on the CPU and no ``cu_seqlens_cpu`` is given: FLA's CP metadata
+            is computed on the host, and reading device offsets there is a device-to-host sync.
+    """
+    if not isinstance(cp, CPConfig):
+        raise TypeError(f"cp must be a fla_ac_isolation.parallel.CPConfig or None, got {type(cp).__name__}")
+    if cu_seqlens_cpu is None and cu_seqlens.device.type != "cpu":
+        raise ValueError(
+            f"cp=CPConfig(...) needs the host offsets cu_seqlens_cpu when cu_seqlens is on {cu_seqlens.device}: "
+            "FLA's CP metadata is computed on the host, and reading device offsets there is a device-to-host "
+            "sync; pass cu_seqlens_cpu= (or build with LayerLocalSeqlens.from_seq_lens)"
+        )
+
+
+class CPSeqlens:
+    """This rank's CP metadata for one batch, and a fresh copy of it per layer call.
+
+    Args:
+        cp: the CP group, layout and conv width.
+        host: ``[N + 1]`` GLOBAL host offsets of the whole batch (validated by ``LayerLocalSeqlens``).
+        device: the activations' device (where the rank-local ``cu_seqlens`` goes).
+        chunk_indices: precompute the rank-local chunk schedule (FLA's ``chunk_indices``).
+
+    Attributes:
+        config: ``cp``.
+        num_tokens: tokens this rank holds, ``T / W``.
+        max_seqlen: longest document piece on this rank, in tokens.
+
+    Raises:
+        ValueError: the token count does not split as ``cp.layout`` needs, or an interval is shorter than
+            ``cp.conv_kernel_size - 1`` (:meth:`CPConfig.check_num_tokens`).
+    """
+
+    __slots__ = ("_chunk_indices", "_context", "config", "max_seqlen", "num_tokens")
+
+    def __init__(self, cp: CPConfig, host: torch.Tensor, device: torch.device, *, chunk_indices: bool) -> None:
+        total = int(host[-1])
+        cp.check_num_tokens(total)
+        context = build_cp_context(host, world_size=cp.world_size, rank=cp.rank, group=cp.group, layout=cp.layout,
+                                   conv_kernel_size=cp.conv_kernel_size)
+        local_host = context.cu_seqlens_cpu  # int32, rank-local
+        self._context = with_offsets(context, _to_device(local_host, device), local_host)
+        self._chunk_indices = (
+            _to_device(chunk_indices_for(local_host).to(torch.int32), device) if chunk_indices else None
+        )
+        self.config = cp
+        self.num_tokens = cp.local_num_tokens(total)
+        self.max_seqlen = int((local_host[1:] - local_host[:-1]).max())
+
+    @torch.compiler.disable
+    def local(self) -> LocalSeqlens:
+        """Fresh rank-local offsets, chunk schedule and ``FLACPContext`` (holding those same offsets)."""
+        cu_seqlens, cu_seqlens_cpu = _fresh(self._context.cu_seqlens), _fresh(self._context.cu_seqlens_cpu)
+        chunk_indices = _fresh(self._chunk_indices) if self._chunk_indices is not None else None
+        context = with_offsets(self._context, cu_seqlens, cu_seqlens_cpu)
+        return LocalSeqlens(cu_seqlens, cu_seqlens_cpu, self.max_seqlen, chunk_indices, context)
+
+    def shared(self) -> LocalSeqlens:
+        """The one context of the batch and its offsets, the same objects on every call (UNSAFE under AC)."""
+        c = self._context
+        return LocalSeqlens(c.cu_seqlens, c.cu_seqlens_cpu, self.max_seqlen, self._chunk_indices, c)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return f"CPSeqlens(layout={c.layout!r}, rank={c.rank}/{c.world_size}, local_tokens={self.num_tokens})"

@@ -1,0 +1,211 @@
+"""Cut a packed batch across context-parallel ranks exactly as FLA's layouts expect, and put it back together.
+
+* :func:`cp_token_index` - the global positions of the tokens one rank holds, in its local order;
+* :func:`shard_packed_batch` - one rank's share of every packed tensor (tokens, position ids, labels,
+  hidden states, ...) plus its rank-local offsets as FLA computes them (:class:`CPShard`);
+* :func:`unshard` - the inverse for one tensor, given every rank's local tensor (differentiable);
+* :func:`gather_unshard` - all-gather one local tensor over the CP group (torch's functional collective,
+  with autograd) and :func:`unshard` it: every rank gets the global tensor in packed order.
+
+Shift labels to next-token targets *before* sharding (the target of a rank's last token is the next
+rank's first token) and normalise the loss by the GLOBAL target count (the per-rank counts differ); then
+the per-rank losses and gradients sum to those of the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fla_ac_isolation.fla_seam.cp import build_cp_context
+from fla_ac_isolation.parallel.config import LAYOUTS, CPConfig
+
+__all__ = ["CPShard", "cp_token_index", "gather_unshard", "shard_packed_batch", "unshard"]
+
+
+def _check_cp(cp: object) -> CPConfig:
+    if not isinstance(cp, CPConfig):
+        raise TypeError(f"cp must be a fla_ac_isolation.parallel.CPConfig, got {type(cp).__name__}")
+    return cp
+
+
+def _token_index(num_tokens: int, world_size: int, rank: int, layout: str) -> torch.Tensor:
+    if layout == "contiguous":
+        part = num_tokens // world_size
+        return torch.arange(rank * part, (rank + 1) * part)
+    part = num_tokens // (2 * world_size)
+    back = 2 * world_size - 1 - rank
+    return torch.cat([torch.arange(rank * part, (rank + 1) * part), torch.arange(back * part, (back + 1) * part)])
+
+
+def cp_token_index(num_tokens: int, cp: CPConfig) -> torch.Tensor:
+    """Global positions of the tokens rank ``cp.rank`` holds, in its local order: host int64 ``[T / W]``.
+
+    Contiguous: ``[r T/W, (r+1) T/W)``. Zigzag with ``p = T / 2W``: ``[r p, (r+1) p)`` then
+    ``[(2W-1-r) p, (2W-r) p)``. The layout of ``fla.ops.cp.context.get_cp_cu_seqlens``.
+
+    Raises:
+        ValueError: ``num_tokens`` does not split as the layout needs (:meth:`CPConfig.check_num_tokens`).
+        TypeError: ``cp`` is not a :class:`CPConfig`.
+    """
+    cp = _check_cp(cp)
+    cp.check_num_tokens(num_tokens, name="num_tokens")
+    return _token_index(num_tokens, cp.world_size, cp.rank, cp.layout)
+
+
+def _document_positions(offsets: torch.Tensor) -> torch.Tensor:
+    """``[T]`` int64 position of every token inside its document (global offsets, host)."""
+    lens = offsets[1:] - offsets[:-1]
+    starts = torch.repeat_interleave(offsets[:-1], lens)
+    return torch.arange(int(offsets[-1])) - starts
+
+
+@dataclass(frozen=True)
+class CPShard:
+    """One rank's share of a packed batch (:func:`shard_packed_batch`).
+
+    Attributes:
+        tensors: every given tensor cut along ``dim`` to this rank's ``T / W`` tokens (same keys, local
+            order as FLA's layout).
+        position_ids: ``[1, T / W]`` int64 position of each local token inside its document, from the
+            GLOBAL offsets (a document that starts on an earlier rank continues its count), host.
+        token_index: host int64 ``[T / W]`` global positions of the local tokens (:func:`cp_token_index`).
+        cu_seqlens: host int32 rank-local offsets, as FLA's ``FLACPContext.cu_seqlens_cpu`` holds them
+            (zero-length documents and cuts on an interval edge vanish; zigzag adds a cut between its
+            two parts).
+        num_tokens: the global packed token count ``T``.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    position_ids: torch.Tensor
+    token_index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    num_tokens: int
+
+
+def _host_offsets(cu_seqlens_cpu: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    if isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.device.type != "cpu":
+        raise ValueError(f"cu_seqlens_cpu must be host offsets, got a tensor on {cu_seqlens_cpu.device}")
+    offsets = torch.as_tensor(cu_seqlens_cpu, dtype=torch.int64)
+    if offsets.dim() != 1 or offsets.numel() < 2 or int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(
+            "cu_seqlens_cpu must be 1-D, non-decreasing offsets starting at 0 (N + 1 >= 2 entries), got "
+            f"{offsets.tolist()}"
+        )
+    return offsets
+
+
+def shard_packed_batch(
+    tensors: Mapping[str, torch.Tensor], cu_seqlens_cpu: Sequence[int] | torch.Tensor, cp: CPConfig, *, dim: int = 1
+) -> CPShard:
+    """Rank ``cp.rank``'s share of a packed batch, cut as FLA's ``cp.layout`` expects.
+
+    Args:
+        tensors: packed tensors with ``T`` entries along ``dim``, e.g. ``input_ids [1, T]``, ``labels
+            [1, T]`` (already shifted to next-token targets), ``position_ids [1, T]``, ``hidden [1, T, D]``.
+        cu_seqlens_cpu: the GLOBAL ``[N + 1]`` host offsets of the whole batch (``T = cu_seqlens_cpu[-1]``).
+        cp: the CP group, layout and conv width (:class:`CPConfig`).
+        dim: the token dimension of every tensor (default 1, i.e. ``[B = 1, T, ...]``).
+
+    Returns:
+        :class:`CPShard`; its ``cu_seqlens`` are FLA's own rank-local offsets
+        (``fla.ops.cp.context.get_cp_cu_seqlens`` with ``world_size``/``rank``, no group needed).
+
+    Raises:
+        ValueError: ``T`` does not split as the layout needs, or an interval is shorter than
+            ``cp.conv_kernel_size - 1`` (:meth:`CPConfig.check_num_tokens`); a tensor whose length
+            along ``dim`` is not ``T``; malformed offsets.
+        TypeError: ``cp`` is not a :class:`CPConfig`; a value of ``tensors`` is not a tensor.
+    """
+    cp = _check_cp(cp)
+    offsets = _host_offsets(cu_seqlens_cpu)
+    num_tokens = int(offsets[-1])
+    cp.check_num_tokens(num_tokens)
+    index = _token_index(num_tokens, cp.world_size, cp.rank, cp.layout)
+    out = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() <= dim or t.shape[dim] != num_tokens:
+            raise ValueError(
+                f"tensors[{name!r}] must have cu_seqlens_cpu[-1] = {num_tokens} entries along dim {dim}, "
+                f"got shape {tuple(t.shape)}"
+            )
+        out[name] = t.index_select(dim, index.to(t.device))
+    context = build_cp_context(offsets, world_size=cp.world_size, rank=cp.rank, layout=cp.layout,
+                               conv_kernel_size=cp.conv_kernel_size)
+    positions = _document_positions(offsets)[index][None]
+    return CPShard(out, positions, index, context.cu_seqlens_cpu, num_tokens)
+
+
+def _inverse_order(num_tokens: int, world_size: int, layout: str) -> torch.Tensor:
+    order = torch.cat([_token_index(num_tokens, world_size, r, layout) for r in range(world_size)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(num_tokens)
+    return inverse
+
+
+def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous", *, dim: int = 1) -> torch.Tensor:
+    """The global tensor from every rank's local one: the inverse of :func:`shard_packed_batch`.
+
+    Args:
+        shards: ``shards[r]`` is rank ``r``'s local tensor (``T / W`` entries along ``dim``), e.g. from
+            ``torch.distributed.all_gather``.
+        layout: the layout the shards were cut with.
+        dim: the token dimension.
+
+    Returns:
+        ``T`` entries along ``dim`` in packed order; ``cat`` + ``index_select``, so differentiable.
+
+    Raises:
+        ValueError: unknown ``layout``, no shards, shards of different lengths, or a zigzag shard of
+            odd length.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not shards:
+        raise ValueError("shards must hold one tensor per CP rank, got none")
+    local = shards[0].shape[dim]
+    if any(s.shape[dim] != local for s in shards):
+        raise ValueError(f"every shard must hold the same number of tokens along dim {dim}, got "
+                         f"{[s.shape[dim] for s in shards]}")
+    if layout == "zigzag" and local % 2:
+        raise ValueError(f"zigzag shards hold two equal parts, got {local} tokens per shard")
+    stacked = torch.cat(list(shards), dim=dim)  # rank-major, local order
+    inverse = _inverse_order(local * len(shards), len(shards), layout)
+    return stacked.index_select(dim, inverse.to(stacked.device))
+
+
+def gather_unshard(local: torch.Tensor, cp: CPConfig, *, dim: int = 1) -> torch.Tensor:
+    """Every rank's ``local`` tensor gathered over ``cp.group`` and put in packed order (with autograd).
+
+    ``torch.distributed._functional_collectives.all_gather_tensor_autograd`` (its backward is a
+    reduce-scatter, so each rank receives the gradient of its own tokens, summed over the ranks that used
+    them), then :func:`unshard`. Used for full attention under CP: each rank's queries attend to the keys
+    and values of every rank.
+
+    Args:
+        local: ``T / W`` entries along ``dim`` (the same shape on every rank).
+        cp: the CP group (``cp.group`` must be set).
+        dim: the token dimension.
+
+    Returns:
+        ``T`` entries along ``dim``, packed order.
+
+    Raises:
+        ValueError: ``cp.group`` is ``None`` (a metadata-only config).
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    cp = _check_cp(cp)
+    if cp.group is None:
+        raise ValueError("gather_unshard needs CPConfig.group (this CPConfig holds world_size/rank only)")
+    if cp.world_size == 1:
+        return local
+    # torch >= 2.13 names it all_gather_single_autograd; older torch all_gather_tensor_autograd (same op)
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    dim = dim % local.dim()
+    gathered = funcol.wait_tensor(gather(local.movedim(dim, 0).contiguous(), 0, cp.group))  # rank-major
+    return unshard(list(gathered.chunk(cp.world_size, dim=0)), cp.layout, dim=0).movedim(0, dim)

@@ -1,0 +1,107 @@
+"""GPU (one device): the CP metadata path on CUDA, and FLA's CP kernels over a one-rank group.
+
+Not run on the CPU machines (no CUDA). What it checks:
+
+* ``LayerLocalSeqlens(cu_cuda, cu_seqlens_cpu=host, cp=...)`` synchronises the host only where validation
+  compares the device offsets with the host copy (``seqlens.py``); building FLA's CP context adds none,
+  and ``.local()`` none. The context's ``cu_seqlens`` lives on the GPU, its ``cu_seqlens_cpu`` on the host.
+* The field's in-layer build (``fla_seam.cp.build_cp_context_in_layer``, FLA's cached ``build_cp_context``
+  from the device offsets) copies them to the host in the first call only (``fla/ops/cp/context.py``): the
+  device-to-host copy that torchtitan's policy saves and that misaligns the recompute on an H200.
+* A GDN mixer over a one-rank CP group (FLA's CP conv and gated delta rule, ``W = 1``) equals the same
+  mixer without CP within 1e-4 relative (printed as ``GPU_CP1 <tensor> <rel_err>``).
+
+Run on a CUDA machine: ``python -m pytest -m gpu -s tests/test_context_parallel_gpu.py``. FLA's #640 guard
+is lifted for this module's run (printed), as in ``test_mixers_gpu.py``.
+"""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import FAMILIES, HIDDEN
+
+from fla_ac_isolation import LayerLocalSeqlens
+from fla_ac_isolation.parallel import CPConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+LENS = [10, 0, 20, 70, 28, 4096 - 128]
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A one-rank NCCL group (the CP group of the kernel case); destroyed after the module."""
+    from fla_ac_isolation.testing.autotune import first_autotune_config
+    from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
+
+    path = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", 0))
+    with lift_hopper_gdn_guard(), first_autotune_config():
+        yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _offsets():
+    return torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def test_cp_metadata_syncs_only_in_validation_and_never_per_layer():
+    from fla_ac_isolation.testing.gpu import host_sync_sites
+
+    host = _offsets()
+    cu = host.cuda()
+    torch.cuda.synchronize()
+    with host_sync_sites() as built:
+        seqlens = LayerLocalSeqlens(cu, cu_seqlens_cpu=host, cp=CPConfig(layout="zigzag", world_size=2, rank=1,
+                                                                          conv_kernel_size=4))
+    with host_sync_sites() as per_layer:
+        local = seqlens.local()
+        seqlens.local()
+    print("GPU_CP_SYNCS construction", built, "local", per_layer)
+    assert all("fla_ac_isolation/seqlens.py" in site for site in built), built
+    assert per_layer == []
+    assert local.cp_context.cu_seqlens.device.type == "cuda" and local.cp_context.cu_seqlens_cpu.device.type == "cpu"
+    assert local.cp_context.cu_seqlens is local.cu_seqlens
+
+
+def test_the_fields_in_layer_build_copies_the_offsets_to_the_host_once(one_rank_group):
+    from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
+    from fla_ac_isolation.fla_seam.cp import build_cp_context_in_layer
+    from fla_ac_isolation.testing.gpu import host_sync_sites
+
+    cu = _offsets().cuda()
+    clear_tensor_cache()
+    torch.cuda.synchronize()
+    with host_sync_sites() as first:
+        build_cp_context_in_layer(cu, group=one_rank_group, conv_kernel_size=4)
+    with host_sync_sites() as second:
+        build_cp_context_in_layer(cu, group=one_rank_group, conv_kernel_size=4)
+    print("GPU_FIELD_SYNCS first", first, "second", second)
+    assert any("fla/ops/cp/context.py" in site for site in first), first
+    assert second == [], "FLA's cache hits: the recompute of layer 0 runs no copy"
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_8"])
+def test_gdn_mixer_over_a_one_rank_cp_group_equals_no_cp(name, one_rank_group):
+    device = torch.device("cuda")
+    family = FAMILIES[name]
+    mixer = family.build(seed=3, backend="fla").to(device)
+    x = 0.5 * torch.randn(1, sum(LENS), HIDDEN, device=device, generator=torch.Generator(device).manual_seed(4))
+    results = []
+    for cp in (None, CPConfig(group=one_rank_group, conv_kernel_size=4)):
+        mixer.zero_grad()
+        seqlens = LayerLocalSeqlens(_offsets().to(device), cu_seqlens_cpu=_offsets(), cp=cp)
+        leaf = x.clone().requires_grad_()
+        out = mixer(leaf, seqlens)
+        (out * torch.cos(torch.arange(out.numel(), device=device)).reshape(out.shape)).sum().backward()
+        results.append({"output": out.detach(), "dx": leaf.grad, **{n: p.grad.clone() for n, p in mixer.named_parameters()}})
+    for key, want in results[0].items():
+        rel = ((results[1][key] - want).norm() / want.norm().clamp_min(1e-30)).item()
+        print("GPU_CP1", name, key, f"{rel:.2e}")
+        assert rel <= 1e-4, (key, rel)
