@@ -9,7 +9,16 @@ from typing import TYPE_CHECKING, Any
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fla_ac_isolation.audit.explain import explain
-from fla_ac_isolation.audit.records import OpRecord, Pass, Region, cache_differences, format_op, op_name, out_meta
+from fla_ac_isolation.audit.records import (
+    OpRecord,
+    Pass,
+    Region,
+    cache_differences,
+    format_op,
+    op_name,
+    out_meta,
+    scope_change,
+)
 
 if TYPE_CHECKING:
     from fla_ac_isolation.audit.replay_audit import ReplayAudit
@@ -47,6 +56,7 @@ class PassRecorder(TorchDispatchMode):
         self._pass: Pass | None = None
         self._forward_ops: list[OpRecord] = []
         self._ignored = audit._ignored
+        self._fsdp_depth = 0  # inside FSDP2's own profiler scopes: not recorded (records.scope_change)
 
     # -- lifecycle
     def __enter__(self):
@@ -113,6 +123,10 @@ class PassRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self._ignored:
+            return func(*args, **kwargs)
+        depth = scope_change(func, args, self._fsdp_depth)
+        if depth or self._fsdp_depth:
+            self._fsdp_depth = depth
             return func(*args, **kwargs)
         p = self._pass
         if self._kind == "forward":
