@@ -49,9 +49,10 @@ def single_thread():
     torch.set_num_threads(previous)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gloo_world_of_one(tmp_path_factory):
-    """A default process group of one rank (gloo, CPU) for FSDP2 tests in this process; destroyed at the end.
+    """A default process group of one rank (gloo, CPU) for the FSDP2 tests of one module; destroyed after it
+    (module scope: other tests in this process must not see an initialised process group).
 
     Yields a 1-D CPU device mesh over it. FSDP2 (``fully_shard``) runs on it unchanged (a world of one skips
     the all-gather but keeps FSDP's hooks, class renaming and DTensor parameters).

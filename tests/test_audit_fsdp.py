@@ -60,7 +60,7 @@ def test_fsdp_unshard_ops_are_not_recorded_and_sharded_regions_are_aligned(gloo_
 def test_a_real_divergence_in_a_sharded_region_is_still_reported_at_its_own_op(gloo_world_of_one):
     model = _sharded(gloo_world_of_one, flip=True)
     with ReplayAudit(model, on_divergence="record") as audit, \
-            pytest.raises(RuntimeError, match="aten.add.Tensor encountered during backward but not found in storage"):
+            pytest.raises(RuntimeError, match=r"aten\.add\.Tensor encountered during backward but not found in storage"):
         model(torch.randn(3, 8)).sum().backward()  # SAC's own check: the forward ran no add
 
     (report,) = audit.divergent
