@@ -207,11 +207,12 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
     Args:
         model: a transformers model (``Qwen3_5MoeForCausalLM``, ``Qwen3_5ForCausalLM``,
             ``Qwen4ExpForCausalLM``/``Qwen4ExpForConditionalGeneration``, ``NemotronHForCausalLM``, their
-            base models, or any module containing their mixers), on any device including ``meta``.
+            base models, or any module containing their mixers), or an OLMo-core ``Transformer`` with
+            ``NemotronMamba2Mixer`` blocks, on any device including ``meta``.
         backend: the mixers' kernels: ``"auto"`` (FLA on CUDA tensors, the pure-torch reference elsewhere),
             ``"fla"`` or ``"reference"``.
         config: the text config the mixers were built from; found on the mixer or the nearest module
-            above it when ``None``.
+            above it when ``None`` (OLMo-core's mixers carry their configuration: ``config`` is not used).
 
     Returns:
         The module paths swapped (e.g. ``["model.layers.0.linear_attn", ...]``). A second call finds only

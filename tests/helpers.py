@@ -443,7 +443,7 @@ OLMO_PATTERN = ("gdn", "attn")  # one GDN block is enough for the fault (FLA's c
 OLMO_AC_MODES = ("full", "selected_blocks", "selected_modules", "selected_ops")
 
 
-def olmo_hybrid(pattern: tuple[str, ...] = OLMO_PATTERN, seed: int = 0) -> nn.Module:
+def olmo_hybrid(pattern: tuple[str, ...] = OLMO_PATTERN, seed: int = 0, device: str = "cpu") -> nn.Module:
     """OLMo-core's own ``Transformer`` from ``TransformerConfig.qwen3_5_like`` (its hybrid recipe), tiny, fp32.
 
     Blocks follow ``pattern``: ``"gdn"`` (``GatedDeltaNet``), ``"attn"`` (full attention, torch backend),
@@ -477,25 +477,25 @@ def olmo_hybrid(pattern: tuple[str, ...] = OLMO_PATTERN, seed: int = 0) -> nn.Mo
     config.block_pattern = list(pattern)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = config.build(init_device="cpu")
+        model = config.build(init_device=device)
     torch.manual_seed(seed)
-    model.init_weights(device=torch.device("cpu"), max_seq_len=256)
+    model.init_weights(device=torch.device(device), max_seq_len=256)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 1)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+                p.add_(0.2 * torch.randn(p.shape, generator=gen).to(p.device))
     return model.train()
 
 
-def olmo_batch(seed: int = 1, lens=DOC_LENS) -> dict:
+def olmo_batch(seed: int = 1, lens=DOC_LENS, device: str = "cpu") -> dict:
     """A packed OLMo-core batch: ``input_ids``/``labels`` ``[1, T]``, ``doc_lens`` ``[1, N]``, ``max_doc_lens``."""
     gen = torch.Generator().manual_seed(seed)
     tokens = sum(lens)
     return {
-        "input_ids": torch.randint(0, VOCAB, (1, tokens), generator=gen),
-        "labels": torch.randint(0, VOCAB, (1, tokens), generator=gen),
-        "doc_lens": torch.tensor([list(lens)]),
+        "input_ids": torch.randint(0, VOCAB, (1, tokens), generator=gen).to(device),
+        "labels": torch.randint(0, VOCAB, (1, tokens), generator=gen).to(device),
+        "doc_lens": torch.tensor([list(lens)], device=device),
         "max_doc_lens": [max(lens)],
     }
 
@@ -553,7 +553,8 @@ def olmo_step(model: nn.Module, batch: dict, bf16: bool = False) -> Step:
 
     clear_tensor_cache()
     model.zero_grad(set_to_none=True)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    device = batch["input_ids"].device.type
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     try:
         with autocast:
             out = model(batch["input_ids"], labels=batch["labels"], doc_lens=batch["doc_lens"],
