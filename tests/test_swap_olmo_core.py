@@ -143,3 +143,12 @@ def _logits_packed_vs_alone(model) -> float:
         starts = [sum(lens[:i]) for i in range(len(lens))]
         alone = torch.cat([model(batch["input_ids"][:, s:s + n])[0] for s, n in zip(starts, lens)])
     return (packed - alone).abs().max().item()
+
+
+def test_packed_rows_of_a_batch_are_flattened_as_olmo_core_spans_cu_doc_lens_over_them(swapped):
+    """OLMo-core's offsets span the flattened batch (B * T tokens); the swapped mixer flattens the rows."""
+    x = _x()
+    cu = torch.tensor([0, 20, 29, 48], dtype=torch.int32)
+    rows = swapped(x.reshape(2, 24, 64), cu_doc_lens=cu, max_doc_len=20)
+    assert rows.shape == (2, 24, 64)
+    assert torch.equal(rows.reshape(1, 48, 64), swapped(x, cu_doc_lens=cu, max_doc_len=20))
