@@ -6,7 +6,7 @@ Public names:
 * :func:`tensor_cache_disabled`, :func:`probe_tensor_cache` - FLA's cache seam (``fla_cache``).
 * :mod:`fla_ac_isolation.policies` - SAC policies from the field and :func:`checkpoint_layers`.
 
-Further names (mixers, ``swap_mixers``, ``ReplayAudit``) are imported lazily so that ``import
+Further names (mixers, ``swap_mixers``, ``isolate_seqlens``, ``ReplayAudit``) are imported lazily so that ``import
 fla_ac_isolation`` stays light.
 """
 
@@ -26,6 +26,7 @@ _LAZY = {
     "ReplayAudit": "fla_ac_isolation.audit",
     "swap_mixers": "fla_ac_isolation.swap",
     "restore_mixers": "fla_ac_isolation.swap",
+    "isolate_seqlens": "fla_ac_isolation.isolate",
     "Qwen3_5MoeGatedDeltaNet": "fla_ac_isolation.mixers",
     "Qwen3_8FlashNextGatedDeltaNet": "fla_ac_isolation.mixers",
     "NemotronHMamba2Mixer": "fla_ac_isolation.mixers",

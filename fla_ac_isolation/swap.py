@@ -1,4 +1,4 @@
-"""``swap_mixers``: make an existing transformers model safe under activation checkpointing, in place.
+"""``swap_mixers``: make an existing transformers (or OLMo-core) model safe under activation checkpointing, in place.
 
 transformers hands the same ``cu_seq_lens_q`` object to every linear-attention layer of a packed batch,
 so FLA's identity-keyed index cache makes a checkpointed layer's recompute run other ops than its forward
@@ -15,7 +15,14 @@ transformers class                                   replaced by (``fla_ac_isola
 ``qwen3_5.Qwen3_5GatedDeltaNet`` (dense Qwen3.5)      ``Qwen3_5MoeGatedDeltaNet``
 ``qwen4_exp.Qwen4ExpTextGatedDeltaNet``               ``Qwen3_8FlashNextGatedDeltaNet``
 ``nemotron_h.NemotronHMamba2Mixer``                   ``NemotronHMamba2Mixer``
+OLMo-core ``recurrent.NemotronMamba2Mixer``            ``OlmoNemotronMamba2Mixer`` (OLMo-core's interface)
 ==================================================  ====================================================
+
+OLMo-core's Mamba2 has no config object: the replacement reads its configuration from the module's
+attributes (``OlmoNemotronMamba2Mixer.config_from``), and its ``init_weights`` runs OLMo-core's own
+initialisation on the shared tensors (:func:`lent_to_original`). OLMo-core's ``GatedDeltaNet`` and
+``KimiDeltaAttention`` are not swapped: their own code already keeps documents apart, and
+:func:`~fla_ac_isolation.isolate_seqlens` removes their only fault (shared offsets) in place.
 
 How a swap works. The replacement is constructed on the ``meta`` device (nothing is allocated or
 initialised), then every parameter and buffer slot of it is pointed at the *existing* tensor object of the
@@ -34,7 +41,9 @@ and one whose parameters were renamed (e.g. LoRA's ``base_layer``) no longer mat
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,7 +51,7 @@ from torch import nn
 
 from fla_ac_isolation.families import Family, UpstreamMixer, upstream_mixers
 
-__all__ = ["SUPPORTED_MIXERS", "restore_mixers", "swap_mixers"]
+__all__ = ["SUPPORTED_MIXERS", "lent_to_original", "restore_mixers", "swap_mixers"]
 
 # Attribute (in the replacement's __dict__, so not a registered submodule) holding the stripped original.
 _ORIGINAL_ATTR = "_fla_ac_original"
@@ -174,8 +183,11 @@ def _install(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(parent, leaf, module)
 
 
-def _build(family: Family, original: nn.Module, config: Any, backend: str, path: str) -> nn.Module:
-    cls = family.mixer_class()
+def _build(family: Family, upstream: UpstreamMixer, original: nn.Module, config: Any, backend: str,
+           path: str) -> nn.Module:
+    cls = family.mixer_class(upstream)
+    if upstream.config is None:  # configured by its attributes (OLMo-core): the replacement reads them
+        config = cls.config_from(original)
     layer_idx = getattr(original, "layer_idx", None)
     with torch.device("meta"):
         new = cls(config, layer_idx, backend=backend)
@@ -195,11 +207,12 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
     Args:
         model: a transformers model (``Qwen3_5MoeForCausalLM``, ``Qwen3_5ForCausalLM``,
             ``Qwen4ExpForCausalLM``/``Qwen4ExpForConditionalGeneration``, ``NemotronHForCausalLM``, their
-            base models, or any module containing their mixers), on any device including ``meta``.
+            base models, or any module containing their mixers), or an OLMo-core ``Transformer`` with
+            ``NemotronMamba2Mixer`` blocks, on any device including ``meta``.
         backend: the mixers' kernels: ``"auto"`` (FLA on CUDA tensors, the pure-torch reference elsewhere),
             ``"fla"`` or ``"reference"``.
         config: the text config the mixers were built from; found on the mixer or the nearest module
-            above it when ``None``.
+            above it when ``None`` (OLMo-core's mixers carry their configuration: ``config`` is not used).
 
     Returns:
         The module paths swapped (e.g. ``["model.layers.0.linear_attn", ...]``). A second call finds only
@@ -231,8 +244,8 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
     from fla_ac_isolation.ops import check_backend
 
     check_backend(backend)
-    ours = tuple({family.mixer_class() for _, family in upstream_mixers()})
-    found: list[tuple[str, nn.Module, Family]] = []
+    ours = tuple({family.mixer_class(upstream) for upstream, family in upstream_mixers()})
+    found: list[tuple[str, nn.Module, Family, UpstreamMixer]] = []
     swapped_before: list[str] = []  # swapped earlier, or built from fla_ac_isolation.mixers directly
     for path, module in model.named_modules():
         if _ORIGINAL_ATTR in vars(module) or isinstance(module, ours):
@@ -242,7 +255,7 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
         if match is not None:
             if not path:
                 raise ValueError("swap_mixers needs the model (or a module) containing the mixer, not the mixer itself")
-            found.append((path, module, match[1]))
+            found.append((path, module, match[1], match[0]))
     if not found:
         if swapped_before:
             warnings.warn(
@@ -256,15 +269,39 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
         )
 
     replacements = []
-    for path, original, family in found:  # build all first: an error leaves the model untouched
+    for path, original, family, upstream in found:  # build all first: an error leaves the model untouched
         _check_swappable(path, original)
-        new = _build(family, original, _config_for(model, path, original, config), backend, path)
+        found_config = None if upstream.config is None else _config_for(model, path, original, config)
+        new = _build(family, upstream, original, found_config, backend, path)
         replacements.append((path, original, new))
     for path, original, new in replacements:
         _strip_tensors(original)
         vars(new)[_ORIGINAL_ATTR] = original
         _install(model, path, new)
     return [path for path, _, _ in replacements]
+
+
+@contextlib.contextmanager
+def lent_to_original(module: nn.Module) -> Iterator[nn.Module]:
+    """The upstream module a swapped mixer replaced, pointed at the swapped mixer's tensors for the block.
+
+    For upstream code that must run on the swapped mixer's tensors, e.g. OLMo-core's ``init_weights``
+    (``OlmoNemotronMamba2Mixer.init_weights``). The tensors are the same objects (sharded or not); what the
+    block writes into them stays. On exit the upstream module holds no tensors again.
+
+    Raises:
+        RuntimeError: ``module`` was not made by :func:`swap_mixers` (it holds no upstream module).
+    """
+    original = vars(module).get(_ORIGINAL_ATTR)
+    if original is None:
+        raise RuntimeError(
+            f"{type(module).__name__} was not made by swap_mixers: it holds no upstream module to lend its tensors to"
+        )
+    _share_tensors(module, original, f"lent_to_original({type(module).__name__})")
+    try:
+        yield original
+    finally:
+        _strip_tensors(original)
 
 
 def restore_mixers(model: nn.Module) -> list[str]:

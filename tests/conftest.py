@@ -47,3 +47,24 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def gloo_world_of_one(tmp_path_factory):
+    """A default process group of one rank (gloo, CPU) for the FSDP2 tests of one module; destroyed after it
+    (module scope: other tests in this process must not see an initialised process group).
+
+    Yields a 1-D CPU device mesh over it. FSDP2 (``fully_shard``) runs on it unchanged (a world of one skips
+    the all-gather but keeps FSDP's hooks, class renaming and DTensor parameters).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    finally:
+        dist.destroy_process_group()

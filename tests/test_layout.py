@@ -97,6 +97,7 @@ import fla_ac_isolation
 from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit
 import fla_ac_isolation.audit, fla_ac_isolation.cli, fla_ac_isolation.fla_seam.kernels, fla_ac_isolation.mixers
 import fla_ac_isolation.modes, fla_ac_isolation.ops, fla_ac_isolation.policies, fla_ac_isolation.swap
+import fla_ac_isolation.isolate
 light = "fla" not in sys.modules  # nothing above imports FLA itself
 
 from fla_ac_isolation.fault_stack import run_stack

@@ -18,6 +18,7 @@ from fla_ac_isolation.audit.records import (
     implicating_fla,
     op_name,
     out_meta,
+    scope_change,
 )
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class PassRecorder(TorchDispatchMode):
         self._pass: Pass | None = None
         self._forward_ops: list[OpRecord] = []
         self._ignored = audit._ignored
+        self._fsdp_depth = 0  # inside FSDP2's own profiler scopes: not recorded (records.scope_change)
 
     # -- lifecycle
     def __enter__(self):
@@ -122,6 +124,10 @@ class PassRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self._ignored:
+            return func(*args, **kwargs)
+        depth = scope_change(func, args, self._fsdp_depth)
+        if depth or self._fsdp_depth:
+            self._fsdp_depth = depth
             return func(*args, **kwargs)
         p = self._pass
         if self._kind == "forward":

@@ -7,6 +7,7 @@
   forward and a recompute (the n-th call of each helper in one pass against its n-th call in the other);
   :func:`implicating_fla` - whether those differences implicate FLA's cache or only a path change.
 * :func:`ignored_ops`, :func:`out_meta`, :func:`format_op` - what is recorded and how an op is printed.
+* :func:`scope_change` - FSDP2's own profiler scopes, whose ops are not the region's (not recorded).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "implicating_fla",
     "op_name",
     "out_meta",
+    "scope_change",
 ]
 
 
@@ -42,6 +44,33 @@ def ignored_ops() -> frozenset:
     if ops is None:  # older torch: detach and prim.device are the ones that differ between passes
         ops = {torch.ops.aten.detach.default, torch.ops.prim.device.default}
     return frozenset(ops)
+
+
+_SCOPE_ENTER = torch.ops.profiler._record_function_enter_new.default
+_SCOPE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
+FSDP_SCOPE = "FSDP::"
+"""Prefix of the ``record_function`` scopes FSDP2 (``fully_shard``) wraps its own work in."""
+
+
+def scope_change(func: Any, args: tuple, depth: int) -> int:
+    """The depth of FSDP2 scopes after ``func``: +1 entering one (or any scope inside one), -1 leaving one.
+
+    FSDP2's forward hooks unshard parameters inside ``record_function("FSDP::pre_forward")`` (``aten.empty``,
+    ``copy_``, ``as_strided``, ``view``, collectives with world size > 1) and reshard inside
+    ``FSDP::post_forward``; in the recompute they skip that work (the pre-backward hook has unsharded), so
+    the checkpointed forward of a sharded module holds ops its recompute never runs. They are FSDP's
+    parameter management, not the region's computation, and the audit does not record them (nor the
+    scope markers). SAC itself counts them (its ``SAC_IGNORED_OPS`` are only ``detach``, ``prim.device`` and
+    metadata ops); keyed by op and invocation index, they shift only later ops of the same overload, which
+    matters only to a policy that saves ``empty``, ``copy_``, ``as_strided``, ``view`` or FSDP's all-gather,
+    as none of the field's policies does. A scope is told by its name on entry; exits are counted, since the
+    exit op receives a new wrapper of the scope object.
+    """
+    if func is _SCOPE_ENTER and (depth or (args and str(args[0]).startswith(FSDP_SCOPE))):
+        return depth + 1
+    if func is _SCOPE_EXIT and depth:
+        return depth - 1
+    return depth
 
 
 OpRecord = tuple[Any, tuple]

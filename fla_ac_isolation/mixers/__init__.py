@@ -3,6 +3,7 @@
 * :class:`Qwen3_5MoeGatedDeltaNet` - for ``Qwen3_5MoeGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet``.
 * :class:`Qwen3_8FlashNextGatedDeltaNet` - for ``Qwen4ExpTextGatedDeltaNet`` (Qwen3.8-Flash-Next).
 * :class:`NemotronHMamba2Mixer` - for ``NemotronHMamba2Mixer``.
+* :class:`OlmoNemotronMamba2Mixer` - the same Mamba2 with OLMo-core's interface, for its ``NemotronMamba2Mixer``.
 * :class:`GatedDeltaNet` - the shared Gated DeltaNet core.
 
 Every mixer is built from ``(config, layer_idx)`` with transformers' parameter names, and its forward is
@@ -14,12 +15,14 @@ otherwise; nothing is cast) unless ``torch.autocast`` is active, which casts per
 
 from fla_ac_isolation.mixers.gated_deltanet import GatedDeltaNet
 from fla_ac_isolation.mixers.nemotron_h import NemotronHMamba2Mixer
+from fla_ac_isolation.mixers.olmo_core import OlmoNemotronMamba2Mixer
 from fla_ac_isolation.mixers.qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
 from fla_ac_isolation.mixers.qwen3_8 import Qwen3_8FlashNextGatedDeltaNet
 
 __all__ = [
     "GatedDeltaNet",
     "NemotronHMamba2Mixer",
+    "OlmoNemotronMamba2Mixer",
     "Qwen3_5MoeGatedDeltaNet",
     "Qwen3_8FlashNextGatedDeltaNet",
 ]

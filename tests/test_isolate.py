@@ -1,0 +1,260 @@
+"""isolate_seqlens: what the hook hands each call, which modules it finds, its errors, warnings and handle.
+
+Small modules only (a recorder module and transformers' own Qwen3.5-MoE mixers, which need no kernel call
+here); the end-to-end proofs on OLMo-core, transformers and torchtitan models under AC are in
+``test_isolate_olmo_core.py``, ``test_isolate_transformers.py`` and ``test_isolate_torchtitan.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+from helpers import MODEL_FAMILIES
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fla_ac_isolation import isolate_seqlens, swap_mixers
+from fla_ac_isolation.fla_seam.layout import chunk_indices_for
+from fla_ac_isolation.isolate import PartialIsolationWarning
+from fla_ac_isolation.testing.reference_kernels import reference_kernels
+
+GDN_PATHS = [f"model.layers.{i}.linear_attn" for i in range(3)]
+
+
+class Recorder(nn.Module):
+    """Records the objects it receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def forward(self, x, cu_seqlens=None, meta=None):
+        self.seen.append((cu_seqlens, meta))
+        return x
+
+
+class Metadata(NamedTuple):  # the shape of torchtitan's VarlenMetadata
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor
+    max_q: int
+    host: tuple
+
+
+def _holder(module: nn.Module) -> nn.Module:
+    return nn.ModuleDict({"mixer": module})
+
+
+def _offsets() -> torch.Tensor:
+    return torch.tensor([0, 5, 5, 22], dtype=torch.int32)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """transformers' Qwen3.5-MoE, tiny: 3 GDN mixers + 1 attention layer (built once; tests deep-copy it)."""
+    return MODEL_FAMILIES["qwen3_5_moe"].model()
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+# ------------------------------------------------------------------------------------ what a call gets
+def test_named_offsets_arrive_as_a_new_equal_tensor_on_every_call_keyword_or_positional():
+    model = _holder(Recorder())
+    handle = isolate_seqlens(model, modules=["mixer"], arg_names=["cu_seqlens"])
+    cu = _offsets()
+    x = torch.zeros(1, 22, 4)
+    model["mixer"](x, cu_seqlens=cu)
+    model["mixer"](x, cu)
+    model["mixer"](x, cu_seqlens=cu)
+
+    got = [seen for seen, _ in model["mixer"].seen]
+    assert handle.paths == ["mixer"]
+    assert all(t is not cu and torch.equal(t, cu) and t.dtype == cu.dtype for t in got)
+    assert len({id(t) for t in got}) == 3  # a new object per call (the forward and its recompute differ)
+
+
+def test_copies_are_invisible_to_dispatch_modes():
+    """SAC and the audit are dispatch modes: a copy they saw could be saved and handed back (same object)."""
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = _holder(Recorder())
+    isolate_seqlens(model, modules=["mixer"], arg_names=["cu_seqlens"])
+    cu, x = _offsets(), torch.zeros(1, 22, 4)
+    with Ops() as mode:
+        model["mixer"](x, cu_seqlens=cu)
+    assert mode.ops == []
+    assert model["mixer"].seen[0][0] is not cu
+
+
+def test_namedtuple_offsets_are_replaced_fresh_keeping_aliasing_and_other_fields():
+    model = _holder(Recorder())
+    isolate_seqlens(model, modules=["mixer"], arg_names=["meta"])
+    cu = _offsets()
+    meta = Metadata(cu, cu, 17, (0, 5, 5, 22))
+    model["mixer"](torch.zeros(1, 22, 4), meta=meta)
+
+    got = model["mixer"].seen[0][1]
+    assert type(got) is Metadata and got.max_q == 17 and got.host == (0, 5, 5, 22)
+    assert got.cu_seq_q is not cu and torch.equal(got.cu_seq_q, cu)
+    assert got.cu_seq_k is got.cu_seq_q  # one object in, one fresh object out
+    assert meta.cu_seq_q is cu  # the caller's tuple is left as it was
+
+
+def test_dynamic_shape_marking_is_kept_on_the_copy():
+    """OLMo-core marks cu_doc_lens dynamic for torch.compile; a copy without the mark recompiles per length."""
+    model = _holder(Recorder())
+    isolate_seqlens(model, modules=["mixer"], arg_names=["cu_seqlens"])
+    cu = _offsets()
+    torch._dynamo.mark_dynamic(cu, 0)
+    model["mixer"](torch.zeros(1, 22, 4), cu_seqlens=cu)
+    assert model["mixer"].seen[0][0]._dynamo_dynamic_indices == {0}
+
+
+def test_a_named_argument_that_holds_no_offsets_raises_at_the_call_naming_it():
+    model = _holder(Recorder())
+    isolate_seqlens(model, modules=["mixer"], arg_names=["cu_seqlens"])
+    with pytest.raises(TypeError, match=r"argument 'cu_seqlens' of mixer is a torch.float32 tensor of shape \(4,\)"):
+        model["mixer"](torch.zeros(1, 22, 4), cu_seqlens=torch.zeros(4))
+    model["mixer"](torch.zeros(1, 22, 4))  # absent (None): an unpacked batch, nothing to do
+    assert model["mixer"].seen[-1] == (None, None)
+
+
+def test_transformers_mixer_hands_fla_fresh_offsets_host_offsets_and_the_chunk_schedule(qwen):
+    model = _copy(qwen)
+    isolate_seqlens(model)
+    mixer = model.get_submodule(GDN_PATHS[0])
+    cu = torch.tensor([0, 70, 93, 134], dtype=torch.int32)
+    with reference_kernels() as served:  # FLA's kernel call, served on CPU, records what it receives
+        for _ in range(2):
+            mixer(torch.randn(1, 134, 64), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=70)
+
+    calls = [c for c in served.calls if c.kernel == "chunk_gated_delta_rule"]  # through transformers' wrapper
+    assert len(calls) == 2
+    for call in calls:
+        assert call.cu_seqlens is not cu and torch.equal(call.cu_seqlens, cu)
+        assert call.cu_seqlens_cpu.device.type == "cpu" and call.cu_seqlens_cpu.tolist() == [0, 70, 93, 134]
+        assert torch.equal(call.chunk_indices, chunk_indices_for([0, 70, 93, 134]).to(torch.int32))
+    assert calls[0].cu_seqlens is not calls[1].cu_seqlens
+    assert calls[0].chunk_indices is not calls[1].chunk_indices
+
+
+def test_transformers_offsets_that_are_not_offsets_raise_at_the_call(qwen):
+    model = _copy(qwen)
+    isolate_seqlens(model)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q passed to model.layers.0.linear_attn is not valid offsets: "
+                                         r"cu_seqlens must start at 0, got 3"):
+        model.get_submodule(GDN_PATHS[0])(torch.randn(1, 22, 64),
+                                          cu_seq_lens_q=torch.tensor([3, 5, 22], dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------------- which modules
+def test_known_mixers_are_found_through_fsdp2s_renamed_classes(qwen):
+    model = _copy(qwen)
+    mixer = model.get_submodule(GDN_PATHS[1])
+    cls = type(mixer)
+    mixer.__class__ = type(f"FSDP{cls.__name__}", (cls,), {})  # what fully_shard does to a module's class
+
+    handle = isolate_seqlens(model)
+
+    assert handle.paths == GDN_PATHS
+
+
+def test_a_subclass_that_overrides_forward_is_hooked_with_a_warning(qwen):
+    model = _copy(qwen)
+    mixer = model.get_submodule(GDN_PATHS[0])
+    mixer.__class__ = type("MyGatedDeltaNet", (type(mixer),), {"forward": lambda self, *a, **k: None})
+    with pytest.warns(UserWarning, match=r"'model.layers.0.linear_attn' \(MyGatedDeltaNet\) subclasses "
+                                         r"transformers.*Qwen3_5MoeGatedDeltaNet and overrides forward"):
+        assert isolate_seqlens(model).paths == GDN_PATHS
+
+
+def test_second_call_hooks_nothing_and_warns_then_remove_and_reisolate(qwen):
+    model = _copy(qwen)
+    first = isolate_seqlens(model)
+    with pytest.warns(UserWarning, match=r"nothing new to isolate; the 3 FLA-backed mixer\(s\)"):
+        second = isolate_seqlens(model)
+    assert second.paths == []
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 3
+
+    first.remove()
+    first.remove()  # idempotent
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0
+    assert isolate_seqlens(model).paths == GDN_PATHS
+
+
+def test_handle_as_context_manager_removes_its_hooks():
+    model = _holder(Recorder())
+    cu = _offsets()
+    with isolate_seqlens(model, modules=[model["mixer"]], arg_names=["cu_seqlens"]):
+        model["mixer"](torch.zeros(1, 22, 4), cu_seqlens=cu)
+    model["mixer"](torch.zeros(1, 22, 4), cu_seqlens=cu)
+    assert model["mixer"].seen[0][0] is not cu and model["mixer"].seen[1][0] is cu
+
+
+def test_modules_that_leave_known_mixers_unhooked_warn_naming_them(qwen):
+    model = _copy(qwen)
+    with pytest.warns(PartialIsolationWarning, match=r"left 2 FLA-backed mixer\(s\) of the model unhooked "
+                                                     r"\(model.layers.1.linear_attn, model.layers.2.linear_attn\)"):
+        handle = isolate_seqlens(model, modules=[GDN_PATHS[0]])
+    assert handle.paths == [GDN_PATHS[0]]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def test_a_model_without_fla_backed_mixers_is_refused_listing_what_was_looked_for():
+    with pytest.raises(ValueError) as err:
+        isolate_seqlens(nn.Sequential(nn.Linear(4, 4)))
+    message = str(err.value)
+    assert message.startswith("isolate_seqlens found no FLA-backed mixer in Sequential; looked for ")
+    for looked in ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet(cu_seq_lens_q, "
+                   "cu_seq_lens_k)", "Qwen3_5GatedDeltaNet", "Qwen4ExpTextGatedDeltaNet",
+                   "torchtitan.models.qwen3_5.model.GatedDeltaNet(attention_masks)",
+                   "olmo_core.nn.attention.recurrent.GatedDeltaNet(cu_doc_lens)",
+                   "olmo_core.nn.attention.kda.KimiDeltaAttention(cu_doc_lens)"):
+        assert looked in message
+    assert message.endswith("pass modules=[...] and arg_names=[...] for other FLA-backed modules")
+
+
+def test_a_model_of_our_own_mixers_is_refused_saying_they_isolate_themselves(qwen):
+    model = _copy(qwen)
+    swap_mixers(model)
+    with pytest.raises(ValueError, match=r"its 3 fla_ac_isolation mixer\(s\) \('model.layers.0.linear_attn', "
+                                         r"\.\.\.\) take fresh offsets themselves"):
+        isolate_seqlens(model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"model": {}}, TypeError, r"model must be a torch.nn.Module, got dict"),
+        ({"arg_names": "cu_seqlens"}, TypeError, r"arg_names must be a list of argument names \(str\), got 'cu_seqlens'"),
+        ({"arg_names": []}, ValueError, r"arg_names must name at least one argument"),
+        ({"modules": "mixer"}, TypeError, r"modules must be a list of modules or module paths, got str"),
+        ({"modules": []}, ValueError, r"modules must name at least one module"),
+        ({"modules": ["mixr"]}, ValueError, r"modules\[0\] = 'mixr' is not a submodule path of the model"),
+        ({"modules": [nn.Linear(2, 2)]}, ValueError, r"modules\[0\] \(Linear\) is not a submodule of the model"),
+        ({"modules": [3]}, TypeError, r"modules\[0\] must be an nn.Module or a module path \(str\), got int"),
+        ({"modules": ["mixer"], "arg_names": None}, ValueError,
+         r"'mixer' \(Recorder\) is not a known FLA-backed mixer; pass arg_names=\[...\]"),
+    ],
+    ids=["model", "arg_names-str", "arg_names-empty", "modules-str", "modules-empty", "path", "foreign-module",
+         "entry-type", "unknown-without-arg_names"],
+)
+def test_bad_arguments_are_refused_naming_the_argument(kwargs, error, message):
+    model = _holder(Recorder())
+    call = {"modules": ["mixer"], "arg_names": ["cu_seqlens"], **kwargs}
+    with pytest.raises(error, match=message):
+        isolate_seqlens(call.pop("model", model), **call)
+    assert not model["mixer"]._forward_pre_hooks  # nothing was hooked
