@@ -60,7 +60,10 @@ def packed_attention_on_torch_backend() -> Iterator[None]:
         mask = document_causal_mask(offsets, q.shape[0], q.shape[2])
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p, scale=self.scale,
                                              enable_gqa=True)  # as OLMo-core's own SDPA call
-        return att.transpose(1, 2)
+        # [B, T, H, Dh], contiguous as the flash backends return it: OLMo-core's gate then views it as
+        # [B, T, H * Dh], which a transposed view (what eager CUDA SDPA happens to lay out densely, but a
+        # compiled graph's fake tensor does not) cannot take under torch.compile
+        return att.transpose(1, 2).contiguous()
 
     TorchAttentionBackend.forward = forward
     try:
