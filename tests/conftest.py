@@ -68,3 +68,14 @@ def gloo_world_of_one(tmp_path_factory):
         yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def hopper_guard_lifted():
+    """GPU test modules: lift FLA's #640 guard (announced on stdout) and autotune with the first config
+    only (minutes of compiling saved); yields whether the guard was active."""
+    from fla_ac_isolation.testing.autotune import first_autotune_config
+    from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
+
+    with lift_hopper_gdn_guard() as lifted, first_autotune_config():
+        yield lifted

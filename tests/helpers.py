@@ -810,3 +810,9 @@ def torchtitan_gdn_forward_without_clone():
     namespace = dict(vars(titan_model))
     exec(compile(source.replace(clone, "attention_masks.cu_seq_q"), titan_model.__file__, "exec"), namespace)
     return namespace["forward"]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` in float64 (GPU parity tests)."""
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()

@@ -48,6 +48,7 @@ from fla_ac_isolation.policies import any_of, save_all_copies, save_ops
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.usefixtures("hopper_guard_lifted"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
@@ -55,15 +56,6 @@ pytestmark = [
 KNOWN_MISREPLAY = (INT_REPLAY, "not implemented for 'Int'", "not found in storage", "have different metadata",
                    "split_with_sizes")
 OLMO_GPU_PATTERN = ("gdn", "gdn", "attn")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hopper_guard_lifted():
-    from fla_ac_isolation.testing.autotune import first_autotune_config
-    from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
-
-    with lift_hopper_gdn_guard() as lifted, first_autotune_config():
-        yield lifted
 
 
 def _relative_grad_error(result, reference) -> float:

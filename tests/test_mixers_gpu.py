@@ -15,13 +15,14 @@ Run on a CUDA machine: ``python -m pytest -m gpu -s tests/test_mixers_gpu.py``.
 
 import pytest
 import torch
-from helpers import CORE_FAMILIES, FAMILIES, HIDDEN, loss_and_grads
+from helpers import CORE_FAMILIES, FAMILIES, HIDDEN, loss_and_grads, relative_error
 from torch import nn
 
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.usefixtures("hopper_guard_lifted"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
@@ -32,21 +33,6 @@ REL_TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
 #: projection of the GDN (Nemotron-H's SSD: A_log and dt_bias). Only these may be off; every other tensor is
 #: compared in every dtype.
 FLA_640_GATE_GRADS = frozenset({"grad:A_log", "grad:dt_bias", "grad:in_proj_a.weight"})
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hopper_guard_lifted():
-    """Lift FLA's #640 guard and skip autotuning (first config only: minutes of compiling saved)."""
-    from fla_ac_isolation.testing.autotune import first_autotune_config
-    from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
-
-    with lift_hopper_gdn_guard() as lifted, first_autotune_config():
-        yield lifted
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def _run(mixer: nn.Module, x: torch.Tensor, seqlens: LayerLocalSeqlens):
@@ -71,8 +57,8 @@ def test_fla_backend_matches_reference_at_8k_tokens(name, dtype, hopper_guard_li
         results[backend] = _run(mixer, x, seqlens)
     (out_f, dx_f, grads_f), (out_r, dx_r, grads_r) = results["fla"], results["reference"]
 
-    errors = {"output": _rel(out_f, out_r), "grad:hidden_states": _rel(dx_f, dx_r)}
-    errors.update({f"grad:{n}": _rel(g, grads_r[n]) for n, g in grads_f.items()})
+    errors = {"output": relative_error(out_f, out_r), "grad:hidden_states": relative_error(dx_f, dx_r)}
+    errors.update({f"grad:{n}": relative_error(g, grads_r[n]) for n, g in grads_f.items()})
     for tensor, err in errors.items():
         print(f"GPU_PARITY {name} {str(dtype).removeprefix('torch.')} {tensor} {err:.3e}", flush=True)
     bad = {t: e for t, e in errors.items() if e > REL_TOL[dtype]}
@@ -114,10 +100,10 @@ def test_fla_backend_under_selective_ac_matches_no_ac(name):
     loss_ref, dx_ref, grads_ref = run(False)
     loss_ac, dx_ac, grads_ac = run(True)
     exact = torch.equal(loss_ac, loss_ref) and all(torch.equal(grads_ac[n], g) for n, g in grads_ref.items())
-    worst = max(_rel(grads_ac[n], g) for n, g in grads_ref.items())
-    print(f"GPU_AC {name} bit_exact={exact} loss_rel={_rel(loss_ac, loss_ref):.3e} worst_grad_rel={worst:.3e}")
-    assert _rel(loss_ac, loss_ref) <= 1e-6
-    assert _rel(dx_ac, dx_ref) <= 1e-3 and worst <= 1e-3
+    worst = max(relative_error(grads_ac[n], g) for n, g in grads_ref.items())
+    print(f"GPU_AC {name} bit_exact={exact} loss_rel={relative_error(loss_ac, loss_ref):.3e} worst_grad_rel={worst:.3e}")
+    assert relative_error(loss_ac, loss_ref) <= 1e-6
+    assert relative_error(dx_ac, dx_ref) <= 1e-3 and worst <= 1e-3
 
 
 def _sync_sites(step) -> list[str]:

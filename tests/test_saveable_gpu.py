@@ -13,7 +13,7 @@ this module, announced; first autotune config only).
 
 import pytest
 import torch
-from helpers import FAMILIES, HIDDEN, Block, recorded_step
+from helpers import FAMILIES, HIDDEN, Block, recorded_step, relative_error
 from torch import nn
 
 from fla_ac_isolation.policies import any_of, checkpoint_layers, save_fla_ops, torchtitan_selective
@@ -21,25 +21,12 @@ from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.usefixtures("hopper_guard_lifted"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
 DOC_LENS = [1024, 3000, 17, 2500, 1651]  # 8192 tokens, one document shorter than a chunk
 SAVED = {"save-core": ("gated_delta_rule", "ssd"), "save-core+conv": ("gated_delta_rule", "ssd", "causal_conv1d")}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hopper_guard_lifted():
-    from fla_ac_isolation.testing.autotune import first_autotune_config
-    from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
-
-    with lift_hopper_gdn_guard() as lifted, first_autotune_config():
-        yield lifted
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def _step(policy=None, saveable=True):
@@ -54,10 +41,10 @@ def _step(policy=None, saveable=True):
 
 def _compare(case: str, got, want) -> None:
     exact = torch.equal(got.loss, want.loss) and all(torch.equal(got.grads[n], g) for n, g in want.grads.items())
-    worst = max(_rel(got.grads[n], g) for n, g in want.grads.items())
-    print(f"GPU_SAVEABLE {case} bit_exact={exact} loss_rel={_rel(got.loss, want.loss):.3e} worst_grad_rel={worst:.3e}")
-    assert _rel(got.loss, want.loss) <= 1e-6
-    assert _rel(got.dx, want.dx) <= 1e-3 and worst <= 1e-3
+    worst = max(relative_error(got.grads[n], g) for n, g in want.grads.items())
+    print(f"GPU_SAVEABLE {case} bit_exact={exact} loss_rel={relative_error(got.loss, want.loss):.3e} worst_grad_rel={worst:.3e}")
+    assert relative_error(got.loss, want.loss) <= 1e-6
+    assert relative_error(got.dx, want.dx) <= 1e-3 and worst <= 1e-3
 
 
 def test_saveable_path_matches_the_default_path():

@@ -36,17 +36,9 @@ from fla_ac_isolation.policies import any_of, save_all_copies, save_ops
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.usefixtures("hopper_guard_lifted"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hopper_guard_lifted():
-    from fla_ac_isolation.testing.autotune import first_autotune_config
-    from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
-
-    with lift_hopper_gdn_guard() as lifted, first_autotune_config():
-        yield lifted
 
 
 def _copies_and_mm():
