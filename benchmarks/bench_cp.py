@@ -79,7 +79,8 @@ autotunes every kernel (minutes more).
 with the test-only shims of ``fla_ac_isolation.testing.cp_shims``, float32, and tiny default shapes (hidden
 32, i.e. 4 heads of 8; T = 128; 3 documents; 1 iteration, no warm-up). It times with ``time.perf_counter``
 after a barrier and reports host syncs and memory as 0. Under ``torchrun`` on a CPU, export
-``TRITON_INTERPRET=1`` first. It costs about a minute of CPU (2.3 s per interpreted step and rank).
+``TRITON_INTERPRET=1`` first. It costs about 80 s of CPU with the defaults (measured: 12 interpreted steps of
+about 3 s per rank, plus about 5 s of imports per rank).
 
 On Hopper with Triton < 3.7.1 FLA refuses the gated backward (its issue #640); ``--lift-hopper-guard`` sets
 FLA's flag on every rank, printing so. ``--first-config`` runs every Triton autotuner's first config only

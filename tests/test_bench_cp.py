@@ -2,11 +2,11 @@
 
 The full CPU smoke (``python benchmarks/bench_cp.py --device cpu``: 2 gloo ranks, FLA's CP kernels in Triton's
 interpreter, all 4 modes, each mode's probe, memory and timed step: 12 interpreted CP layer steps per rank)
-costs about a minute of CPU time on the 2-core CI machine (measured, all processes: 56 s at hidden 32 and
-T = 64, 86 s at hidden 64 and T = 128; 2-3.5 s per contiguous step and rank, zigzag 2-4x that, plus about
-5 s of imports per rank). That is over the budget of one test in the suite (about 30 s of CPU), so CI
-launches it with ONE mode, contiguous, T = 64 (``--modes isolated --tokens 64 --docs 2``): 3 steps per rank,
-measured 26-29 s of CPU (18 s wall). It still covers the spawned launch, gloo, FLA's CP kernels under the
+costs 55-90 s of CPU time on the 2-core CI machine (measured, all processes: 81 s with its defaults, hidden
+32 and T = 128; 56 s at T = 64; 86 s at hidden 64 and T = 128; 2-3.5 s per contiguous step and rank, zigzag
+2-4x that, plus about 5 s of imports per rank). That is over the budget of one test in the suite (about
+30 s of CPU), so CI launches it with ONE mode, contiguous, T = 64 (``--modes isolated --tokens 64 --docs
+2``): 3 steps per rank, measured 26-29 s of CPU (18 s wall). It still covers the spawned launch, gloo, FLA's CP kernels under the
 shims, the rows, table, targets and JSON. What the modes change (slowest-rank step times, paired ratios,
 targets, per-rank columns) is tested here on fabricated per-rank results, the PNG with them, and the mode
 order with a fake group through ``bench_isolation.measure`` itself.
