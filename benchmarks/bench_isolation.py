@@ -256,13 +256,17 @@ def base_mode(mode: str):
     return get_mode(VARIANTS.get(mode, (mode, {}))[0])
 
 
-def make_seqlens(mode: str, lens: list[int], device: str):
-    """New offsets for one step of ``mode`` (see the module docstring), as a loader would build them."""
+def make_seqlens(mode: str, lens: list[int], device: str, *, with_host: bool = False, **kwargs: Any):
+    """New offsets for one step of ``mode`` (see the module docstring), as a loader would build them.
+
+    ``with_host``: the loader also hands over the host offsets (``cu_seqlens_cpu``, as ``isolated+cpu``
+    does; needed under context parallelism). ``kwargs``: more keywords of ``LayerLocalSeqlens`` (``cp=``).
+    """
     host = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     options = dict(VARIANTS.get(mode, (mode, {}))[1])
-    if options.pop("with_host", False):
+    if options.pop("with_host", False) or with_host:
         options["cu_seqlens_cpu"] = host
-    return base_mode(mode).seqlens(host.to(device), **options)
+    return base_mode(mode).seqlens(host.to(device), **options, **kwargs)
 
 
 def cache_context(mode: str):
@@ -344,15 +348,19 @@ def warm_step(group: Group, mode: str, i: int) -> None:
 
 
 def time_step(group: Group, mode: str, i: int) -> float:
-    """Milliseconds of one step of ``mode`` (CUDA events on a GPU, ``time.perf_counter`` on CPU)."""
+    """Milliseconds of one step of ``mode`` (CUDA events on a GPU, ``time.perf_counter`` on CPU).
+
+    ``group`` is a :class:`Group` or anything with its ``prepare``, ``device`` and ``synchronize``
+    (``bench_cp.CPGroup``); so are the other ``*_step`` functions' and :func:`measure`'s.
+    """
     with cache_context(mode):
         step = group.prepare(mode, i)
+        group.synchronize()  # Group: the device (nothing on CPU); a CP group adds a barrier of its ranks
         if group.device == "cpu":
             start = time.perf_counter()
             step()
             return (time.perf_counter() - start) * 1e3
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
         begin.record()
         step()
         end.record()
@@ -414,22 +422,38 @@ def profile_step(group: Group, mode: str, i: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- one group
-def run_group(kind: str, tokens: int, docs: int, modes: list[str], args) -> tuple[list[Row], list[dict]]:
-    """Warm up, probe, measure memory and time every mode of one group, interleaved; profile on request.
+def measure(group, modes: list[str], warmup: int, iters: int) -> tuple[dict, dict, dict]:
+    """Warm up, probe, measure memory and time every mode of ``group``, interleaved (:func:`rotated`).
 
-    Returns one :class:`Row` per mode and, with ``--profile``, one recompute breakdown per checkpointed mode.
+    ``warmup`` untimed iterations, one probe step and one memory step per mode, then ``iters`` timed
+    iterations; each iteration runs every mode once, starting at mode ``i % len(modes)``, so every process
+    that calls this with the same arguments runs the same modes in the same order.
+
+    Returns:
+        ``(times, memory, probes)`` keyed by mode: step times in ms in iteration order (:func:`time_step`),
+        ``(peak, held)`` MiB (:func:`memory_step`), ``(host syncs, {"file:line": syncs}, FLA helper
+        computations)`` (:func:`probe_step`).
     """
-    group = Group.build(kind, tokens, docs, modes, args)
-    for i in range(args.warmup):
+    for i in range(warmup):
         for mode in rotated(modes, i):
             warm_step(group, mode, i)
     group.synchronize()
     probes = {mode: probe_step(group, mode, 0) for mode in modes}
     memory = {mode: memory_step(group, mode, 1) for mode in modes}
     times: dict[str, list[float]] = {mode: [] for mode in modes}
-    for i in range(args.iters):
+    for i in range(iters):
         for mode in rotated(modes, i):
             times[mode].append(time_step(group, mode, i))
+    return times, memory, probes
+
+
+def run_group(kind: str, tokens: int, docs: int, modes: list[str], args) -> tuple[list[Row], list[dict]]:
+    """Warm up, probe, measure memory and time every mode of one group, interleaved; profile on request.
+
+    Returns one :class:`Row` per mode and, with ``--profile``, one recompute breakdown per checkpointed mode.
+    """
+    group = Group.build(kind, tokens, docs, modes, args)
+    times, memory, probes = measure(group, modes, args.warmup, args.iters)
     saved = {mode: sibling("saved_outputs").saved_mib(kind, tokens, args.hidden, SAVED.get(mode, ())) for mode in modes}
     rows = [summarise(group, mode, times, memory[mode], saved[mode], probes[mode]) for mode in modes]
     profiles = []
@@ -448,17 +472,26 @@ def paired_ratio(times: list[float], reference: list[float]) -> float:
 def summarise(group: Group, mode: str, times: dict[str, list[float]], memory: tuple[float, float],
               saved_mib: float, probe: tuple[int, dict[str, int], int]) -> Row:
     """The :class:`Row` of ``mode``: statistics of its step times (ms) and the untimed measurements."""
-    mine = times[mode]
-    q = statistics.quantiles(mine, n=10, method="inclusive")  # linear interpolation, within the data
+    syncs, sites, computations = probe
+    peak, held = memory
+    return Row(group.kind, group.tokens, group.docs, mode, *step_statistics(times[mode], times), peak, held,
+               saved_mib, syncs, computations, sites, list(times[mode]))
+
+
+def step_statistics(mine: list[float], times: dict[str, list[float]]) -> tuple:
+    """``(median, p10, p90, x_shared, paired_x_shared, x_no_ac, paired_x_no_ac)`` of step times ``mine`` (ms).
+
+    ``times`` holds every mode's step times of the group (one per iteration, same order); the ratios
+    against a mode missing from it are ``None``. The percentiles interpolate linearly within the data
+    (``statistics.quantiles(method="inclusive")``); with one sample both are that sample.
+    """
     median = statistics.median(mine)
+    q = statistics.quantiles(mine, n=10, method="inclusive") if len(mine) > 1 else [median]
     ratios = []
     for reference in ("shared", "no-ac"):
         other = times.get(reference)
         ratios += [median / statistics.median(other), paired_ratio(mine, other)] if other else [None, None]
-    syncs, sites, computations = probe
-    peak, held = memory
-    return Row(group.kind, group.tokens, group.docs, mode, median, q[0], q[-1], *ratios, peak, held, saved_mib,
-               syncs, computations, sites, list(mine))
+    return (median, q[0], q[-1], *ratios)
 
 
 # --------------------------------------------------------------------------------------------- output
@@ -491,17 +524,21 @@ def print_table(rows: list[Row], title: str) -> None:
     Console(width=240).print(table)
 
 
-def plot(rows: list[Row], path: str) -> None:
-    """One panel per (layer, tokens) group, one bar per mode (median ms per step)."""
+def plot(rows: list, path: str, label: Callable[[Any], str] = lambda row: row.layer) -> None:
+    """One panel per (``label(row)``, tokens) group, one bar per mode (median ms per step).
+
+    ``rows``: :class:`Row` s or any rows with ``tokens``, ``mode`` and ``median_ms`` (``label`` names the
+    group; by default the layer).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r.layer, r.tokens) for r in rows})
+    groups = sorted({(label(r), r.tokens) for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 3.8), squeeze=False)
     for ax, (layer, tokens) in zip(axes[0], groups):
-        sub = [r for r in rows if r.layer == layer and r.tokens == tokens]
+        sub = [r for r in rows if label(r) == layer and r.tokens == tokens]
         ax.bar([r.mode for r in sub], [r.median_ms for r in sub], color=[COLORS[r.mode] for r in sub])
         ax.set_title(f"{layer}, T={tokens}")
         ax.set_ylabel("median ms / step")
