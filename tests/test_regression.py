@@ -181,6 +181,22 @@ def test_a_failed_reference_fails_the_run():
     assert report.exit_code(result) == 1
 
 
+def test_shared_failing_with_every_mode_or_by_timeout_is_not_judged_as_the_fault():
+    """A crash of no-ac too (e.g. a width the kernels refuse) or a timeout says nothing about the fault."""
+    everything_fails = _result(shared={"error": "RuntimeError: strides should be multiple of 16 bytes", "losses": []},
+                               isolated={})
+    everything_fails.modes["no-ac"].error = "RuntimeError: strides should be multiple of 16 bytes"
+    assert report.fault_reproduced(everything_fails) is None
+    timed_out = _result(shared={"error": "timed out after 1 s", "timed_out": True, "losses": []}, isolated={})
+    assert report.verdicts(timed_out)["shared"].status == "failed"
+    assert report.fault_reproduced(timed_out) is None
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    report.print_report(timed_out, console=console)
+    assert "shared (unsafe): not judged (no reference, or stopped by the timeout)" in console.export_text()
+
+
 def test_report_table_json_and_plot(tmp_path):
     from rich.console import Console
 
@@ -237,6 +253,16 @@ def test_cli_invalid_arguments_exit_2(capsys):
         pytest.param(["--json", "{tmp}"], "--json {tmp}: is a folder; give a file path", id="json-is-a-folder"),
         # /sys refuses new files even to root (permission bits would not tell)
         pytest.param(["--plot", "/sys/r.png"], "--plot /sys/r.png: the folder /sys is not writable", id="plot-unwritable"),
+        # 0 is a value, not "unset" (it used to fall back to the default of 3 steps)
+        pytest.param(["--steps", "0"], "steps must be an int >= 1, got 0", id="steps-0"),
+        pytest.param(["--hidden-size", "0"], "hidden_size must be an int >= 1, got 0", id="hidden-0"),
+        # a width the tiny decoders cannot split into heads (it used to crash every mode, no-ac included)
+        pytest.param(["--hidden-size", "3"], "hidden_size must be a multiple of 32 (an even number of 16-channel "
+                     "heads at this width), got 3", id="hidden-3"),
+        pytest.param(["--hidden-size", "96"], "hidden_size must be a multiple of 64 (an even number of 32-channel "
+                     "heads at this width), got 96", id="hidden-96"),
+        pytest.param(["--modes", "isolated,field"], "--modes 'isolated,field': field exists only with --cp N > 1",
+                     id="field-without-cp"),
     ],
 )
 def test_cli_bad_flags_exit_2_before_any_work(argv, message, tmp_path, monkeypatch, capsys):

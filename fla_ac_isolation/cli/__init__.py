@@ -5,7 +5,8 @@
 * :mod:`~fla_ac_isolation.cli.audit` - one step of a tiny model under :class:`~fla_ac_isolation.ReplayAudit`;
 * :mod:`~fla_ac_isolation.cli.console` - what they share: the console, policy lookup, foreign-text escaping.
 
-Each subcommand module has ``add_arguments(parser)`` and ``run(args) -> exit code``; this module only
+Each subcommand module has ``HELP`` (its line in ``--help``), ``add_arguments(parser)`` and
+``run(args) -> exit code``; this module only
 parses and dispatches. The command needs the ``cli`` extra (rich, matplotlib); ``regress`` and the family
 models of ``audit`` also need ``ep`` (torchtitan). A missing extra is reported with the ``pip install``
 that brings it (exit code 2).
@@ -33,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in _SUBCOMMANDS.items():
-        module.add_arguments(sub.add_parser(name))
+        module.add_arguments(sub.add_parser(name, help=module.HELP))
     args = parser.parse_args(argv)
     try:
         return int(_SUBCOMMANDS[args.command].run(args) or 0)

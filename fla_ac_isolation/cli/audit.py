@@ -37,7 +37,9 @@ from fla_ac_isolation.modes import MODES, Mode, get_mode
 from fla_ac_isolation.ops import BACKENDS
 from fla_ac_isolation.policies import POLICIES
 
-__all__ = ["AUDIT_MODES", "AuditRun", "add_arguments", "audit_step", "run"]
+__all__ = ["AUDIT_MODES", "HELP", "AuditRun", "add_arguments", "audit_step", "run"]
+
+HELP = "one training step of a tiny model under ReplayAudit: which recompute diverged, at which op, and why"
 
 AUDIT_MODES: tuple[str, ...] = tuple(name for name, mode in MODES.items() if mode.checkpointed)
 """The modes an audit can run: those that checkpoint (``no-ac`` has no recompute to compare)."""

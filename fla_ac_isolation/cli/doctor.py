@@ -11,7 +11,9 @@ import torch
 from fla_ac_isolation.cli.console import console, escape
 from fla_ac_isolation.fla_seam import cache, versions
 
-__all__ = ["add_arguments", "environment_report", "run", "sac_replay_semantics"]
+__all__ = ["HELP", "add_arguments", "environment_report", "run", "sac_replay_semantics"]
+
+HELP = "versions, device, FLA cache state and torch's SAC replay semantics"
 
 
 def _version(dist: str) -> str:
@@ -63,6 +65,7 @@ def environment_report() -> dict[str, str]:
         "triton": _version("triton"),
         "transformers": _version("transformers"),
         "torchtitan": _version("torchtitan"),
+        "OLMo-core (ai2-olmo-core)": _version("ai2-olmo-core"),
         "device": (
             f"cuda: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
             if torch.cuda.is_available()

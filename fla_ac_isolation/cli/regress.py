@@ -29,11 +29,13 @@ import os
 from fla_ac_isolation.cli.console import add_policy_arguments, console, escape, parse_modes
 from fla_ac_isolation.extras import require
 from fla_ac_isolation.families import FAMILY_NAMES
-from fla_ac_isolation.modes import ALL_MODES, MODE_NAMES
+from fla_ac_isolation.modes import ALL_MODES, CP_MODES, MODE_NAMES
 from fla_ac_isolation.ops import BACKENDS
 from fla_ac_isolation.parallel import LAYOUTS
 
-__all__ = ["CPU_CP_RANK_SETUP", "add_arguments", "run"]
+__all__ = ["CPU_CP_RANK_SETUP", "HELP", "add_arguments", "run"]
+
+HELP = "the EP (and CP) regression: train a tiny model in every mode and compare with no AC"
 
 CPU_CP_RANK_SETUP = "fla_ac_isolation.testing.cp_shims:cpu_cp_harness"
 """``rank_setup`` of a CPU regression under context parallelism: FLA's CP kernels under the interpreter."""
@@ -54,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Train a tiny MoE model of a family a few AdamW steps under expert parallelism (torchtitan's MoE and "
         "all-to-all dispatcher) in four modes - no-ac (reference), shared (unsafe: one cu_seqlens object for "
         "every layer), isolated (LayerLocalSeqlens), global-disable (FLA's cache off) - and compare losses and "
-        "gradients. Exit 0 when isolated and global-disable match no-ac."
+        "gradients. Exit 0 when isolated and global-disable match no-ac. With --cp N: FLA's context parallelism "
+        "over N ranks, a one-rank run without CP (no-ac-cp1) as a second reference, and the unsafe field mode "
+        "(each layer builds FLA's CP context from the one shared cu_seqlens)."
     )
     parser.formatter_class = _HelpFormatter
     parser.add_argument("--model", choices=FAMILY_NAMES, default="qwen3_5_moe", help="model family")
@@ -62,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="expert-parallel degree (default 2 = number of ranks; with --cp: 1, or equal to --cp)")
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel degree = number of ranks (FLA's CP; 1 = none); adds the 'field' mode "
-                             "and a one-rank run without CP as a second reference")
+                             "and a one-rank run without CP as a second reference; the 128-token batch is padded "
+                             "with an ignored document to a multiple of the layout's parts (N, zigzag 2N)")
     parser.add_argument("--layout", choices=LAYOUTS, default="contiguous", help="FLA's CP layout (with --cp)")
     parser.add_argument("--steps", type=int, default=None, help="AdamW steps per mode (default 3; 2 with --cp)")
     add_policy_arguments(parser)
@@ -144,7 +149,10 @@ def _spec(args: argparse.Namespace):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    hidden = args.hidden_size or (512 if device == "cuda" else 64 if cp > 1 else 128)
+    default_hidden = 512 if device == "cuda" else 64 if cp > 1 else 128
+    hidden = args.hidden_size if args.hidden_size is not None else default_hidden
+    if args.modes and cp == 1 and any(m.strip() in CP_MODES for m in args.modes.split(",")):
+        raise ValueError(f"--modes {args.modes!r}: {', '.join(CP_MODES)} exists only with --cp N > 1")
     modes = tuple(parse_modes(args.modes, tuple(ALL_MODES) if cp > 1 else MODE_NAMES)) if args.modes else None
     cpu_cp = {}
     if cp > 1 and device == "cpu":  # FLA's CP kernels under Triton's interpreter, with the test shims
@@ -155,7 +163,8 @@ def _spec(args: argparse.Namespace):
             cpu_cp = {"backend": backend, "env": (("TRITON_INTERPRET", "1"),), "rank_setup": CPU_CP_RANK_SETUP}
     return RegressionSpec(**{
         "model": args.model, "ep": ep, "cp": cp, "cp_layout": args.layout,
-        "steps": args.steps or (2 if cp > 1 else 3), "ac": args.ac, "policy": args.policy, "freq": args.freq,
+        "steps": args.steps if args.steps is not None else (2 if cp > 1 else 3),
+        "ac": args.ac, "policy": args.policy, "freq": args.freq,
         "backend": args.backend, "device": device, "dtype": dtype, "hidden_size": hidden,
         "num_layers": args.layers, "num_experts": args.experts, "top_k": args.top_k, "seed": args.seed,
         "lr": args.lr, "modes": modes, "timeout_s": args.timeout, "early_stop": not args.no_early_stop, **cpu_cp,

@@ -211,6 +211,7 @@ def _merge(outcome: _Outcome, spec: RegressionSpec, mode: str, seconds: float, n
         merged.failed_ranks = list(outcome.errors)
     elif outcome.timed_out:
         merged.error = f"timed out after {spec.timeout_s:.0f} s"
+        merged.timed_out = True
     elif len(outcome.results) < nprocs:
         merged.error = "ranks exited without a result"
     return merged

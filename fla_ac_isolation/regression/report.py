@@ -121,12 +121,18 @@ def exit_code(result: RegressionResult, rtol: float | None = None) -> int:
 
 
 def fault_reproduced(result: RegressionResult, rtol: float | None = None, mode: str = "shared") -> bool | None:
-    """Whether the unsafe ``mode`` (``shared``, or ``field`` under CP) failed or diverged (``None`` if it did
-    not run or had no reference)."""
-    found = verdicts(result, rtol).get(mode)
-    if found is None or found.status == "no reference":
+    """Whether the unsafe ``mode`` (``shared``, or ``field`` under CP) failed or diverged.
+
+    ``None`` (not judged) when it did not run, when ``no-ac`` did not complete (a failure of every mode
+    says nothing about the fault) or when the mode was stopped by the timeout.
+    """
+    found = verdicts(result, rtol)
+    verdict, reference = found.get(mode), found.get("no-ac")
+    if verdict is None or verdict.status == "no reference" or reference is None or not reference.ok:
         return None
-    return found.status in ("failed", "diverged")
+    if result.modes[mode].timed_out:
+        return None
+    return verdict.status in ("failed", "diverged")
 
 
 # ------------------------------------------------------------------------------------------- table
@@ -189,7 +195,7 @@ def _print_verdicts(result: RegressionResult, found: dict[str, Verdict], rtol: f
             continue
         reproduced = fault_reproduced(result, rtol, name)
         what = {True: "[magenta]fault reproduced[/magenta]", False: "fault NOT reproduced under this policy",
-                None: "not judged"}[reproduced]
+                None: "not judged (no reference, or stopped by the timeout)"}[reproduced]
         label = escape(name + " (unsafe)")
         console.print(f"{label:>15}: {what}  {escape(found[name].text)}  (does not affect the exit code)")
 

@@ -104,6 +104,7 @@ class RegressionSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self._validate_width()
         if self.ac not in ("full", "selective"):
             raise ValueError(f"ac must be 'full' or 'selective', got {self.ac!r}")
         if self.ac == "selective" and self.policy not in POLICIES:
@@ -136,6 +137,17 @@ class RegressionSpec:
         if self.device == "cuda" and torch.cuda.device_count() < self.world:
             raise ValueError(f"{self.world} ranks need {self.world} CUDA devices, found {torch.cuda.device_count()}")
         return self
+
+    def _validate_width(self) -> None:
+        """The tiny decoders split ``hidden_size`` into an even number of heads (two key/value heads)."""
+        from fla_ac_isolation.regression.model import ModelSize
+
+        head_dim = ModelSize(hidden_size=self.hidden_size).head_dim
+        if self.hidden_size % (2 * head_dim):
+            raise ValueError(
+                f"hidden_size must be a multiple of {2 * head_dim} (an even number of {head_dim}-channel heads at "
+                f"this width), got {self.hidden_size}"
+            )
 
     def _validate_fail_on(self) -> None:
         if self.fail_on is None:
@@ -202,6 +214,7 @@ class ModeResult:
         cache: FLA tensor-cache events summed over ranks and steps, ``{"hit": .., "miss": .., "bypass": ..}``.
         cache_by_helper: the same per helper name.
         error: ``"<Type>: <first line>"`` of the first failure, else ``None``.
+        timed_out: the mode was stopped at ``timeout_s`` (its ``error`` says so): not a verdict on the fault.
         failed_ranks: ranks that raised (or died), in order of arrival; the first one's error is ``error``.
         traceback: full traceback text of the first failure (for ``--verbose``/JSON).
         seconds: wall time of the mode.
@@ -220,6 +233,7 @@ class ModeResult:
     cache: dict[str, int] = field(default_factory=dict)
     cache_by_helper: dict[str, dict[str, int]] = field(default_factory=dict)
     error: str | None = None
+    timed_out: bool = False
     failed_ranks: list[int] = field(default_factory=list)
     traceback: str | None = None
     seconds: float = 0.0
