@@ -1,5 +1,6 @@
 """The usage snippet at the top of each model page runs as written and returns ``[1, T, D]``; the OLMo-core
-page's complete example runs as written and its isolated AC step matches no AC."""
+page's complete example runs as written and its isolated AC step matches no AC; the saveable-ops example of
+the benchmarks page runs aligned and equals the saveable model without AC bit for bit."""
 
 import re
 from pathlib import Path
@@ -39,3 +40,35 @@ def test_olmo_core_page_example_runs_and_its_checkpointed_step_matches_no_ac():
     assert len(audit.regions) == 4 and audit.ok
     assert namespace["loss"] == namespace["reference_loss"]
     assert namespace["max_grad_diff"] == 0.0
+
+
+def _section_snippet(page: Path, heading: str) -> str:
+    """The first python block after ``heading`` on ``page``."""
+    text = page.read_text()
+    return re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)
+
+
+def test_saveable_ops_example_runs_aligned_and_equals_the_saveable_model_without_ac_bit_for_bit():
+    """docs/benchmarks.md's saveable-ops example (CPU: the reference ops as custom operators), under ReplayAudit;
+    then the same weights without AC: equal gradients bit for bit, and off the default path in the last bits."""
+    from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit
+
+    page = Path(__file__).parent.parent / "docs" / "benchmarks.md"
+    snippet = _section_snippet(page, "## Saveable FLA ops")
+    namespace: dict = {}
+    with ReplayAudit(on_divergence="raise") as audit:
+        exec(compile(snippet, str(page), "exec"), namespace)
+    assert len(audit.regions) == 2 and audit.ok
+    model, x = namespace["model"], namespace["x"]
+
+    def grads_without_ac(saveable: bool) -> dict:
+        plain = namespace["Model"](saveable=saveable)
+        plain.load_state_dict(model.state_dict())  # checkpoint_layers keeps the state_dict keys
+        plain(x, LayerLocalSeqlens.from_seq_lens([70, 23, 41])).square().mean().backward()
+        return dict(plain.named_parameters())
+
+    checkpointed = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+    saveable, default = grads_without_ac(True), grads_without_ac(False)
+    assert all(torch.equal(checkpointed[n], p.grad) for n, p in saveable.items())
+    default_diff = max((checkpointed[n] - p.grad).abs().max().item() for n, p in default.items())
+    assert 0.0 < default_diff <= 1e-8, default_diff  # the page says 9.3e-10
