@@ -1,6 +1,10 @@
 """Every example under examples/ runs on CPU and shows what its docstring promises (hf_swap: test_swap_example.py)."""
 
 import importlib.util
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +13,9 @@ from helpers import SharedOutcome
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 INT_REPLAY = "Autograd not support dtype: Int"
+#: context_parallel: CP=2 (FLA's CP kernels, interpreter) vs CP=1 (reference ops), largest gradient difference
+#: (measured 1.1e-7 with the largest gradient 0.046; tests/test_context_parallel_gloo.py states 2e-5 for mixers)
+CP1_GRAD_TOL = 1e-6
 
 
 def _load(name: str):
@@ -102,3 +109,36 @@ def test_audit_failure_names_region_op_helper_and_fix(capsys):
     assert "prepare_chunk_indices" in silent["divergent"][0][2]
     assert result["silent_fixed"] == {"max_grad_diff": 0.0, "ok": True}
     assert "DIVERGENT at op #0" in capsys.readouterr().out
+
+
+def _run_line(lines: list[str], name: str) -> str:
+    """The text after ``name`` on the example's line for that run."""
+    (line,) = [line for line in lines if line.startswith(f"  {name} ")]
+    return line[len(name) + 2:].strip()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_context_parallel_isolated_equals_no_ac_and_cp1_field_fails_on_both_ranks():
+    """The command a user runs (two spawned gloo ranks, FLA's CP kernels under the interpreter; ~22 s)."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "context_parallel.py")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    lines = proc.stdout.splitlines()
+    assert ("documents [10, 0, 20, 70, 28] (128 tokens); local offsets: rank 0 [0, 10, 30, 32, 36, 64], "
+            "rank 1 [0, 32, 64]") in lines, "documents cross both cuts; rank 1 holds no document start"
+
+    cp1_loss = float(_run_line(lines, "CP=1, no AC (reference ops)").split()[1])  # "loss L  largest gradient G"
+    runs = {}
+    for name in ("CP=2, no AC", "CP=2, isolated, SAC save_all_copies"):
+        found = re.fullmatch(r"loss (\S+)  max \|grad - CP=1\| (\S+)  max \|grad - CP=2 no AC\| (\S+)",
+                             _run_line(lines, name))
+        assert found, lines
+        runs[name] = {"loss": found[1], "cp1": float(found[2]), "no_ac": found[3]}
+    no_ac, isolated = runs["CP=2, no AC"], runs["CP=2, isolated, SAC save_all_copies"]
+    assert isolated["loss"] == no_ac["loss"] and isolated["no_ac"] == "0.0", "isolated: bit for bit with no AC"
+    assert abs(float(no_ac["loss"]) - cp1_loss) <= 1e-6 * cp1_loss
+    assert no_ac["cp1"] <= CP1_GRAD_TOL and isolated["cp1"] == no_ac["cp1"]
+    assert _run_line(lines, "CP=2, field (unsafe), SAC save_all_copies") == (
+        "raised RuntimeError: Autograd not support dtype: Long (both ranks)"
+    )
