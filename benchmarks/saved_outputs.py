@@ -106,8 +106,15 @@ def totals_table(tokens: list[int], hidden: int, layers: list[int]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072],
+                        help="packed tokens per layer call (per GPU), one table column each")
+    parser.add_argument(
+        "--hidden", type=int, default=2048,
+        help="model width D; the heads follow it as in bench_isolation.layer_fields: GDN head dims "
+             "K = V = min(128, D/4) with D/K key heads and as many value heads; Mamba2 head dim P = min(64, D/4), "
+             "H = 2D/P heads, min(8, H) groups, state min(128, D) (default 2048: GDN 16 heads of 128, Mamba2 64 "
+             "heads of 64). Other head layouts: use the per-token formulas of docs/benchmarks.md",
+    )
     parser.add_argument("--layers", nargs="+", type=int, default=[24, 48],
                         help="numbers of linear-attention layers for the per-model totals (GiB)")
     args = parser.parse_args(argv)
