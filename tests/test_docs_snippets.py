@@ -1,5 +1,6 @@
 """The usage snippet at the top of each model page runs as written and returns ``[1, T, D]``; the OLMo-core
-page's complete example runs as written and its isolated AC step matches no AC; the saveable-ops example of
+page's complete example runs as written and its isolated AC step matches no AC, and its second block shows the
+shipped model failing; the saveable-ops example of
 the benchmarks page runs aligned and equals the saveable model without AC bit for bit."""
 
 import re
@@ -21,25 +22,33 @@ def test_model_page_snippet_runs(page):
     assert torch.isfinite(out).all()
 
 
-def test_olmo_core_page_example_runs_and_its_checkpointed_step_matches_no_ac():
-    """The first python block of docs/olmo-core.md, under ReplayAudit (raises at any divergent recompute)."""
+def test_olmo_core_page_examples_isolated_step_matches_no_ac_and_the_shipped_model_fails():
+    """docs/olmo-core.md: the first python block under ReplayAudit (raises at any divergent recompute), then the
+    second (the shipped model under selected_ops + every _to_copy, bf16) in the same namespace."""
     pytest.importorskip("olmo_core")
     from fla_ac_isolation import ReplayAudit
 
     page = Path(__file__).parent.parent / "docs" / "olmo-core.md"
-    snippet = re.search(r"```python\n(.*?)```", page.read_text(), re.S).group(1)
+    first, second = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)[:2]
     namespace: dict = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with ReplayAudit(on_divergence="raise") as audit:
-            exec(compile(snippet, str(page), "exec"), namespace)
+            exec(compile(first, str(page), "exec"), namespace)
+        assert namespace["handle"].paths == [f"blocks.{i}._checkpoint_wrapped_module.attention" for i in range(3)]
+        assert len(audit.regions) == 4 and audit.ok
+        assert namespace["loss"] == namespace["reference_loss"]
+        assert namespace["max_grad_diff"] == 0.0
+
+        exec(compile(second, str(page), "exec"), namespace)
     finally:
         torch.set_num_threads(threads)
-    assert namespace["handle"].paths == [f"blocks.{i}._checkpoint_wrapped_module.attention" for i in range(3)]
-    assert len(audit.regions) == 4 and audit.ok
-    assert namespace["loss"] == namespace["reference_loss"]
-    assert namespace["max_grad_diff"] == 0.0
+    loss = f"{namespace['reference_loss']:.6f}"
+    assert namespace["outcomes"] == {
+        "as shipped": "RuntimeError: Autograd not support dtype: Int",
+        "isolate_seqlens": f"loss {loss} (no AC {loss}), largest gradient difference 0.0",
+    }
 
 
 def _section_snippet(page: Path, heading: str) -> str:
