@@ -19,7 +19,7 @@ from fla_ac_isolation.fla_cache import probe_tensor_cache, tensor_cache_disabled
 from fla_ac_isolation.policies import checkpoint_layers
 from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # name -> module that defines it; resolved on first access (PEP 562)
 _LAZY = {

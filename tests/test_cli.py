@@ -21,3 +21,11 @@ def test_doctor_reports_every_library_the_checks_run_on():
     assert report["OLMo-core (ai2-olmo-core)"] == importlib.metadata.version("ai2-olmo-core")
     assert report["torchtitan"] == importlib.metadata.version("torchtitan")
     assert report["fla (fla-core)"].startswith(importlib.metadata.version("fla-core") + " (tested: ")
+
+
+def test_version_flag_prints_the_installed_distribution_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    # The installed metadata comes from pyproject.toml; the module constant must agree with it.
+    assert capsys.readouterr().out == f"fla-ac-isolation {importlib.metadata.version('fla-ac-isolation')}\n"

@@ -18,6 +18,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from fla_ac_isolation import __version__
 from fla_ac_isolation.cli import audit, doctor, regress
 from fla_ac_isolation.extras import MissingExtraError
 
@@ -32,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="fla-ac-isolation",
         description="Make FLA layers safe under activation checkpointing: check, regress, audit.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in _SUBCOMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=module.HELP))
