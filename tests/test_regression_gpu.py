@@ -1,6 +1,7 @@
-"""EP=2 over NCCL on two GPUs (device kind ``nvidia-h200-x2``): FLA's Triton kernels, bfloat16, hidden 512.
+"""The regression on FLA's Triton kernels, bfloat16, hidden 512: EP=2 over NCCL on two GPUs (device kind
+``nvidia-h200-x2``) and EP=1 on one GPU (``nvidia-h200``: one rank, no process group, every expert local).
 
-Same modes as the CPU test, 3 AdamW steps per mode, torchtitan's MoE with its all-to-all dispatcher.
+Same modes as the CPU test, 3 AdamW steps per mode, torchtitan's MoE (with its all-to-all dispatcher at EP=2).
 Stated tolerance: ``isolated`` and ``global-disable`` must match ``no-ac`` within 1e-2 relative (the
 larger of the loss difference relative to the loss and the largest gradient difference relative to the
 largest reference gradient); forward and recompute run the same deterministic kernels, so 0 is
@@ -36,18 +37,15 @@ import torch
 
 from fla_ac_isolation.regression import RegressionSpec, report, run_regression
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.distributed,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (device kind nvidia-h200-x2)"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (device kind nvidia-h200-x2)")
 
 GPU_RTOL = 1e-2
 
 
-def _run(family: str, policy: str) -> object:
+def _run(family: str, policy: str, ep: int) -> object:
     spec = RegressionSpec(
-        model=family, ep=2, steps=3, ac="selective", policy=policy, backend="fla", device="cuda",
+        model=family, ep=ep, steps=3, ac="selective", policy=policy, backend="fla", device="cuda",
         dtype="bfloat16", hidden_size=512, num_experts=16, top_k=4, timeout_s=600,
         rank_setup="fla_ac_isolation.testing.gpu:gpu_test_harness",
     )
@@ -69,16 +67,19 @@ CASES = [
     ("qwen3_8", "save-all-copies"),
     ("nemotron_h", "save-all-copies"),
 ]
+PARAMS = [pytest.param(f, p, 2, id=f"ep2-{f}-{p}", marks=TWO_GPUS) for f, p in CASES] + [
+    pytest.param(f, p, 1, id=f"ep1-{f}-{p}") for f, p in CASES
+]
 
 
-@pytest.mark.parametrize(("family", "policy"), CASES, ids=[f"{f}-{p}" for f, p in CASES])
-def test_nccl_ep2_isolated_matches_no_ac_with_fla_kernels(family, policy):
-    result = _run(family, policy)
+@pytest.mark.parametrize(("family", "policy", "ep"), PARAMS)
+def test_isolated_matches_no_ac_with_fla_kernels(family, policy, ep):
+    result = _run(family, policy, ep)
     found = report.verdicts(result, rtol=GPU_RTOL)
     assert found["no-ac"].ok, result.modes["no-ac"].traceback
     for name in ("isolated", "global-disable"):
         assert found[name].ok, f"{name}: {found[name].text}\n{result.modes[name].traceback or ''}"
-    print(f"[{family}/{policy}] shared (unsafe): {found['shared'].text}; "
+    print(f"[EP={ep} {family}/{policy}] shared (unsafe): {found['shared'].text}; "
           f"isolated deviation {found['isolated'].deviation:.3e}")
     shared, expected = result.modes["shared"], SHARED[policy]
     if expected is None:  # latent under this policy with FLA 0.6 (module docstring)
