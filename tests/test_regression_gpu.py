@@ -21,8 +21,11 @@ The unsafe ``shared`` mode's outcome is asserted per policy (``SHARED``):
   ``.tolist()``) and runs none of the other saved ops, so these policies save nothing the recompute can
   skip; the recompute still runs other ops than the forward (``fla-ac-isolation audit`` shows it), and a
   policy that saves one of them turns it into a failure. ``save-d2h-copies`` was measured bit for bit
-  (``h200x2_regress_qwen3_5_moe.log``); ``torchtitan`` is predicted from the same op list (on CPU, the ops
-  block 0's recompute skips are slices, subs, cumsums, an int cast, ...: none is on torchtitan's list).
+  at EP=2 (``h200x2_regress_qwen3_5_moe.log``); at EP=1 on one H200 both it and ``torchtitan`` matched bit
+  for bit and ``save-all-copies`` failed as above in all three families
+  (``benchmarks/results/h200_regress_ep1_gpu_tests.log``: 5 passed, the EP=2 cases skipped). At EP=2
+  ``torchtitan`` is predicted from the same op list (on CPU, the ops block 0's recompute skips are slices,
+  subs, cumsums, an int cast, ...: none is on torchtitan's list).
 
 On the device image (torch 2.11, Triton 3.6, H200) each rank lifts FLA's Hopper guard for Triton < 3.7.1
 (FLA issue #640) through ``fla_ac_isolation.testing.gpu.lift_hopper_gdn_guard``, which prints that it
