@@ -246,9 +246,10 @@ def _resolve(model: nn.Module, chosen: list) -> list[tuple[str, nn.Module]]:
 def _plan(model: nn.Module, chosen: list | None, arg_names: tuple[str, ...] | None):
     """``[(path, module, names, fla_keywords, matched upstream class or None)]`` to hook."""
     if chosen is None:
-        found = [(p, m, _known(m)) for p, m in model.named_modules()]
-        return [(p, m, arg_names or k[0].offsets, () if arg_names else k[0].fla_keywords, k)
-                for p, m, k in found if k is not None]
+        found = [(p, m, k) for p, m in model.named_modules() if (k := _known(m)) is not None]
+        for p, m, _ in found if arg_names is not None else ():
+            _check_accepted(p, m, arg_names)
+        return [(p, m, arg_names or k[0].offsets, () if arg_names else k[0].fla_keywords, k) for p, m, k in found]
     plan = []
     for path, module in _resolve(model, chosen):
         known = _known(module)
@@ -257,9 +258,31 @@ def _plan(model: nn.Module, chosen: list | None, arg_names: tuple[str, ...] | No
                 f"isolate_seqlens: {path!r} ({type(module).__name__}) is not a known FLA-backed mixer; pass "
                 "arg_names=[...] naming the forward arguments that carry its offsets"
             )
+        if arg_names is not None:
+            _check_accepted(path, module, arg_names)
         names = arg_names or known[0].offsets
         plan.append((path, module, names, () if arg_names else known[0].fla_keywords, known))
     return plan
+
+
+def _check_accepted(path: str, module: nn.Module, arg_names: tuple[str, ...]) -> None:
+    """Refuse an ``arg_names`` entry that ``module.forward`` cannot receive (the hook would never see it).
+
+    A forward taking ``**kwargs``, or without a signature, may receive any name: nothing is checked.
+    """
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params if p.kind is not p.VAR_POSITIONAL]
+    missing = [n for n in arg_names if n not in accepted]
+    if missing:
+        raise ValueError(
+            f"isolate_seqlens: arg_names {missing} are not arguments of the forward of {path!r} "
+            f"({type(module).__name__}), which takes {accepted}; the offsets would never be refreshed"
+        )
 
 
 def _warn_if_forward_overridden(path: str, module: nn.Module, known: tuple[UpstreamMixer, type] | None) -> None:
@@ -346,7 +369,8 @@ def isolate_seqlens(
             holds neither an integer offsets tensor nor a NamedTuple holding one.
         ValueError: nothing to isolate (the message lists the classes and arguments looked for); a path of
             ``modules`` is not in ``model``, a module of it is not a submodule, or it is of an unknown class
-            without ``arg_names``; empty ``modules`` or ``arg_names``. At call time: transformers' offsets are
+            without ``arg_names``; empty ``modules`` or ``arg_names``; a name of ``arg_names`` is not an
+            argument of a chosen module's forward (one without ``**kwargs``). At call time: transformers' offsets are
             not valid (not starting at 0, decreasing; the checks of :class:`~fla_ac_isolation.LayerLocalSeqlens`).
 
     Example::

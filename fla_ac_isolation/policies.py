@@ -133,10 +133,15 @@ def any_of(*policies: Policy, name: str | None = None) -> Policy:
     as it does for a stateful policy used alone.
 
     Raises:
-        TypeError: a member is not a policy function (``(ctx, op, *args, **kwargs)``).
+        TypeError: a member is not a policy function (``(ctx, op, *args, **kwargs)``); ``name`` is not a str.
+        ValueError: no policies (the result would save nothing, i.e. full recompute).
     """
+    if not policies:
+        raise ValueError("any_of needs at least one policy, e.g. any_of(save_fla_ops(), save_device_to_host_copies())")
     for p in policies:
         _check_policy(p)
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str (the policy's __name__), got {type(name).__name__}")
     return _AnyOf(policies, name or "any_of(" + ", ".join(getattr(p, "__name__", "?") for p in policies) + ")")
 
 
@@ -187,10 +192,13 @@ def save_fla_ops(ops: Sequence[str] = FLA_OP_NAMES) -> Policy:
         ops: names among :data:`FLA_OP_NAMES`; default all three.
 
     Raises:
-        TypeError: ``ops`` is a single string or holds non-strings.
+        TypeError: ``ops`` is a single string, not iterable (``None``), or holds non-strings.
         ValueError: ``ops`` is empty or names an unknown operation (the message lists the valid names).
     """
-    if isinstance(ops, str) or not all(isinstance(name, str) for name in ops):
+    if isinstance(ops, (str, bytes)) or not isinstance(ops, Iterable):
+        raise TypeError(f"ops must be a sequence of operation names such as {FLA_OP_NAMES}, got {ops!r}")
+    ops = tuple(ops)  # once: a generator would be used up by the checks below
+    if not all(isinstance(name, str) for name in ops):
         raise TypeError(f"ops must be a sequence of operation names such as {FLA_OP_NAMES}, got {ops!r}")
     unknown = [name for name in ops if name not in FLA_OP_NAMES]
     if unknown or not ops:

@@ -215,7 +215,12 @@ class LayerLocalSeqlens:
         own_host = None if cu_seqlens_cpu is None else checked_host_copy(cu_seqlens_cpu, own)
         host = own_host if own_host is not None else (own if own.device.type == "cpu" else own.cpu())
         offsets = host.tolist()
-        lens = check_offsets(offsets, num_tokens)
+        lens = check_offsets(offsets, num_tokens if cp is None else None)
+        if cp is not None and num_tokens is not None and offsets[-1] != num_tokens:
+            raise ValueError(
+                f"cu_seqlens[-1] must equal num_tokens={num_tokens}, got {offsets[-1]}: with cp=, both count the "
+                f"WHOLE packed batch of all {cp.world_size} CP ranks, not this rank's hidden_states.shape[1]"
+            )
         longest = max(lens)
         if max_seqlen is None:
             max_seqlen = longest

@@ -66,6 +66,15 @@ def test_token_counts_that_do_not_split_are_refused_with_the_padding_to_use(conf
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize("tokens", [32.0, True, "32", torch.tensor(32.0)], ids=["float", "bool", "str", "float-tensor"])
+def test_token_counts_that_are_not_integers_are_refused(tokens):
+    with pytest.raises(TypeError, match=r"^num_tokens must be an int \(a packed token count\), got "):
+        cp_token_index(tokens, cp("contiguous", 1))
+    with pytest.raises(TypeError, match=r"^cu_seqlens\[-1\] must be an int \(a packed token count\), got "):
+        cp("contiguous", 1).check_num_tokens(tokens)
+    assert cp_token_index(torch.tensor(16), cp("zigzag", 2, 1)).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]  # 0-d int tensor
+
+
 # ------------------------------------------------------------------------------------------ sharding
 def test_token_index_follows_flas_layouts():
     assert cp_token_index(16, cp("contiguous", 2, 1)).tolist() == list(range(8, 16))
@@ -139,7 +148,21 @@ def test_unshard_is_differentiable():
         (lambda: shard_packed_batch({}, [0, 130], cp("contiguous", 4)), ValueError, "cu_seqlens[-1] = 130 packed tokens cannot be split by the contiguous CP layout over 4 ranks: it needs a positive multiple of world_size = 4; pad the batch to 132 tokens (e.g. with a document whose labels are all ignored)"),
         (lambda: unshard([torch.zeros(1, 3), torch.zeros(1, 3)], "zigzag"), ValueError, "zigzag shards hold two equal parts, got 3 tokens per shard"),
         (lambda: unshard([torch.zeros(1, 4), torch.zeros(1, 2)]), ValueError, "every shard must hold the same number of tokens along dim 1, got [4, 2]"),
+        (lambda: shard_packed_batch({}, [0.0, 2.5, 8.0], cp()), TypeError, "cu_seqlens_cpu must hold integer offsets, got dtype torch.float32"),
+        (lambda: shard_packed_batch({}, torch.tensor([False, True]), cp()), TypeError, "cu_seqlens_cpu must hold integer offsets, got dtype torch.bool"),
+        (lambda: shard_packed_batch({}, None, cp()), TypeError, "cu_seqlens_cpu must be a list or host tensor of ints, got NoneType"),
+        (lambda: shard_packed_batch([torch.zeros(1, 8)], [0, 8], cp()), TypeError, "tensors must be a mapping of names to packed tensors, e.g. {'input_ids': ids}, got list"),
+        (lambda: shard_packed_batch({"ids": torch.zeros(1, 8)}, [0, 8], cp(), dim=1.0), TypeError, "dim must be an int (the token dimension), got float"),
+        (lambda: shard_packed_batch({"ids": torch.zeros(1, 8)}, [0, 8], cp(), dim=-3), ValueError, "tensors['ids'] must have cu_seqlens_cpu[-1] = 8 entries along dim -3, got shape (1, 8)"),
+        (lambda: shard_packed_batch({"ids": torch.zeros(1, 8)}, [0, 2**40], cp()), ValueError, "tensors['ids'] must have cu_seqlens_cpu[-1] = 1099511627776 entries along dim 1, got shape (1, 8)"),
+        (lambda: unshard(torch.zeros(2, 1, 4)), TypeError, "shards must be a list of tensors, one per CP rank, got Tensor"),
+        (lambda: unshard([[0, 1], [2, 3]]), TypeError, "shards[0] must be a torch.Tensor, got list"),
+        (lambda: unshard([torch.zeros(1, 4), torch.zeros(4)]), ValueError, "shards[1] has no dim 1 (the token dimension), got shape (4,)"),
+        (lambda: unshard([torch.zeros(1, 4)], dim=True), TypeError, "dim must be an int (the token dimension), got bool"),
     ],
+    ids=["length", "tensor-type", "offsets", "cp-type", "split", "zigzag-odd", "uneven", "float-offsets", "bool-offsets",
+         "no-offsets", "tensors-list", "dim-float", "dim-out-of-range", "offsets-beyond-tensors", "shards-tensor",
+         "shard-type", "shard-without-dim", "unshard-dim-bool"],
 )
 def test_sharding_errors(call, error, message):
     with pytest.raises(error) as info:
@@ -221,6 +244,7 @@ def test_check_tokens_expects_this_ranks_share():
         ({"cp": "zigzag"}, TypeError, "cp must be a fla_ac_isolation.parallel.CPConfig or None, got str"),
         ({"cp": cp("zigzag", 4)}, ValueError, "cu_seqlens[-1] = 130 packed tokens cannot be split by the zigzag CP layout over 4 ranks: it needs a positive multiple of 2 * world_size = 8; pad the batch to 136 tokens (e.g. with a document whose labels are all ignored)"),
         ({"cp": cp("contiguous", 2), "meta": True}, ValueError, "cp=CPConfig(...) needs the host offsets cu_seqlens_cpu when cu_seqlens is on meta: FLA's CP metadata is computed on the host, and reading device offsets there is a device-to-host sync; pass cu_seqlens_cpu= (or build with LayerLocalSeqlens.from_seq_lens)"),
+        ({"cp": cp("contiguous", 2), "num_tokens": 65}, ValueError, "cu_seqlens[-1] must equal num_tokens=65, got 130: with cp=, both count the WHOLE packed batch of all 2 CP ranks, not this rank's hidden_states.shape[1]"),
     ],
 )
 def test_cp_bad_input_is_refused_at_construction(kwargs, error, message):

@@ -248,9 +248,12 @@ def test_a_model_of_our_own_mixers_is_refused_saying_they_isolate_themselves(qwe
         ({"modules": [3]}, TypeError, r"modules\[0\] must be an nn.Module or a module path \(str\), got int"),
         ({"modules": ["mixer"], "arg_names": None}, ValueError,
          r"'mixer' \(Recorder\) is not a known FLA-backed mixer; pass arg_names=\[...\]"),
+        ({"arg_names": ["cu_seqlen"]}, ValueError,
+         r"arg_names \['cu_seqlen'\] are not arguments of the forward of 'mixer' \(Recorder\), which takes "
+         r"\['x', 'cu_seqlens', 'meta'\]"),
     ],
     ids=["model", "arg_names-str", "arg_names-empty", "modules-str", "modules-empty", "path", "foreign-module",
-         "entry-type", "unknown-without-arg_names"],
+         "entry-type", "unknown-without-arg_names", "arg_names-not-in-forward"],
 )
 def test_bad_arguments_are_refused_naming_the_argument(kwargs, error, message):
     model = _holder(Recorder())
@@ -258,3 +261,10 @@ def test_bad_arguments_are_refused_naming_the_argument(kwargs, error, message):
     with pytest.raises(error, match=message):
         isolate_seqlens(call.pop("model", model), **call)
     assert not model["mixer"]._forward_pre_hooks  # nothing was hooked
+
+
+def test_arg_names_are_not_checked_against_a_forward_taking_kwargs(qwen):
+    model = _copy(qwen)  # transformers' GDN forward takes **kwargs: any name may reach it
+    assert isolate_seqlens(model, arg_names=["cu_seq_lens_q", "my_offsets"]).paths == GDN_PATHS
+    with pytest.raises(ValueError, match=r"arg_names \['cu_seqlen'\] are not arguments of the forward of 'mixer'"):
+        isolate_seqlens(_holder(Recorder()), modules=["mixer"], arg_names=["cu_seqlens", "cu_seqlen"])

@@ -109,12 +109,37 @@ def test_save_fla_ops_saves_the_named_operations_of_both_backends_only():
         ((), ValueError, r"ops must name one or more of .*, got \(\)"),
         ("ssd", TypeError, "ops must be a sequence of operation names .* got 'ssd'"),
         ((torch.ops.fla_ac_isolation.simple_gla.default,), TypeError, "ops must be a sequence of operation names"),
+        (None, TypeError, r"ops must be a sequence of operation names .* got None"),
+        ((name for name in ["ssd", "conv"]), ValueError, r"ops must name one or more of .*, got \('ssd', 'conv'\)"),
+        ((name for name in []), ValueError, r"ops must name one or more of .*, got \(\)"),
     ],
-    ids=["unknown", "empty", "one-string", "an-overload"],
+    ids=["unknown", "empty", "one-string", "an-overload", "none", "generator-unknown", "generator-empty"],
 )
 def test_save_fla_ops_refuses_unknown_names(ops, error, match):
     with pytest.raises(error, match=match):
         save_fla_ops(ops)
+
+
+def test_save_fla_ops_reads_a_generator_once():
+    """Regression: the type check used to exhaust a generator, leaving a policy that saved nothing."""
+    from fla_ac_isolation.ops import SAVEABLE_OPS
+
+    policy = save_fla_ops(name for name in ["ssd"])
+    assert policy.__name__ == "save_fla_ops(ssd)"
+    assert all(policy(None, op) is SAVE for op in SAVEABLE_OPS["ssd"])
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        ((), {}, ValueError, r"any_of needs at least one policy"),
+        ((save_all_copies(),), {"name": 3}, TypeError, r"name must be a str \(the policy's __name__\), got int"),
+    ],
+    ids=["no-policies", "name-not-str"],
+)
+def test_any_of_refuses_no_policies_and_a_non_string_name(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        any_of(*args, **kwargs)
 
 
 def test_any_of_refuses_an_uncalled_policy_constructor():

@@ -13,6 +13,7 @@ that divides (:meth:`CPConfig.check_num_tokens` says by how much to pad).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,9 +115,14 @@ class CPConfig:
             name: what ``num_tokens`` is called in the caller's arguments (for the message).
 
         Raises:
+            TypeError: ``num_tokens`` is not an integer (a float, a bool, a float tensor).
             ValueError: ``T`` is not a positive multiple of :attr:`num_parts`, or an interval holds fewer
                 than ``conv_kernel_size - 1`` tokens.
         """
+        try:  # ints, numpy integers and 0-d integer tensors; not floats or bools
+            num_tokens = operator.index(num_tokens if not isinstance(num_tokens, bool) else None)
+        except TypeError:
+            raise TypeError(f"{name} must be an int (a packed token count), got {type(num_tokens).__name__}") from None
         parts = self.num_parts
         if num_tokens < parts or num_tokens % parts:
             need = "world_size" if self.layout == "contiguous" else "2 * world_size"

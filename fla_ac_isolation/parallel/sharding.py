@@ -14,6 +14,7 @@ the per-rank losses and gradients sum to those of the whole batch.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,11 +49,11 @@ def cp_token_index(num_tokens: int, cp: CPConfig) -> torch.Tensor:
 
     Raises:
         ValueError: ``num_tokens`` does not split as the layout needs (:meth:`CPConfig.check_num_tokens`).
-        TypeError: ``cp`` is not a :class:`CPConfig`.
+        TypeError: ``cp`` is not a :class:`CPConfig`; ``num_tokens`` is not an integer.
     """
     cp = _check_cp(cp)
     cp.check_num_tokens(num_tokens, name="num_tokens")
-    return _token_index(num_tokens, cp.world_size, cp.rank, cp.layout)
+    return _token_index(operator.index(num_tokens), cp.world_size, cp.rank, cp.layout)
 
 
 def _document_positions(offsets: torch.Tensor) -> torch.Tensor:
@@ -85,10 +86,20 @@ class CPShard:
     num_tokens: int
 
 
+def _check_dim(dim: object) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int (the token dimension), got {type(dim).__name__}")
+
+
 def _host_offsets(cu_seqlens_cpu: Sequence[int] | torch.Tensor) -> torch.Tensor:
     if isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.device.type != "cpu":
         raise ValueError(f"cu_seqlens_cpu must be host offsets, got a tensor on {cu_seqlens_cpu.device}")
-    offsets = torch.as_tensor(cu_seqlens_cpu, dtype=torch.int64)
+    if not isinstance(cu_seqlens_cpu, (torch.Tensor, Sequence)) or isinstance(cu_seqlens_cpu, (str, bytes)):
+        raise TypeError(f"cu_seqlens_cpu must be a list or host tensor of ints, got {type(cu_seqlens_cpu).__name__}")
+    raw = torch.as_tensor(cu_seqlens_cpu)
+    if raw.is_floating_point() or raw.is_complex() or raw.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens_cpu must hold integer offsets, got dtype {raw.dtype}")
+    offsets = raw.to(torch.int64)
     if offsets.dim() != 1 or offsets.numel() < 2 or int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()):
         raise ValueError(
             "cu_seqlens_cpu must be 1-D, non-decreasing offsets starting at 0 (N + 1 >= 2 entries), got "
@@ -116,24 +127,29 @@ def shard_packed_batch(
     Raises:
         ValueError: ``T`` does not split as the layout needs, or an interval is shorter than
             ``cp.conv_kernel_size - 1`` (:meth:`CPConfig.check_num_tokens`); a tensor whose length
-            along ``dim`` is not ``T``; malformed offsets.
-        TypeError: ``cp`` is not a :class:`CPConfig`; a value of ``tensors`` is not a tensor.
+            along ``dim`` is not ``T`` (or that has no ``dim``); malformed offsets.
+        TypeError: ``cp`` is not a :class:`CPConfig`; ``tensors`` is not a mapping, or a value of it is not
+            a tensor; ``cu_seqlens_cpu`` is not a list or tensor of integers (e.g. float offsets); ``dim`` is
+            not an int.
     """
     cp = _check_cp(cp)
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of names to packed tensors, e.g. {{'input_ids': ids}}, got "
+                        f"{type(tensors).__name__}")
+    _check_dim(dim)
     offsets = _host_offsets(cu_seqlens_cpu)
     num_tokens = int(offsets[-1])
     cp.check_num_tokens(num_tokens)
-    index = _token_index(num_tokens, cp.world_size, cp.rank, cp.layout)
-    out = {}
-    for name, t in tensors.items():
+    for name, t in tensors.items():  # before the index is built: its size comes from the offsets
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() <= dim or t.shape[dim] != num_tokens:
+        if not -t.dim() <= dim < t.dim() or t.shape[dim] != num_tokens:
             raise ValueError(
                 f"tensors[{name!r}] must have cu_seqlens_cpu[-1] = {num_tokens} entries along dim {dim}, "
                 f"got shape {tuple(t.shape)}"
             )
-        out[name] = t.index_select(dim, index.to(t.device))
+    index = _token_index(num_tokens, cp.world_size, cp.rank, cp.layout)
+    out = {name: t.index_select(dim, index.to(t.device)) for name, t in tensors.items()}
     context = build_cp_context(offsets, world_size=cp.world_size, rank=cp.rank, layout=cp.layout,
                                conv_kernel_size=cp.conv_kernel_size)
     positions = _document_positions(offsets)[index][None]
@@ -160,13 +176,22 @@ def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous", *, dim: 
         ``T`` entries along ``dim`` in packed order; ``cat`` + ``index_select``, so differentiable.
 
     Raises:
-        ValueError: unknown ``layout``, no shards, shards of different lengths, or a zigzag shard of
-            odd length.
+        ValueError: unknown ``layout``, no shards, a shard without ``dim``, shards of different lengths,
+            or a zigzag shard of odd length.
+        TypeError: ``shards`` is not a list or tuple of tensors; ``dim`` is not an int.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(shards, (list, tuple)):
+        raise TypeError(f"shards must be a list of tensors, one per CP rank, got {type(shards).__name__}")
     if not shards:
         raise ValueError("shards must hold one tensor per CP rank, got none")
+    _check_dim(dim)
+    for r, s in enumerate(shards):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"shards[{r}] must be a torch.Tensor, got {type(s).__name__}")
+        if not -s.dim() <= dim < s.dim():
+            raise ValueError(f"shards[{r}] has no dim {dim} (the token dimension), got shape {tuple(s.shape)}")
     local = shards[0].shape[dim]
     if any(s.shape[dim] != local for s in shards):
         raise ValueError(f"every shard must hold the same number of tokens along dim {dim}, got "
