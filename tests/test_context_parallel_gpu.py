@@ -10,6 +10,11 @@ Not run on the CPU machines (no CUDA). What it checks:
   device-to-host copy that torchtitan's policy saves and that misaligns the recompute on an H200.
 * A GDN mixer over a one-rank CP group (FLA's CP conv and gated delta rule, ``W = 1``) equals the same
   mixer without CP within 1e-4 relative (printed as ``GPU_CP1 <tensor> <rel_err>``).
+* The field's fault on one GPU, as the CP issue measured it: 4 checkpointed blocks (a GDN mixer over the
+  one-rank CP group, then an EP-style dispatch that copies its split sizes to the host and splits) under
+  the field's SAC rule (``save_device_to_host_copies``). Each block building FLA's CP context from the one
+  shared ``cu_seqlens`` fails in block 0's recompute with ``split_with_sizes`` handed FLA's offsets;
+  ``LayerLocalSeqlens(cp=...)`` equals no AC bit for bit (printed as ``GPU_CP_FIELD``).
 
 Run on a CUDA machine: ``python -m pytest -m gpu -s tests/test_context_parallel_gpu.py``. FLA's #640 guard
 is lifted for this module's run (printed), as in ``test_mixers_gpu.py``.
@@ -21,9 +26,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import FAMILIES, HIDDEN
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fla_ac_isolation import LayerLocalSeqlens
+from fla_ac_isolation.modes import FieldCPSeqlens
 from fla_ac_isolation.parallel import CPConfig
+from fla_ac_isolation.policies import sac_context_fn, save_device_to_host_copies
 
 pytestmark = [
     pytest.mark.gpu,
@@ -105,3 +114,65 @@ def test_gdn_mixer_over_a_one_rank_cp_group_equals_no_cp(name, one_rank_group):
         rel = ((results[1][key] - want).norm() / want.norm().clamp_min(1e-30)).item()
         print("GPU_CP1", name, key, f"{rel:.2e}")
         assert rel <= 1e-4, (key, rel)
+
+
+class _DispatchBlock(nn.Module):
+    """A GDN mixer, then what an EP dispatcher does: split sizes copied to the host, the tokens split by them."""
+
+    def __init__(self, mixer: nn.Module, split_sizes: list[int]) -> None:
+        super().__init__()
+        self.mixer = mixer
+        self.register_buffer("split_sizes", torch.tensor(split_sizes))  # on the device, as routing counts are
+
+    def forward(self, h: torch.Tensor, seqlens) -> torch.Tensor:
+        h = h + self.mixer(h, seqlens)
+        sizes = self.split_sizes.to("cpu").tolist()  # the device-to-host copy the field's policy saves
+        parts = torch.split(h, sizes, dim=1)
+        return torch.cat([p * (1 + 0.25 * i) for i, p in enumerate(parts)], dim=1)
+
+
+def _field_step(blocks, seqlens_of, x, checkpointed):
+    leaf = x.clone().requires_grad_()
+    h = leaf
+    for block in blocks:
+        seqlens = seqlens_of()
+        if checkpointed:
+            h = checkpoint(block, h, seqlens, use_reentrant=False,
+                           context_fn=sac_context_fn(save_device_to_host_copies()))
+        else:
+            h = block(h, seqlens)
+    loss = (h.float() * torch.cos(torch.arange(h.numel(), device=h.device)).reshape(h.shape)).sum()
+    for block in blocks:
+        block.zero_grad()
+    loss.backward()
+    return loss.detach(), [leaf.grad, *(p.grad.clone() for b in blocks for p in b.parameters())]
+
+
+def test_field_in_layer_cp_build_fails_under_the_d2h_rule_and_isolation_equals_no_ac(one_rank_group):
+    from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
+
+    device = torch.device("cuda")
+    family = FAMILIES["qwen3_5_moe"]
+    blocks = [_DispatchBlock(family.build(layer_idx=0, seed=10 + i, backend="fla"), [1024] * 4) for i in range(4)]
+    blocks = [b.to(device, torch.bfloat16) for b in blocks]
+    x = 0.5 * torch.randn(1, sum(LENS), HIDDEN, device=device, generator=torch.Generator(device).manual_seed(5))
+    x = x.to(torch.bfloat16)
+    cp = CPConfig(group=one_rank_group, conv_kernel_size=4)
+    cu, host = _offsets().to(device), _offsets()
+
+    one = LayerLocalSeqlens(cu, cu_seqlens_cpu=host, cp=cp)
+    loss_ref, grads_ref = _field_step(blocks, lambda: one, x, checkpointed=False)
+    isolated = LayerLocalSeqlens(cu, cu_seqlens_cpu=host, cp=cp)
+    loss_iso, grads_iso = _field_step(blocks, lambda: isolated, x, checkpointed=True)
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads_iso, grads_ref))
+    print(f"GPU_CP_FIELD isolated: loss {loss_iso.item():.6f} / no AC {loss_ref.item():.6f}; max |grad diff| {diff:.3e}")
+    assert torch.equal(loss_iso, loss_ref) and diff == 0.0
+
+    clear_tensor_cache()  # block 0's forward misses FLA's cache and copies the offsets to the host; its recompute hits
+    field = FieldCPSeqlens(cu, cp=cp)
+    with pytest.raises(RuntimeError) as failure:
+        _field_step(blocks, lambda: field, x, checkpointed=True)
+    print("GPU_CP_FIELD field:", str(failure.value).splitlines()[0])
+    offsets = ", ".join(str(v) for v in host.tolist())  # FLA's host copy of cu_seqlens, replayed into the split
+    assert f"split_with_sizes expects split_sizes to sum exactly to {sum(LENS)}" in str(failure.value)
+    assert f"split_sizes=[{offsets}]" in str(failure.value)
