@@ -123,12 +123,15 @@ class _DispatchBlock(nn.Module):
         super().__init__()
         self.mixer = mixer
         self.register_buffer("split_sizes", torch.tensor(split_sizes))  # on the device, as routing counts are
+        # one weight per "expert": its product saves the tokens for backward, so the recompute (torch's early
+        # stop ends it after the last tensor backward needs) runs through the dispatch, as it does for MoE
+        self.expert_scale = nn.Parameter(torch.linspace(1.0, 1.75, len(split_sizes)))
 
     def forward(self, h: torch.Tensor, seqlens) -> torch.Tensor:
         h = h + self.mixer(h, seqlens)
         sizes = self.split_sizes.to("cpu").tolist()  # the device-to-host copy the field's policy saves
         parts = torch.split(h, sizes, dim=1)
-        return torch.cat([p * (1 + 0.25 * i) for i, p in enumerate(parts)], dim=1)
+        return torch.cat([p * self.expert_scale[i] for i, p in enumerate(parts)], dim=1)
 
 
 def _field_step(blocks, seqlens_of, x, checkpointed):
@@ -169,7 +172,7 @@ def test_field_in_layer_cp_build_fails_under_the_d2h_rule_and_isolation_equals_n
     assert torch.equal(loss_iso, loss_ref) and diff == 0.0
 
     clear_tensor_cache()  # block 0's forward misses FLA's cache and copies the offsets to the host; its recompute hits
-    field = FieldCPSeqlens(cu, cp=cp)
+    field = FieldCPSeqlens(cu, cu_seqlens_cpu=host, cp=cp)  # its layers still build from cu alone
     with pytest.raises(RuntimeError) as failure:
         _field_step(blocks, lambda: field, x, checkpointed=True)
     print("GPU_CP_FIELD field:", str(failure.value).splitlines()[0])
