@@ -1,7 +1,8 @@
 """The usage snippet at the top of each model page runs as written and returns ``[1, T, D]``; the OLMo-core
 page's complete example runs as written and its isolated AC step matches no AC, and its second block shows the
 shipped model failing; the saveable-ops example of
-the benchmarks page runs aligned and equals the saveable model without AC bit for bit."""
+the benchmarks page runs aligned and equals the saveable model without AC bit for bit; the changelog's
+table of moved names points at places that exist and away from places that are gone."""
 
 import re
 from pathlib import Path
@@ -81,3 +82,45 @@ def test_saveable_ops_example_runs_aligned_and_equals_the_saveable_model_without
     assert all(torch.equal(checkpointed[n], p.grad) for n, p in saveable.items())
     default_diff = max((checkpointed[n] - p.grad).abs().max().item() for n, p in default.items())
     assert 0.0 < default_diff <= 1e-8, default_diff  # the page says 9.3e-10
+
+
+def _changelog_names(column: int) -> list[str]:
+    """The dotted ``fla_ac_isolation...`` names in one column of the changelog's 0.1 -> 0.2 table."""
+    page = (Path(__file__).parent.parent / "docs" / "changelog.md").read_text()
+    rows = [line.split("|")[1:-1] for line in page.splitlines() if line.startswith("| `fla_ac_isolation")]
+    names = []
+    for row in rows:
+        cell = row[column]
+        head = re.match(r"\s*`(fla_ac_isolation[\w.]*)`", cell)
+        extra = re.search(r"`(fla_ac_isolation[\w.]*)`\s*\(`([^)]*)\)", cell)
+        names.append(head.group(1))
+        if extra:  # "module (`A`, `B`)": each name in the brackets lives in that module
+            names += [f"{extra.group(1)}.{n.strip(' `')}" for n in extra.group(2).split(",")]
+    return names
+
+
+def _resolve(dotted: str) -> object:
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_changelog_new_locations_exist_and_old_ones_are_gone():
+    new, old = _changelog_names(1), _changelog_names(0)
+    assert len(new) >= 8 and len(old) >= 7
+    for name in new:
+        _resolve(name)  # raises if the changelog names a place that does not exist
+    for name in old:
+        if name == "fla_ac_isolation.cli":  # a module in 0.1, a package of the same name now
+            continue
+        with pytest.raises((ModuleNotFoundError, AttributeError)):
+            _resolve(name)
