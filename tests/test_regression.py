@@ -263,6 +263,9 @@ def test_cli_invalid_arguments_exit_2(capsys):
                      "heads at this width), got 96", id="hidden-96"),
         pytest.param(["--modes", "isolated,field"], "--modes 'isolated,field': field exists only with --cp N > 1",
                      id="field-without-cp"),
+        # AdamW refused it only inside every rank, after every mode had started
+        pytest.param(["--lr", "-1"], "lr must be a finite number >= 0 (AdamW learning rate), got -1.0", id="lr-neg"),
+        pytest.param(["--lr", "nan"], "lr must be a finite number >= 0 (AdamW learning rate), got nan", id="lr-nan"),
     ],
 )
 def test_cli_bad_flags_exit_2_before_any_work(argv, message, tmp_path, monkeypatch, capsys):

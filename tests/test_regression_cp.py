@@ -62,3 +62,25 @@ def test_report_names_the_parallelism_and_the_cp1_column(nemotron_h):
     text = console.export_text()
     assert "nemotron_h  CP=2 (zigzag) x EP=2  AC selective" in text
     assert "max |grad - CP=1|" in text and "reference (one rank, no CP, no AC)" in text
+
+
+def test_a_padded_cp_batch_is_said_in_the_notes(monkeypatch):
+    from fla_ac_isolation.regression import run as regression_run
+    from fla_ac_isolation.regression.data import cp_batch, cp_padding_note
+    from fla_ac_isolation.regression.spec import RegressionResult
+
+    # 128 tokens: 3 contiguous parts need 129 (one padding token), 3 zigzag parts (6 intervals) need 132
+    padded = cp_batch(0, layout="contiguous", multiple=3)
+    assert padded.seq_lens[-1] == 1 and padded.labels[0, -1].item() == -100 and padded.input_ids.shape[1] == 129
+    assert cp_padding_note(3, "contiguous") == (
+        "CP batch padded: 128/128 tokens do not split into 3 equal parts (contiguous, CP=3); each step appends one "
+        "document of 1 token(s) whose labels are ignored (the CP=1 reference trains on the same padded batch)"
+    )
+    assert "split into 6 equal parts (zigzag, CP=3)" in cp_padding_note(3, "zigzag")
+    assert "document of 4 token(s)" in cp_padding_note(3, "zigzag")
+    assert cp_padding_note(2, "contiguous") is None and cp_padding_note(2, "zigzag") is None
+
+    monkeypatch.setattr(regression_run, "run_spawned", lambda spec, *_: RegressionResult(spec=spec, modes={}))
+    noted = run_regression(RegressionSpec(cp=3, ep=1, hidden_size=64, backend="fla"))
+    assert noted.notes == [cp_padding_note(3, "contiguous")]
+    assert run_regression(RegressionSpec(cp=2, hidden_size=64, backend="fla")).notes == []

@@ -120,6 +120,20 @@ CP_SCHEDULE: dict[str, tuple[tuple[int, ...], ...]] = {
 """Document lengths of the context-parallel batch per layout, per step (cycled)."""
 
 
+def cp_padding_note(cp: int, layout: str) -> str | None:
+    """What :func:`cp_batch` pads for ``cp`` ranks in ``layout``, as one line for the report; None if nothing."""
+    parts = cp * (2 if layout == "zigzag" else 1)
+    pads = sorted({-sum(lens) % parts for lens in CP_SCHEDULE[layout]})
+    if pads == [0]:
+        return None
+    tokens = "/".join(str(sum(lens)) for lens in CP_SCHEDULE[layout])
+    return (
+        f"CP batch padded: {tokens} tokens do not split into {parts} equal parts ({layout}, CP={cp}); each step "
+        f"appends one document of {'/'.join(map(str, pads))} token(s) whose labels are ignored (the CP=1 reference "
+        "trains on the same padded batch)"
+    )
+
+
 def cp_batch(
     step: int, *, layout: str = "contiguous", multiple: int = 1, seed: int = 0, vocab_size: int = 256
 ) -> PackedBatch:

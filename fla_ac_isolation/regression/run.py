@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from fla_ac_isolation.regression.data import cp_padding_note
 from fla_ac_isolation.regression.launch import run_spawned
 from fla_ac_isolation.regression.spec import RegressionResult, RegressionSpec
 from fla_ac_isolation.regression.torchrun import run_under_torchrun, under_torchrun
@@ -48,6 +49,8 @@ def run_regression(
     spawned = not under_torchrun()
     result = run_spawned(spec, on_step, on_rank_start) if spawned else run_under_torchrun(spec, on_step)
     result.environment = _environment()
+    if spec.cp > 1 and (note := cp_padding_note(spec.cp, spec.cp_layout)) is not None:
+        result.notes.append(note)
     return result
 
 

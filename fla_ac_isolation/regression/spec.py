@@ -130,6 +130,10 @@ class RegressionSpec:
             0 < self.timeout_s < math.inf
         ):
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (0 <= self.lr < math.inf):
+            raise ValueError(f"lr must be a finite number >= 0 (AdamW learning rate), got {self.lr!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
         self._validate_fail_on()
         if self.rank_setup is not None and ":" not in self.rank_setup:
             raise ValueError(f"rank_setup must be 'module:function', got {self.rank_setup!r}")
