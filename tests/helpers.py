@@ -5,7 +5,8 @@ Every test file imports what it shares from here (never from ``conftest`` or ano
 :data:`fla_ac_isolation.families.FAMILIES`; this module adds tiny configs and test-only runners.
 
 Sections: mixer cases (``FAMILIES``: one per upstream class, tiny configs), whole transformers models for
-the swap tests (``MODEL_FAMILIES``), the fault matrix's policies and expected outcomes, run helpers.
+the swap tests (``MODEL_FAMILIES``), the fault matrix's policies and expected outcomes, run helpers,
+scripts loaded by path and interpreter subprocesses (``load_script``, ``run_interpreter_cases``), ``Block``.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib
+import importlib.util
 import inspect
+import json
+import os
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -478,7 +484,37 @@ MATRIX = [
 ]
 
 
-# ============================================================ saveable ops (FLA calls as custom operators)
+# ============================================================ scripts and subprocesses
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(path: Path, name: str):
+    """A script of ``examples/`` or ``benchmarks/`` (not packages) loaded from ``path`` as module ``name``.
+
+    Registered in ``sys.modules`` before it runs: dataclasses look their module up while a class is created.
+    """
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_interpreter_cases(script: str, timeout_s: float) -> dict:
+    """Run ``tests/<script>`` in a subprocess under ``TRITON_INTERPRET=1`` and one OpenMP thread; its JSON.
+
+    The variable must be set before FLA's kernels are decorated, i.e. before this test session imported
+    FLA, hence the subprocess. The script prints one JSON document as its last line of stdout.
+    """
+    path = Path(__file__).with_name(script)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=timeout_s,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ============================================================ stacks of mixers
 class Block(nn.Module):
     """A residual block ``x + mixer(x, seqlens)``: the unit the SAC tests checkpoint."""
 
@@ -490,6 +526,7 @@ class Block(nn.Module):
         return x + self.mixer(x, seqlens)
 
 
+# ============================================================ saveable ops (FLA calls as custom operators)
 def saveable_op_names() -> dict[Any, str]:
     """``{forward overload: operation name}`` for both backends (``ops.SAVEABLE_OPS`` inverted)."""
     from fla_ac_isolation.ops import SAVEABLE_OPS
@@ -780,18 +817,11 @@ def torchtitan_qwen3_5():
 
     Loaded by path (examples are not a package); torchtitan's process-wide set-up is done here.
     """
-    import importlib.util
-    from pathlib import Path
-
     from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
 
     ensure_torch_compat()
     setup_torchtitan("cpu")
-    path = Path(__file__).resolve().parents[1] / "examples" / "torchtitan_qwen3_5.py"
-    spec = importlib.util.spec_from_file_location("torchtitan_qwen3_5_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "examples" / "torchtitan_qwen3_5.py", "torchtitan_qwen3_5_example")
 
 
 def torchtitan_gdn_forward_without_clone():

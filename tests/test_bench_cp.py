@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import json
 import os
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_cp.py"
@@ -39,11 +39,7 @@ SMOKE_CPU_BUDGET_S = 60  # CPU seconds of the one-mode smoke launch, all process
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_cp", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH, "bench_cp")
 
 
 @pytest.fixture

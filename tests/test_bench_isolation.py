@@ -9,17 +9,15 @@ mixers under the same SAC policy.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAMILIES, HIDDEN
+from helpers import FAMILIES, HIDDEN, load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_isolation.py"
 TOKENS, DOCS, ITERS = 192, 3, 3  # several 64-token chunks per document
@@ -29,11 +27,7 @@ SAVEABLE_MODES = {"isolated+save-core": ("gated_delta_rule", "ssd"),
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_isolation", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH, "bench_isolation")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -17,13 +17,9 @@ Stated tolerances (float32; errors relative to ``max(1, max |reference|)``):
   largest (measured 2.4e-6).
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_interpreter_cases
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -40,12 +36,7 @@ LONG_REPLAY = "RuntimeError: Autograd not support dtype: Long"
 
 @pytest.fixture(scope="module")
 def cases():
-    script = Path(__file__).with_name("cp_cases.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900,
-                          cwd=script.parent.parent)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreter_cases("cp_cases.py", timeout_s=900)
 
 
 @pytest.mark.parametrize("case", GDN_MIXERS + HEAD_PARALLEL)

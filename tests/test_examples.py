@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import SharedOutcome
+from helpers import SharedOutcome, load_script
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 INT_REPLAY = "Autograd not support dtype: Int"
@@ -19,18 +18,10 @@ CP1_GRAD_TOL = 1e-6
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 #: own_model's shared path under save-all-copies (torch 2.13, FLA 0.6.0): layer 0's recompute hits FLA's

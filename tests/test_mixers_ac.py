@@ -19,7 +19,7 @@ tell shared from isolated:
 
 import pytest
 import torch
-from helpers import HIDDEN, PACKED_LENS, SharedOutcome, loss_and_grads
+from helpers import HIDDEN, PACKED_LENS, Block, SharedOutcome, loss_and_grads
 from torch import nn
 
 from fla_ac_isolation.modes import SharedSeqlens
@@ -35,15 +35,6 @@ CASES = {  # case id: (dtype, policy builder, how the shared path fails)
     "fp32-save-cumsum": (torch.float32, lambda: save_ops([torch.ops.aten.cumsum.default]),
                          SharedOutcome(RuntimeError, "Autograd not support dtype: Long")),
 }
-
-
-class Block(nn.Module):
-    def __init__(self, mixer: nn.Module) -> None:
-        super().__init__()
-        self.mixer = mixer
-
-    def forward(self, x: torch.Tensor, seqlens: LayerLocalSeqlens) -> torch.Tensor:
-        return x + self.mixer(x, seqlens)
 
 
 def _stack(family, dtype):

@@ -15,7 +15,7 @@ Run on a CUDA machine: ``python -m pytest -m gpu -s tests/test_mixers_gpu.py``.
 
 import pytest
 import torch
-from helpers import CORE_FAMILIES, FAMILIES, HIDDEN, loss_and_grads, relative_error
+from helpers import CORE_FAMILIES, FAMILIES, HIDDEN, Block, loss_and_grads, relative_error
 from torch import nn
 
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
@@ -81,14 +81,6 @@ def test_fla_backend_under_selective_ac_matches_no_ac(name):
     device = torch.device("cuda")
     seqlens = LayerLocalSeqlens.from_seq_lens(DOC_LENS, device=device)
     x = torch.randn(1, sum(DOC_LENS), HIDDEN, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
-
-    class Block(nn.Module):
-        def __init__(self, mixer):
-            super().__init__()
-            self.mixer = mixer
-
-        def forward(self, h, seqlens):
-            return h + self.mixer(h, seqlens)
 
     def run(checkpointed: bool):
         layers = nn.ModuleList(Block(family.build(i, seed=i, backend="fla")) for i in range(3))

@@ -6,13 +6,9 @@ shims of ``fla_ac_isolation.testing.triton_interpret`` (first autotune config on
 no-op ``.to()``).
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_interpreter_cases
 
 TOL = 1e-5  # max |fla - reference| / max(1, max |reference|), float32, output and every gradient
 BUDGET_S = 60
@@ -20,12 +16,7 @@ BUDGET_S = 60
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    script = Path(__file__).with_name("interpret_cases.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                          timeout=4 * BUDGET_S, cwd=script.parent.parent)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreter_cases("interpret_cases.py", timeout_s=4 * BUDGET_S)
 
 
 @pytest.mark.parametrize(

@@ -5,25 +5,16 @@ kernels are decorated). One 2-layer stack (GDN, Mamba2; ``backend="fla"``) in bf
 operators as the mixers call them.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_interpreter_cases
 
 BUDGET_S = 60
 
 
 @pytest.fixture(scope="module")
 def results():
-    script = Path(__file__).with_name("interpret_saveable_cases.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                          timeout=4 * BUDGET_S, cwd=script.parent.parent)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreter_cases("interpret_saveable_cases.py", timeout_s=4 * BUDGET_S)
 
 
 def test_saveable_stack_equals_the_default_path_bit_for_bit(results):

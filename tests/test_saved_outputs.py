@@ -7,12 +7,11 @@ output verbatim.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -20,12 +19,7 @@ MIB = 2**20
 
 @pytest.fixture(scope="module")
 def saved_outputs():
-    path = ROOT / "benchmarks" / "saved_outputs.py"
-    spec = importlib.util.spec_from_file_location("saved_outputs", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "saved_outputs.py", "saved_outputs")
 
 
 @pytest.mark.parametrize("tokens", [32768, 131072, 100])

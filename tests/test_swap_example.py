@@ -1,11 +1,9 @@
 """examples/hf_swap.py runs on CPU and shows the fault without swap_mixers and the exact match with it."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import UNSWAPPED_QWEN_UNDER_SAC
+from helpers import UNSWAPPED_QWEN_UNDER_SAC, load_script
 
 pytest.importorskip("transformers")
 
@@ -14,18 +12,10 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_swap.py"
 
 @pytest.fixture(scope="module")
 def hf_swap():
-    spec = importlib.util.spec_from_file_location("hf_swap_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE, "hf_swap_example")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model: threads only add contention on a 2-core CI machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny model: threads only add contention on 2 cores
 
 
 def test_example_fails_without_swap_and_matches_with_it(hf_swap, capsys):
