@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fla_ac_isolation.parallel import CPConfig
+
 __all__ = ["CP_SCHEDULE", "PackedBatch", "cp_batch", "global_batch", "rank_batch"]
 
 IGNORE_INDEX = -100
@@ -122,7 +124,7 @@ CP_SCHEDULE: dict[str, tuple[tuple[int, ...], ...]] = {
 
 def cp_padding_note(cp: int, layout: str) -> str | None:
     """What :func:`cp_batch` pads for ``cp`` ranks in ``layout``, as one line for the report; None if nothing."""
-    parts = cp * (2 if layout == "zigzag" else 1)
+    parts = CPConfig(world_size=cp, rank=0, layout=layout).num_parts
     pads = sorted({-sum(lens) % parts for lens in CP_SCHEDULE[layout]})
     if pads == [0]:
         return None

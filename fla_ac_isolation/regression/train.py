@@ -132,7 +132,7 @@ def _batch(spec: RegressionSpec, step: int, ctx: RankContext) -> PackedBatch:
     data_ranks = spec.data_ranks or spec.ep
     vocab = ModelSize().vocab_size
     if spec.cp > 1:  # one global batch, sharded in _rank_inputs (or whole, for the CP1_REFERENCE run)
-        parts = spec.cp * (2 if spec.cp_layout == "zigzag" else 1)
+        parts = CPConfig(world_size=spec.cp, rank=0, layout=spec.cp_layout).num_parts
         return cp_batch(step, layout=spec.cp_layout, multiple=parts, seed=spec.seed, vocab_size=vocab)
     if ctx.world == 1:
         return global_batch(step, data_ranks, seed=spec.seed, vocab_size=vocab)
