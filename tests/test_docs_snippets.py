@@ -4,6 +4,7 @@ shipped model failing; the saveable-ops example of
 the benchmarks page runs aligned and equals the saveable model without AC bit for bit; the changelog's
 table of moved names points at places that exist and away from places that are gone."""
 
+import pkgutil
 import re
 from pathlib import Path
 
@@ -99,28 +100,13 @@ def _changelog_names(column: int) -> list[str]:
     return names
 
 
-def _resolve(dotted: str) -> object:
-    import importlib
-
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError:
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ModuleNotFoundError(dotted)
-
-
 def test_changelog_new_locations_exist_and_old_ones_are_gone():
     new, old = _changelog_names(1), _changelog_names(0)
     assert len(new) >= 8 and len(old) >= 7
     for name in new:
-        _resolve(name)  # raises if the changelog names a place that does not exist
+        pkgutil.resolve_name(name)  # raises if the changelog names a place that does not exist
     for name in old:
         if name == "fla_ac_isolation.cli":  # a module in 0.1, a package of the same name now
             continue
         with pytest.raises((ModuleNotFoundError, AttributeError)):
-            _resolve(name)
+            pkgutil.resolve_name(name)
