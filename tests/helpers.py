@@ -812,6 +812,21 @@ def divergent(audit) -> list[tuple[str, list[str]]]:
     return [(r.label, [d.helper for d in r.fla]) for r in audit.divergent]
 
 
+TITAN_QWEN3_5_NEEDS = "torch.distributed.fsdp:DataParallelMeshDims"
+
+
+def skip_unless_torchtitan_qwen3_5() -> None:
+    """Skip (at module level too) without torchtitan, or when the installed torch cannot import torchtitan 0.3's
+    Qwen3.5 model; the reason names the torch version and what it lacks
+    (:data:`fla_ac_isolation.environment.TORCH_FEATURES`)."""
+    from fla_ac_isolation.environment import torch_features
+
+    pytest.importorskip("torchtitan")
+    (feature,) = [f for f in torch_features() if f.needs == TITAN_QWEN3_5_NEEDS]
+    if not feature.available:
+        pytest.skip(feature.reason(), allow_module_level=True)
+
+
 def torchtitan_qwen3_5():
     """The torchtitan example module (``examples/torchtitan_qwen3_5.py``): ``build_model``, ``apply_ac``, ...
 

@@ -1,6 +1,7 @@
 """``fla-ac-isolation audit``: one step per mode, each region's verdict printed, exit code from the safe modes."""
 
 import pytest
+from page_output import assert_printed_as_on_page
 
 from fla_ac_isolation.cli import main
 
@@ -24,9 +25,10 @@ def test_audit_cli_rejects_bad_modes(capsys):
 @pytest.mark.slow
 def test_audit_cli_regression_family_names_the_mixer(capsys):
     pytest.importorskip("torchtitan")
-    code = main(["audit", "--model", "qwen3_5_moe", "--layers", "1", "--experts", "4", "--top-k", "2"])
+    code = main(["audit", "--model", "qwen3_5_moe"])  # the command docs/audit.md shows (about 7 s of CPU)
     out = capsys.readouterr().out
     assert code == 0
+    assert_printed_as_on_page(out, "docs/audit.md", "$ fla-ac-isolation audit --model qwen3_5_moe")
     assert "== qwen3_5_moe | shared | SAC policy save-all-copies | freq 1: 1 divergent region(s)" in out
     assert "recompute op #24 (in layers.0.mixer)" in out
     assert "FLA prepare_chunk_indices, prepare_chunk_offsets missed in forward and hit in recompute." in out

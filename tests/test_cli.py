@@ -5,6 +5,7 @@ import importlib.metadata
 import pytest
 
 from fla_ac_isolation.cli import audit, doctor, main, regress
+from fla_ac_isolation.environment import environment_report, missing_torch_features, torch_features
 
 
 def test_top_level_help_gives_each_subcommand_its_line(capsys):
@@ -17,10 +18,39 @@ def test_top_level_help_gives_each_subcommand_its_line(capsys):
 
 
 def test_doctor_reports_every_library_the_checks_run_on():
-    report = doctor.environment_report()
+    report = environment_report()
     assert report["OLMo-core (ai2-olmo-core)"] == importlib.metadata.version("ai2-olmo-core")
     assert report["torchtitan"] == importlib.metadata.version("torchtitan")
-    assert report["fla (fla-core)"].startswith(importlib.metadata.version("fla-core") + " (tested: ")
+    assert report["fla (fla-core)"] == f"{importlib.metadata.version('fla-core')} (tested: <0.7,>=0.6)"
+
+
+def test_tested_fla_range_is_the_install_requirement():
+    import tomllib
+    from pathlib import Path
+
+    from fla_ac_isolation.fla_seam.versions import tested_range
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    (written,) = [d for d in project["dependencies"] if d.startswith("fla-core")]
+    assert sorted(tested_range().split(",")) == sorted(written.removeprefix("fla-core").split(","))
+
+
+def test_doctor_names_each_torch_feature_the_installed_torch_lacks(monkeypatch, capsys):
+    import torch.distributed.fsdp
+
+    assert not missing_torch_features(), "torch 2.13 (CI) has every known feature"
+    monkeypatch.delattr(torch.distributed.fsdp, "DataParallelMeshDims")
+    (missing,) = missing_torch_features()
+    assert missing.needs == "torch.distributed.fsdp:DataParallelMeshDims"
+    assert missing.reason() == (
+        f"torch {torch.__version__} lacks torch.distributed.fsdp.DataParallelMeshDims, which torchtitan 0.3's "
+        "Qwen3.5 model (torchtitan.models.qwen3_5; examples/torchtitan_qwen3_5.py) needs (present in torch 2.13, "
+        "missing in 2.11)"
+    )
+    assert main(["doctor"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "lacks torch.distributed.fsdp.DataParallelMeshDims" in text
+    assert len(torch_features()) == 2
 
 
 def test_version_flag_prints_the_installed_distribution_version(capsys):

@@ -8,13 +8,23 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import SharedOutcome, load_script
+from helpers import SharedOutcome, load_script, skip_unless_torchtitan_qwen3_5
+from page_output import assert_printed_as_on_page
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 INT_REPLAY = "Autograd not support dtype: Int"
-#: context_parallel: CP=2 (FLA's CP kernels, interpreter) vs CP=1 (reference ops), largest gradient difference
-#: (measured 1.1e-7 with the largest gradient 0.046; tests/test_context_parallel_gloo.py states 2e-5 for mixers)
-CP1_GRAD_TOL = 1e-6
+#: context_parallel: CP=2 (FLA's CP kernels, interpreter) vs CP=1 (reference ops): the largest gradient difference
+#: relative to the largest gradient (0.046). Measured 1.07e-7 to 4.84e-7 absolute (2.3e-6 to 1.05e-5 relative)
+#: across torch's AVX-512, AVX2 and SSE4 paths with OpenBLAS's matching kernels (numpy runs the interpreter's
+#: dots) on two AMD EPYC machines; 1e-4 relative is a 9.5x margin and the CP regression's own bound
+#: (cp_report.default_cp_rtol)
+CP1_GRAD_RTOL = 1e-4
+#: ... and the loss: 0 to 9.6e-8 relative on the same runs (5.00343418 or 5.00343370); 1e-6 is a 10x margin
+CP1_LOSS_RTOL = 1e-6
+#: docs/context-parallel.md's example output is checked to 3 significant digits: the CP=2 loss and gradient
+#: differences come from FLA's kernels under Triton's interpreter, whose last digits vary across CPUs (the
+#: page says so)
+CP_PAGE_DIGITS = 3
 
 
 def _load(name: str):
@@ -42,7 +52,9 @@ def test_own_model_shared_fails_and_isolated_matches_bit_for_bit(capsys):
     for name in ("isolated, SAC save-all-copies", "isolated, full AC"):
         assert result[name]["loss"] == result["no-ac"]["loss"]
         assert result[name]["max_grad_diff"] == 0.0
-    assert "ops backend: reference" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ops backend: reference" in out
+    assert_printed_as_on_page(out, "docs/own-model.md", "$ python examples/own_model.py")
 
 
 def test_own_model_int64_offsets_leave_save_all_copies_nothing_to_shift(capsys):
@@ -53,7 +65,7 @@ def test_own_model_int64_offsets_leave_save_all_copies_nothing_to_shift(capsys):
 
 
 def test_torchtitan_qwen3_5_as_shipped_and_fixed_match_shared_diverges(capsys):
-    pytest.importorskip("torchtitan.models.qwen3_5")
+    skip_unless_torchtitan_qwen3_5()
     module = _load("torchtitan_qwen3_5")
     result = module.main([])
 
@@ -69,10 +81,11 @@ def test_torchtitan_qwen3_5_as_shipped_and_fixed_match_shared_diverges(capsys):
     out = capsys.readouterr().out
     assert "served by fla_ac_isolation.ops.reference" in out
     assert "prepare_chunk_offsets missed in forward and hit in recompute" in out
+    assert_printed_as_on_page(out, "docs/torchtitan.md", "$ python examples/torchtitan_qwen3_5.py")
 
 
 def test_torchtitan_example_restores_fla_kernel_entry_points():
-    pytest.importorskip("torchtitan.models.qwen3_5")
+    skip_unless_torchtitan_qwen3_5()
     module = _load("torchtitan_qwen3_5")
     model_module = importlib.import_module("torchtitan.models.qwen3_5.model")
     conv_module = importlib.import_module("fla.modules.conv.causal_conv1d")
@@ -99,7 +112,9 @@ def test_audit_failure_names_region_op_helper_and_fix(capsys):
     assert silent["divergent"][0][0] == "layers.0"
     assert "prepare_chunk_indices" in silent["divergent"][0][2]
     assert result["silent_fixed"] == {"max_grad_diff": 0.0, "ok": True}
-    assert "DIVERGENT at op #0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "DIVERGENT at op #0" in out
+    assert_printed_as_on_page(out, "docs/audit.md", "$ python examples/audit_failure.py")
 
 
 def _run_line(lines: list[str], name: str) -> str:
@@ -119,7 +134,8 @@ def test_context_parallel_isolated_equals_no_ac_and_cp1_field_fails_on_both_rank
     assert ("documents [10, 0, 20, 70, 28] (128 tokens); local offsets: rank 0 [0, 10, 30, 32, 36, 64], "
             "rank 1 [0, 32, 64]") in lines, "documents cross both cuts; rank 1 holds no document start"
 
-    cp1_loss = float(_run_line(lines, "CP=1, no AC (reference ops)").split()[1])  # "loss L  largest gradient G"
+    cp1 = _run_line(lines, "CP=1, no AC (reference ops)").split()  # "loss L  largest gradient G"
+    cp1_loss, largest = float(cp1[1]), float(cp1[4])
     runs = {}
     for name in ("CP=2, no AC", "CP=2, isolated, SAC save_all_copies"):
         found = re.fullmatch(r"loss (\S+)  max \|grad - CP=1\| (\S+)  max \|grad - CP=2 no AC\| (\S+)",
@@ -128,8 +144,10 @@ def test_context_parallel_isolated_equals_no_ac_and_cp1_field_fails_on_both_rank
         runs[name] = {"loss": found[1], "cp1": float(found[2]), "no_ac": found[3]}
     no_ac, isolated = runs["CP=2, no AC"], runs["CP=2, isolated, SAC save_all_copies"]
     assert isolated["loss"] == no_ac["loss"] and isolated["no_ac"] == "0.0", "isolated: bit for bit with no AC"
-    assert abs(float(no_ac["loss"]) - cp1_loss) <= 1e-6 * cp1_loss
-    assert no_ac["cp1"] <= CP1_GRAD_TOL and isolated["cp1"] == no_ac["cp1"]
+    assert abs(float(no_ac["loss"]) - cp1_loss) <= CP1_LOSS_RTOL * cp1_loss
+    assert no_ac["cp1"] <= CP1_GRAD_RTOL * largest and isolated["cp1"] == no_ac["cp1"]
     assert _run_line(lines, "CP=2, field (unsafe), SAC save_all_copies") == (
         "raised RuntimeError: Autograd not support dtype: Long (both ranks)"
     )
+    assert_printed_as_on_page(proc.stdout, "docs/context-parallel.md", "$ python examples/context_parallel.py",
+                              significant=CP_PAGE_DIGITS, varies=("max |grad - CP=1|",))

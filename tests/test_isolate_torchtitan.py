@@ -15,12 +15,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import INT_REPLAY, divergent, max_grad_diff, torchtitan_gdn_forward_without_clone, torchtitan_qwen3_5
+from helpers import (
+    INT_REPLAY,
+    divergent,
+    max_grad_diff,
+    skip_unless_torchtitan_qwen3_5,
+    torchtitan_gdn_forward_without_clone,
+    torchtitan_qwen3_5,
+)
 
 from fla_ac_isolation import ReplayAudit, isolate_seqlens
 from fla_ac_isolation.fla_cache import clear_tensor_cache
 
-pytest.importorskip("torchtitan.models.qwen3_5")
+skip_unless_torchtitan_qwen3_5()
 pytestmark = pytest.mark.usefixtures("single_thread", "served")
 
 DOCS = (70, 23, 41)

@@ -174,6 +174,22 @@ def test_a_diverged_isolated_mode_fails_the_run_and_says_by_how_much():
     assert report.verdicts(result, rtol=0.2)["isolated"].ok, "within an explicit tolerance it matches"
 
 
+@pytest.mark.parametrize("diverging", ["isolated", "global-disable"])
+@pytest.mark.parametrize("how", ["diverged", "failed"])
+def test_each_required_mode_alone_decides_the_exit_code(diverging, how):
+    """Only one required mode off (the other matches, shared fails as usual): exit code 1, whichever it is."""
+    bad = {"grad_diffs": [0.0, 0.05]} if how == "diverged" else {"error": "rank 1: RuntimeError: boom", "losses": []}
+    modes = {"shared": {"error": "rank 0: RuntimeError: Autograd not support dtype: Int", "losses": []},
+             "isolated": {}, "global_disable": {}}
+    modes[diverging.replace("-", "_")] = bad
+    result = _result(**modes)
+    found = report.verdicts(result)
+    assert [name for name, v in found.items() if not v.ok] == ["shared", diverging]
+    assert report.exit_code(result) == 1
+    modes[diverging.replace("-", "_")] = {}
+    assert report.exit_code(_result(**modes)) == 0, "the same run with that mode matching passes"
+
+
 def test_a_failed_reference_fails_the_run():
     result = _result(isolated={})
     result.modes["no-ac"].error = "RuntimeError: boom"
@@ -261,6 +277,9 @@ def test_cli_invalid_arguments_exit_2(capsys):
                      "heads at this width), got 3", id="hidden-3"),
         pytest.param(["--hidden-size", "96"], "hidden_size must be a multiple of 64 (an even number of 32-channel "
                      "heads at this width), got 96", id="hidden-96"),
+        # the rule between the degrees comes first: with 16 experts, ep 3 also does not divide them
+        pytest.param(["--cp", "2", "--ep", "3"], "ep (3) must be 1 or equal cp (2): the EP ranks are borrowed from "
+                     "the 2 CP ranks (one process per CP rank)", id="ep-vs-cp-before-experts"),
         pytest.param(["--modes", "isolated,field"], "--modes 'isolated,field': field exists only with --cp N > 1",
                      id="field-without-cp"),
         # AdamW refused it only inside every rank, after every mode had started

@@ -2,8 +2,9 @@
 
 Per family: ``isolated`` and ``global-disable`` equal ``no-ac`` bit for bit (losses and every gradient on
 every rank, every step), the unsafe ``shared`` mode fails or matches exactly as predicted for the field
-policy used, EP=1 over the same global batch gives the EP=2 losses within 1e-5 relative, and one
-failing rank ends the mode within seconds.
+policy used, and one failing rank ends the mode within seconds. EP=1 over the same global batch gives the
+EP=2 losses within 1e-5 relative at every step and the step-0 gradient norm within 1e-6 (``EP1_*``: where
+the bounds come from).
 
 Which policy exposes the shared path on CPU: ``save-all-copies`` (every ``aten._to_copy`` saved). In a
 checkpointed block that holds both FLA helpers and later casts, the forward's cache miss runs FLA's
@@ -21,6 +22,7 @@ import sys
 import time
 
 import pytest
+from page_output import assert_printed_as_on_page
 
 from fla_ac_isolation.regression import RegressionSpec, report, run_regression
 
@@ -88,6 +90,27 @@ def test_nemotron_h_shared_mode_fails_in_bfloat16():
     assert result.modes["isolated"].grad_diffs == [0.0]
 
 
+#: The README's main job and docs/regression.md show this run. Its losses and gradient norms are checked to 3
+#: significant digits: after AdamW's first step they vary across CPUs in the 4th (the step-1 norm 86.3198 on
+#: the AVX-512 path, 86.3203 on AVX2, 86.3513 on SSE4; see EP1_* below), which the page says.
+MAIN_JOB_PAGE_DIGITS = 3
+MAIN_JOB_VERDICTS = "       isolated: PASS  matches (bit for bit)"
+
+
+def test_main_job_prints_what_the_readme_and_docs_show(qwen3_5_moe):
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    report.print_report(qwen3_5_moe, console=console)
+    printed = console.export_text()
+    for page in ("README.md", "docs/quickstart.md"):
+        assert_printed_as_on_page(printed, page, MAIN_JOB_VERDICTS, varies=("rank",))
+    assert_printed_as_on_page(printed, "docs/regression.md",
+                              "$ fla-ac-isolation regress --model qwen3_5_moe --ep 2 --steps 3 --no-progress",
+                              significant=MAIN_JOB_PAGE_DIGITS, skip=("Seconds per mode",),
+                              varies=("rank",))  # which rank reports the error first varies
+
+
 def test_uneven_expert_traffic_with_idle_experts(qwen3_5_moe):
     idle = qwen3_5_moe.modes["no-ac"].idle_experts
     assert idle[0] == 0 and idle[1] >= 4, "the sparse step leaves experts without any token"
@@ -109,15 +132,27 @@ def test_fla_cache_is_consulted_in_every_mode_as_configured(qwen3_5_moe):
     assert modes["isolated"].cache["miss"] > modes["no-ac"].cache["miss"]
 
 
+#: EP=1 vs EP=2 over the same global batch: another token grouping in torchtitan's grouped GEMMs (which run in
+#: bfloat16) and another order of the gradient sums, so equal up to rounding. Measured on one AMD EPYC with
+#: torch's AVX-512, AVX2 and SSE4 code paths (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA / MKL_ENABLE_INSTRUCTIONS),
+#: 1 and 2 threads: losses within 5.0e-7 relative at every step, the step-0 gradient norm within 7.5e-8. The
+#: bounds give 20x and 13x margin. Gradient norms after step 0 are not compared: AdamW's first update is about
+#: lr * sign(grad), so a near-zero component whose sign differs by rounding moves by 2 lr in one run only
+#: (measured step-1 norm differences 1.2e-5 to 1.35e-4: 86.33199 vs 86.32034 on the AVX2 path), as
+#: fla_ac_isolation.regression.cp_report explains for CP.
+EP1_LOSS_RTOL = 1e-5
+EP1_STEP0_GRAD_NORM_RTOL = 1e-6
+
+
 def test_ep1_over_the_same_global_batch_matches_ep2(qwen3_5_moe):
     ep1 = run_regression(RegressionSpec(model="qwen3_5_moe", ep=1, data_ranks=2, steps=3, modes=("no-ac",)))
     ep2 = qwen3_5_moe.modes["no-ac"]
     got = ep1.modes["no-ac"]
     assert got.error is None, got.traceback
     for a, b in zip(got.losses, ep2.losses, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b)
-    for a, b in zip(got.grad_norms, ep2.grad_norms, strict=True):
-        assert abs(a - b) <= 1e-4 * abs(b)
+        assert abs(a - b) <= EP1_LOSS_RTOL * abs(b)
+    assert len(got.grad_norms) == len(ep2.grad_norms) == 3
+    assert abs(got.grad_norms[0] - ep2.grad_norms[0]) <= EP1_STEP0_GRAD_NORM_RTOL * ep2.grad_norms[0]
 
 
 def test_one_failing_rank_ends_all_ranks_within_seconds():

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 from helpers import UNSWAPPED_QWEN_UNDER_SAC, load_script
+from page_output import assert_printed_as_on_page
 
 pytest.importorskip("transformers")
 
@@ -30,6 +31,8 @@ def test_example_fails_without_swap_and_matches_with_it(hf_swap, capsys):
     assert swapped["max_grad_diff"] == 0.0
     out = capsys.readouterr().out
     assert "without swap_mixers" in out and "SAC == no AC, bit for bit" in out
+    # transformers' fallback warning goes to stderr (the page shows it where a terminal does)
+    assert_printed_as_on_page(out, "docs/swap.md", "$ python examples/hf_swap.py", skip=("[transformers]",))
 
 
 def test_example_size_flags(hf_swap):

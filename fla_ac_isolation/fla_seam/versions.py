@@ -1,7 +1,8 @@
 """Version facts about the installed FLA: its version, the range this package is tested with, its guards.
 
 * :func:`fla_version` - the installed fla-core (or flash-linear-attention) version, or ``None``.
-* :data:`TESTED` - the fla-core range the project's tests run (also the install requirement).
+* :func:`tested_range` - the fla-core range the project's tests run: the install requirement, read from the
+  installed metadata (``pyproject.toml`` writes it once).
 * :func:`hopper_gdn_guard_active` - whether FLA 0.5.2+ refuses the gated ``chunk_bwd_dqkwg`` backward
   (gated delta rule, simple GLA) on this machine: Hopper GPUs with Triton >= 3.4 and < 3.7.1 (FLA issue
   #640, ``fla/ops/common/chunk_o.py``). Test harnesses may lift it (:mod:`fla_ac_isolation.testing.gpu`);
@@ -13,11 +14,27 @@ Nothing here imports FLA at import time.
 from __future__ import annotations
 
 import importlib.metadata
+import re
 
-__all__ = ["TESTED", "fla_version", "hopper_gdn_guard_active"]
+__all__ = ["fla_version", "hopper_gdn_guard_active", "tested_range"]
 
-TESTED = ">=0.6,<0.7"
-"""fla-core versions this package is tested with (``pyproject.toml`` pins the same range)."""
+
+def tested_range() -> str:
+    """The fla-core range this package is tested with and requires (``"<0.7,>=0.6"``), from its installed metadata.
+
+    ``pyproject.toml`` writes the range once, as the ``fla-core`` requirement; this reads it back, so the
+    report and the requirement cannot disagree. ``"unknown (...)"`` when fla-ac-isolation's metadata is
+    missing (the source tree imported without an install).
+    """
+    try:
+        requirements = importlib.metadata.requires("fla-ac-isolation") or []
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (fla-ac-isolation is not installed)"
+    for requirement in requirements:
+        match = re.fullmatch(r"fla-core\s*([^;]*?)\s*(;.*)?", requirement.strip())
+        if match:
+            return match.group(1) or "any"
+    return "unknown (no fla-core requirement in fla-ac-isolation's metadata)"
 
 
 def fla_version() -> str | None:

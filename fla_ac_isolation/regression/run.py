@@ -8,11 +8,9 @@ The ranks come from :mod:`.launch` (worker processes started here, one launch pe
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
-import torch
-
+from fla_ac_isolation.environment import versions
 from fla_ac_isolation.regression.data import cp_padding_note
 from fla_ac_isolation.regression.launch import run_spawned
 from fla_ac_isolation.regression.spec import RegressionResult, RegressionSpec
@@ -48,17 +46,7 @@ def run_regression(
     spec.validate()
     spawned = not under_torchrun()
     result = run_spawned(spec, on_step, on_rank_start) if spawned else run_under_torchrun(spec, on_step)
-    result.environment = _environment()
+    result.environment = versions()
     if spec.cp > 1 and (note := cp_padding_note(spec.cp, spec.cp_layout)) is not None:
         result.notes.append(note)
     return result
-
-
-def _environment() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    env = {"torch": torch.__version__}
-    for dist_name in ("fla-core", "flash-linear-attention", "torchtitan", "transformers", "triton"):
-        with contextlib.suppress(PackageNotFoundError):
-            env[dist_name] = version(dist_name)
-    return env

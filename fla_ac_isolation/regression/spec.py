@@ -104,6 +104,7 @@ class RegressionSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self._validate_degrees()  # how the ranks are laid out comes before what must divide by them
         self._validate_width()
         if self.ac not in ("full", "selective"):
             raise ValueError(f"ac must be 'full' or 'selective', got {self.ac!r}")
@@ -166,16 +167,19 @@ class RegressionSpec:
                 f"0 <= rank < {self.world} (the ranks), got {self.fail_on!r}"
             )
 
+    def _validate_degrees(self) -> None:
+        """The parallel degrees' rules among themselves (checked before any size that must divide by them)."""
+        if self.cp > 1 and self.ep not in (1, self.cp):
+            raise ValueError(
+                f"ep ({self.ep}) must be 1 or equal cp ({self.cp}): the EP ranks are borrowed from the {self.cp} "
+                "CP ranks (one process per CP rank)"
+            )
+
     def _validate_cp(self) -> None:
         if self.cp_layout not in LAYOUTS:
             raise ValueError(f"cp_layout must be one of {LAYOUTS}, got {self.cp_layout!r}")
         if self.cp == 1:
             return
-        if self.ep not in (1, self.cp):
-            raise ValueError(
-                f"ep ({self.ep}) must be 1 or equal cp ({self.cp}): the EP ranks are borrowed from the {self.cp} "
-                "CP ranks (one process per CP rank)"
-            )
         runs_reference = self.backend == "reference" or (self.backend, self.device) == ("auto", "cpu")
         if self._fla_cp and runs_reference:
             raise ValueError(

@@ -1,0 +1,157 @@
+"""The one environment report: installed versions, device, FLA's cache state, torch's SAC replay semantics, and
+the features the installed torch lacks.
+
+Read by ``fla-ac-isolation doctor`` (as a table), by the regression (:attr:`RegressionResult.environment`) and
+by the benchmarks (their JSON files). Nothing here renders; everything returns plain data.
+
+* :func:`versions` - ``{distribution: version}`` of torch and the libraries the checks run on.
+* :func:`torch_features` - what each known feature needs from torch, and whether this torch has it.
+* :func:`sac_replay_semantics` - ``"(op, index)"`` (torch >= 2.13) or ``"per-op FIFO"`` (2.11/2.12).
+* :func:`environment_report` - all of the above, with the device and FLA's cache state, as ``{label: text}``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import platform
+from dataclasses import dataclass
+
+import torch
+
+from fla_ac_isolation.fla_seam import cache
+from fla_ac_isolation.fla_seam import versions as fla_versions
+
+__all__ = [
+    "DISTRIBUTIONS",
+    "TorchFeature",
+    "environment_report",
+    "missing_torch_features",
+    "sac_replay_semantics",
+    "torch_features",
+    "versions",
+]
+
+DISTRIBUTIONS: tuple[str, ...] = (
+    "fla-core", "flash-linear-attention", "triton", "transformers", "torchtitan", "ai2-olmo-core",
+)
+"""The distributions whose versions every report carries (besides torch)."""
+
+
+@dataclass(frozen=True)
+class TorchFeature:
+    """A feature of this package (or of a library it drives) that needs something of torch.
+
+    Attributes:
+        name: what the user loses without it (``"torchtitan's Qwen3.5 model"``).
+        needs: the torch attribute it needs, ``"module:attribute"``.
+        seen_in: the torch versions it was seen in and missing from (measured, not guessed).
+        workaround: what this package does when it is missing (``None``: the feature is unavailable).
+    """
+
+    name: str
+    needs: str
+    seen_in: str
+    workaround: str | None = None
+
+    @property
+    def available(self) -> bool:
+        """The installed torch has :attr:`needs`."""
+        module, _, attribute = self.needs.partition(":")
+        try:
+            return hasattr(importlib.import_module(module), attribute)
+        except ImportError:
+            return False
+
+    def reason(self) -> str:
+        """One line naming the installed torch, what it lacks and where that was seen."""
+        module, _, attribute = self.needs.partition(":")
+        return f"torch {torch.__version__} lacks {module}.{attribute}, which {self.name} needs ({self.seen_in})"
+
+
+TORCH_FEATURES: tuple[TorchFeature, ...] = (
+    TorchFeature(
+        "torchtitan 0.3's Qwen3.5 model (torchtitan.models.qwen3_5; examples/torchtitan_qwen3_5.py)",
+        "torch.distributed.fsdp:DataParallelMeshDims",
+        "present in torch 2.13, missing in 2.11",
+    ),
+    TorchFeature(
+        "torchtitan 0.3's EP token dispatcher",
+        "torch.compiler:_is_non_strict_tracing",
+        "present in torch 2.13, missing in 2.11",
+        workaround="the regression defines it (returning False) in its rank processes and says so in its notes",
+    ),
+)
+"""Every torch feature gap this package knows of."""
+
+
+def torch_features() -> tuple[TorchFeature, ...]:
+    """Every known feature with what it needs (:data:`TORCH_FEATURES`); ``.available`` asks this torch."""
+    return TORCH_FEATURES
+
+
+def missing_torch_features() -> list[TorchFeature]:
+    """The known features the installed torch lacks."""
+    return [f for f in TORCH_FEATURES if not f.available]
+
+
+def sac_replay_semantics() -> str:
+    """How this torch's selective AC hands saved outputs back during a recompute.
+
+    Returns ``"(op, index)"`` when saved outputs are looked up by op and invocation index (torch >= 2.13)
+    or ``"per-op FIFO"`` when each op has a queue that the recompute pops (torch 2.11/2.12). Both shift
+    when a recompute skips or adds an op.
+    """
+    import inspect
+
+    from torch.utils.checkpoint import _CachedTorchDispatchMode
+
+    source = inspect.getsource(_CachedTorchDispatchMode.__torch_dispatch__)
+    return "(op, index)" if "func_counter" in source else "per-op FIFO"
+
+
+def versions() -> dict[str, str]:
+    """``{"torch": ..., distribution: version}`` for the installed ones of :data:`DISTRIBUTIONS`."""
+    out = {"torch": torch.__version__}
+    for dist in DISTRIBUTIONS:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    return "cpu (no CUDA device)"
+
+
+def environment_report() -> dict[str, str]:
+    """Versions, device, SAC replay semantics, torch feature gaps and FLA's cache state, as ``{label: text}``."""
+    installed = versions()
+    shown = {
+        "python": platform.python_version(),
+        "torch": installed["torch"],
+        "fla (fla-core)": f"{fla_versions.fla_version() or 'not installed'} (tested: {fla_versions.tested_range()})",
+        "flash-linear-attention (fla.layers, fla.models)": installed.get("flash-linear-attention", "not installed"),
+        "triton": installed.get("triton", "not installed"),
+        "transformers": installed.get("transformers", "not installed"),
+        "torchtitan": installed.get("torchtitan", "not installed"),
+        "OLMo-core (ai2-olmo-core)": installed.get("ai2-olmo-core", "not installed"),
+        "device": _device(),
+        "SAC replay semantics": sac_replay_semantics(),
+    }
+    for feature in TORCH_FEATURES:
+        if not feature.available:
+            shown[f"missing: {feature.name}"] = feature.reason() + (
+                f"; {feature.workaround}" if feature.workaround else "")
+    if not missing_torch_features():
+        shown["torch features"] = f"all {len(TORCH_FEATURES)} known features present"
+    try:
+        shown["FLA tensor cache"] = "enabled" if cache.cache_enabled() else "DISABLED (global)"
+        shown["FLA tensor cache size"] = str(cache.cache_size())
+        shown["FLA cached helpers"] = str(len(cache.cached_helpers()))
+    except ImportError as e:  # fla missing or broken
+        shown["FLA tensor cache"] = f"unavailable ({e})"
+    return shown
