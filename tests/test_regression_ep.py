@@ -3,7 +3,7 @@
 Per family: ``isolated`` and ``global-disable`` equal ``no-ac`` bit for bit (losses and every gradient on
 every rank, every step), the unsafe ``shared`` mode fails or matches exactly as predicted for the field
 policy used, and one failing rank ends the mode within seconds. EP=1 over the same global batch gives the
-EP=2 losses within 1e-5 relative at every step and the step-0 gradient norm within 1e-6 (``EP1_*``: where
+EP=2 losses within 2e-5 relative at every step and the step-0 gradient norm within 3e-6 (``EP1_*``: where
 the bounds come from).
 
 Which policy exposes the shared path on CPU: ``save-all-copies`` (every ``aten._to_copy`` saved). In a
@@ -90,10 +90,11 @@ def test_nemotron_h_shared_mode_fails_in_bfloat16():
     assert result.modes["isolated"].grad_diffs == [0.0]
 
 
-#: The README's main job and docs/regression.md show this run. Its losses and gradient norms are checked to 3
-#: significant digits: after AdamW's first step they vary across CPUs in the 4th (the step-1 norm 86.3198 on
-#: the AVX-512 path, 86.3203 on AVX2, 86.3513 on SSE4; see EP1_* below), which the page says.
-MAIN_JOB_PAGE_DIGITS = 3
+#: The README's main job and docs/regression.md show this run. Its losses and gradient norms are checked to 2
+#: significant digits: after AdamW's first step they vary across CPUs from the 3rd or 4th on (the step-1 norm
+#: is 86.3198 on torch's AVX-512 path, 86.3203 on AVX2, 86.3513 on SSE4, see EP1_* below; the step-1 loss
+#: 5.67482758 / 5.67483759), which the page says.
+MAIN_JOB_PAGE_DIGITS = 2
 MAIN_JOB_VERDICTS = "       isolated: PASS  matches (bit for bit)"
 
 
@@ -135,13 +136,13 @@ def test_fla_cache_is_consulted_in_every_mode_as_configured(qwen3_5_moe):
 #: EP=1 vs EP=2 over the same global batch: another token grouping in torchtitan's grouped GEMMs (which run in
 #: bfloat16) and another order of the gradient sums, so equal up to rounding. Measured on one AMD EPYC with
 #: torch's AVX-512, AVX2 and SSE4 code paths (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA / MKL_ENABLE_INSTRUCTIONS),
-#: 1 and 2 threads: losses within 5.0e-7 relative at every step, the step-0 gradient norm within 7.5e-8. The
-#: bounds give 20x and 13x margin. Gradient norms after step 0 are not compared: AdamW's first update is about
-#: lr * sign(grad), so a near-zero component whose sign differs by rounding moves by 2 lr in one run only
-#: (measured step-1 norm differences 1.2e-5 to 1.35e-4: 86.33199 vs 86.32034 on the AVX2 path), as
-#: fla_ac_isolation.regression.cp_report explains for CP.
-EP1_LOSS_RTOL = 1e-5
-EP1_STEP0_GRAD_NORM_RTOL = 1e-6
+#: oneDNN off, 1 and 2 threads: losses within 1.2e-6 relative at every step, the step-0 gradient norm within
+#: 2.2e-7. The bounds give 16x and 13x margin. Gradient norms after step 0 are not compared: AdamW's first
+#: update is about lr * sign(grad), so a near-zero component whose sign differs by rounding moves by 2 lr in
+#: one run only (measured step-1 norm differences 1.2e-5 to 1.6e-4: 86.33199 vs 86.32034 on the AVX2 path),
+#: as fla_ac_isolation.regression.cp_report explains for CP.
+EP1_LOSS_RTOL = 2e-5
+EP1_STEP0_GRAD_NORM_RTOL = 3e-6
 
 
 def test_ep1_over_the_same_global_batch_matches_ep2(qwen3_5_moe):

@@ -32,7 +32,9 @@ def test_example_fails_without_swap_and_matches_with_it(hf_swap, capsys):
     out = capsys.readouterr().out
     assert "without swap_mixers" in out and "SAC == no AC, bit for bit" in out
     # transformers' fallback warning goes to stderr (the page shows it where a terminal does)
-    assert_printed_as_on_page(out, "docs/swap.md", "$ python examples/hf_swap.py", skip=("[transformers]",))
+    # the losses' 7th digit varies across CPUs (5.563953 on AVX-512, 5.563952 on SSE4): the page says 6 are checked
+    assert_printed_as_on_page(out, "docs/swap.md", "$ python examples/hf_swap.py", skip=("[transformers]",),
+                              significant=6)
 
 
 def test_example_size_flags(hf_swap):
