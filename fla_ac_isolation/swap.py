@@ -241,7 +241,7 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    from fla_ac_isolation.ops import check_backend
+    from fla_ac_isolation.ops.backend import check_backend
 
     check_backend(backend)
     ours = tuple({family.mixer_class(upstream) for upstream, family in upstream_mixers()})
