@@ -2,12 +2,15 @@
 
 Public names:
 
-* :class:`LayerLocalSeqlens` / :class:`LocalSeqlens` - per-layer ``cu_seqlens`` isolation (``seqlens``).
+* :class:`LayerLocalSeqlens` (``seqlens``) / :class:`LocalSeqlens` (``local_seqlens``) - per-layer
+  ``cu_seqlens`` isolation.
 * :func:`tensor_cache_disabled`, :func:`probe_tensor_cache` - FLA's cache seam (``fla_cache``).
 * :mod:`fla_ac_isolation.policies` - SAC policies from the field and :func:`checkpoint_layers`.
 
-Further names (mixers, ``swap_mixers``, ``isolate_seqlens``, ``ReplayAudit``) are imported lazily so that ``import
-fla_ac_isolation`` stays light.
+Further names are imported lazily (on first access) so that ``import fla_ac_isolation`` stays light; they
+are listed by ``dir(fla_ac_isolation)`` and ``__all__``: ``ReplayAudit`` and ``ReplayDivergenceError``
+(``audit``), ``CPConfig`` (``parallel``), ``swap_mixers`` / ``restore_mixers`` (``swap``),
+``isolate_seqlens`` / ``IsolationHandle`` (``isolate``) and the drop-in mixers (``mixers``).
 """
 
 from __future__ import annotations
@@ -16,17 +19,21 @@ import importlib
 from typing import Any
 
 from fla_ac_isolation.fla_cache import probe_tensor_cache, tensor_cache_disabled
+from fla_ac_isolation.local_seqlens import LocalSeqlens
 from fla_ac_isolation.policies import checkpoint_layers
-from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens
+from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __version__ = "0.2.0"
 
 # name -> module that defines it; resolved on first access (PEP 562)
 _LAZY = {
+    "CPConfig": "fla_ac_isolation.parallel",
     "ReplayAudit": "fla_ac_isolation.audit",
+    "ReplayDivergenceError": "fla_ac_isolation.audit",
     "swap_mixers": "fla_ac_isolation.swap",
     "restore_mixers": "fla_ac_isolation.swap",
     "isolate_seqlens": "fla_ac_isolation.isolate",
+    "IsolationHandle": "fla_ac_isolation.isolate",
     "Qwen3_5MoeGatedDeltaNet": "fla_ac_isolation.mixers",
     "Qwen3_8FlashNextGatedDeltaNet": "fla_ac_isolation.mixers",
     "NemotronHMamba2Mixer": "fla_ac_isolation.mixers",
@@ -46,3 +53,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fla_ac_isolation' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -7,8 +7,8 @@ checkpointed layer can miss FLA's identity-keyed index cache in its forward and 
 LayerLocalSeqlens.local` step in front of each such mixer's own call: a forward pre-hook (with kwargs) on the
 mixer replaces every offsets argument by a fresh copy with the same values. The hook runs inside the
 mixer's call, so inside whatever region checkpoints it (the block, or the mixer itself), in the forward and
-again in the recompute; the copy (``seqlens._fresh``) is invisible to dispatch modes (SAC, the audit) and
-to ``torch.compile``. The model keeps its modules, weights and kernels.
+again in the recompute; the copy (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`) is invisible to
+dispatch modes (SAC, the audit) and to ``torch.compile``. The model keeps its modules, weights and kernels.
 
 Which mixers and arguments: :data:`~fla_ac_isolation.families.FLA_BACKED_MIXERS` (matched by module and
 class name along the class hierarchy, so FSDP2's renamed ``FSDP<Name>`` classes are found), or the modules a
@@ -36,7 +36,8 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fla_ac_isolation.families import FLA_BACKED_MIXERS, UpstreamMixer, upstream_mixers
-from fla_ac_isolation.seqlens import LayerLocalSeqlens, _fresh
+from fla_ac_isolation.local_seqlens import fresh_copy
+from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["IsolationHandle", "PartialIsolationWarning", "isolate_seqlens"]
 
@@ -88,8 +89,8 @@ def _is_offsets(value: Any) -> bool:
 
 
 def _fresh_offsets(t: torch.Tensor) -> torch.Tensor:
-    """``_fresh(t)``, keeping ``torch.compile``'s dynamic-shape marking (OLMo-core marks ``cu_doc_lens``)."""
-    fresh = _fresh(t)
+    """``fresh_copy(t)``, keeping ``torch.compile``'s dynamic-shape marking (OLMo-core marks ``cu_doc_lens``)."""
+    fresh = fresh_copy(t)
     dynamic = getattr(t, "_dynamo_dynamic_indices", None)
     if dynamic:
         fresh._dynamo_dynamic_indices = set(dynamic)
@@ -331,7 +332,8 @@ def isolate_seqlens(
     ``apply_activation_checkpointing``, transformers' ``gradient_checkpointing_enable``, torchtitan's AC),
     ``torch.compile`` (``module.compile()``, ``torch.compile(model)``) and FSDP2 (``fully_shard``) does not
     matter. The offsets arguments are replaced per call by copies with equal values that no dispatch mode
-    sees (``seqlens._fresh``), so a layer's forward and its recompute both start with an FLA cache miss.
+    sees (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`), so a layer's forward and its recompute both
+    start with an FLA cache miss.
 
     Known mixers (:data:`~fla_ac_isolation.families.FLA_BACKED_MIXERS`, matched along the class hierarchy)
     and the arguments refreshed:

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from fla_ac_isolation.op_names import SAVEABLE_OP_NAMES
+
 __all__ = [
     "POLICIES",
     "any_of",
@@ -166,11 +168,7 @@ class _AnyOf:
         return self.__name__
 
 
-FLA_OP_NAMES: tuple[str, ...] = ("gated_delta_rule", "causal_conv1d", "ssd")
-"""The operations :func:`save_fla_ops` can save (``ops.SAVEABLE_OPS``' keys)."""
-
-
-def save_fla_ops(ops: Sequence[str] = FLA_OP_NAMES) -> Policy:
+def save_fla_ops(ops: Sequence[str] = SAVEABLE_OP_NAMES) -> Policy:
     """MUST_SAVE the outputs of the named FLA operations, on both backends; recompute everything else.
 
     Only calls made with ``saveable=True`` (:mod:`fla_ac_isolation.ops`, the mixers' ``saveable``) are
@@ -189,20 +187,20 @@ def save_fla_ops(ops: Sequence[str] = FLA_OP_NAMES) -> Policy:
     the sizes per layer and the trade per operation.
 
     Args:
-        ops: names among :data:`FLA_OP_NAMES`; default all three.
+        ops: names among :data:`~fla_ac_isolation.op_names.SAVEABLE_OP_NAMES`; default all of them.
 
     Raises:
         TypeError: ``ops`` is a single string, not iterable (``None``), or holds non-strings.
         ValueError: ``ops`` is empty or names an unknown operation (the message lists the valid names).
     """
     if isinstance(ops, (str, bytes)) or not isinstance(ops, Iterable):
-        raise TypeError(f"ops must be a sequence of operation names such as {FLA_OP_NAMES}, got {ops!r}")
+        raise TypeError(f"ops must be a sequence of operation names such as {SAVEABLE_OP_NAMES}, got {ops!r}")
     ops = tuple(ops)  # once: a generator would be used up by the checks below
     if not all(isinstance(name, str) for name in ops):
-        raise TypeError(f"ops must be a sequence of operation names such as {FLA_OP_NAMES}, got {ops!r}")
-    unknown = [name for name in ops if name not in FLA_OP_NAMES]
+        raise TypeError(f"ops must be a sequence of operation names such as {SAVEABLE_OP_NAMES}, got {ops!r}")
+    unknown = [name for name in ops if name not in SAVEABLE_OP_NAMES]
     if unknown or not ops:
-        raise ValueError(f"ops must name one or more of {FLA_OP_NAMES}, got {tuple(ops)!r}")
+        raise ValueError(f"ops must name one or more of {SAVEABLE_OP_NAMES}, got {tuple(ops)!r}")
     from fla_ac_isolation.ops import SAVEABLE_OPS  # registers the custom operators on first use
 
     wanted = frozenset(overload for name in ops for overload in SAVEABLE_OPS[name])

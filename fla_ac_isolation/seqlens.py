@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
+from fla_ac_isolation.cp_interface import check_cp_argument
 from fla_ac_isolation.fla_seam.layout import chunk_indices_for
+from fla_ac_isolation.local_seqlens import LocalSeqlens, fresh_copy, host_to_device
 from fla_ac_isolation.offsets import (
     INDEX_DTYPES,
     check_available,
@@ -39,61 +40,10 @@ from fla_ac_isolation.offsets import (
 )
 
 if TYPE_CHECKING:
+    from fla_ac_isolation.cp_interface import CPBatchSeqlens
     from fla_ac_isolation.parallel.config import CPConfig
 
-__all__ = ["LayerLocalSeqlens", "LocalSeqlens", "devices_match"]
-
-
-
-
-class LocalSeqlens(NamedTuple):
-    """What one layer sees: fresh tensors, equal in value to the model-level ones.
-
-    Attributes:
-        cu_seqlens: ``[N + 1]`` int32/int64 offsets, on the activations' device; a new object per call.
-        cu_seqlens_cpu: ``[N + 1]`` host copy of the offsets (a new object per call). ``None`` only from
-            :class:`~fla_ac_isolation.modes.SharedSeqlens` built without host offsets.
-        max_seqlen: length of the longest document, in tokens.
-        chunk_indices: ``[NT, 2]`` rows ``(document, chunk within the document)`` of FLA's
-            :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`-token chunks, dtype of ``cu_seqlens``, on its
-            device (a new object per call); FLA's ``chunk_indices`` argument, so the kernel skips
-            ``prepare_chunk_indices`` and its host-to-device copy. ``None`` when the
-            :class:`LayerLocalSeqlens` was built with
-            ``chunk_indices=False`` and from :class:`~fla_ac_isolation.modes.SharedSeqlens`.
-        cp_context: under context parallelism (``LayerLocalSeqlens(..., cp=...)``), FLA's ``FLACPContext``
-            for this layer, holding the very ``cu_seqlens``/``cu_seqlens_cpu`` objects above (then the
-            RANK-LOCAL int32 offsets, ``max_seqlen`` the longest local piece and ``chunk_indices`` the
-            local schedule); pass it to FLA's CP-aware conv and gated delta rule. ``None`` without CP.
-    """
-
-    cu_seqlens: torch.Tensor
-    cu_seqlens_cpu: torch.Tensor | None
-    max_seqlen: int
-    chunk_indices: torch.Tensor | None = None
-    cp_context: Any = None
-
-
-@torch.compiler.disable
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    """Return a copy of ``t`` that no dispatch mode (SAC, audit, ...) ever sees.
-
-    Hiding the copy from ``TorchDispatchMode`` stacks matters: a SAC policy that saves ``aten.clone`` (or
-    ``alias``/``_to_copy``) would otherwise hand the recompute the very tensor object that the forward
-    produced, and FLA's identity cache would hit in the recompute after missing in the forward. The copy
-    is also kept out of ``torch.compile`` graphs so that each call yields a new object. Integer offset
-    tensors never require grad, so nothing is lost for autograd.
-    """
-    with _disable_current_modes(), torch.no_grad():
-        return t.clone()
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor to ``device`` without blocking the host (pinned staging on CUDA)."""
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+__all__ = ["LayerLocalSeqlens", "devices_match"]
 
 
 def devices_match(actual: torch.device, expected: torch.device) -> bool:
@@ -197,9 +147,7 @@ class LayerLocalSeqlens:
     ) -> None:
         check_index_tensor(cu_seqlens, "cu_seqlens")
         if cp is not None:
-            from fla_ac_isolation.parallel.seqlens_cp import check_cp_arguments
-
-            check_cp_arguments(cp, cu_seqlens, cu_seqlens_cpu)
+            check_cp_argument(cp, cu_seqlens, cu_seqlens_cpu)
         if not isinstance(chunk_indices, bool):
             raise TypeError(f"chunk_indices must be a bool (precompute FLA's chunk schedule), got {chunk_indices!r}")
         if device is not None and not devices_match(cu_seqlens.device, parse_device(device)):
@@ -236,13 +184,12 @@ class LayerLocalSeqlens:
         self.num_tokens: int = offsets[-1]
         self.num_seqs: int = len(lens)
         self._chunk_indices = (
-            _to_device(chunk_indices_for(offsets).to(own.dtype), own.device) if chunk_indices else None
+            host_to_device(chunk_indices_for(offsets).to(own.dtype), own.device) if chunk_indices else None
         )
-        self._cp = None
-        if cp is not None:
-            from fla_ac_isolation.parallel.seqlens_cp import CPSeqlens
-
-            self._cp = CPSeqlens(cp, host, cu_seqlens.device, chunk_indices=chunk_indices)
+        # under CP, the per-batch part comes from the CP object itself (parallel/ sits above this module)
+        self._cp: CPBatchSeqlens | None = (
+            None if cp is None else cp.batch_seqlens(host, cu_seqlens.device, chunk_indices=chunk_indices)
+        )
 
     # ----------------------------------------------------------------------------------------- builders
     @classmethod
@@ -356,8 +303,10 @@ class LayerLocalSeqlens:
         """
         if self._cp is not None and not whole_batch:
             return self._cp.local()
-        chunk_indices = _fresh(self._chunk_indices) if self._chunk_indices is not None else None
-        return LocalSeqlens(_fresh(self._cu_seqlens), _fresh(self._cu_seqlens_cpu), self.max_seqlen, chunk_indices)
+        chunk_indices = fresh_copy(self._chunk_indices) if self._chunk_indices is not None else None
+        return LocalSeqlens(
+            fresh_copy(self._cu_seqlens), fresh_copy(self._cu_seqlens_cpu), self.max_seqlen, chunk_indices
+        )
 
     def check_tokens(self, num_tokens: int, name: str = "hidden_states") -> None:
         """Reject a batch whose packed token count differs from ``cu_seqlens[-1]`` (under CP: ``T / W``).
@@ -365,14 +314,9 @@ class LayerLocalSeqlens:
         Raises:
             ValueError: naming ``name`` and ``cu_seqlens`` when ``num_tokens != cu_seqlens[-1]``.
         """
-        if self._cp is not None and num_tokens != self._cp.num_tokens:
-            cp = self._cp.config
-            raise ValueError(
-                f"{name} has {num_tokens} packed tokens but CP rank {cp.rank} of {cp.world_size} holds "
-                f"{self._cp.num_tokens} of the cu_seqlens[-1] = {self.num_tokens} tokens ({cp.layout} layout): "
-                "shard the batch with fla_ac_isolation.parallel.shard_packed_batch"
-            )
-        if self._cp is None and num_tokens != self.num_tokens:
+        if self._cp is not None:
+            self._cp.check_tokens(num_tokens, name, self.num_tokens)
+        elif num_tokens != self.num_tokens:
             raise ValueError(
                 f"{name} has {num_tokens} packed tokens but cu_seqlens[-1] = {self.num_tokens}: "
                 "the offsets must describe exactly the tokens of this batch"

@@ -20,8 +20,9 @@ OLMo-core ``recurrent.NemotronMamba2Mixer``            ``OlmoNemotronMamba2Mixer
 
 OLMo-core's Mamba2 has no config object: the replacement reads its configuration from the module's
 attributes (``OlmoNemotronMamba2Mixer.config_from``), and its ``init_weights`` runs OLMo-core's own
-initialisation on the shared tensors (:func:`lent_to_original`). OLMo-core's ``GatedDeltaNet`` and
-``KimiDeltaAttention`` are not swapped: their own code already keeps documents apart, and
+initialisation on the shared tensors (:func:`~fla_ac_isolation.mixers.lending.lent_to_original`).
+OLMo-core's ``GatedDeltaNet`` and ``KimiDeltaAttention`` are not swapped: their own code already keeps
+documents apart, and
 :func:`~fla_ac_isolation.isolate_seqlens` removes their only fault (shared offsets) in place.
 
 How a swap works. The replacement is constructed on the ``meta`` device (nothing is allocated or
@@ -41,21 +42,23 @@ and one whose parameters were renamed (e.g. LoRA's ``base_layer``) no longer mat
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from fla_ac_isolation.families import Family, UpstreamMixer, upstream_mixers
+from fla_ac_isolation.mixers.lending import (
+    keep_original,
+    original_of,
+    release_original,
+    share_tensors,
+    strip_tensors,
+)
+from fla_ac_isolation.ops.backend import check_backend
 
-__all__ = ["SUPPORTED_MIXERS", "lent_to_original", "restore_mixers", "swap_mixers"]
-
-# Attribute (in the replacement's __dict__, so not a registered submodule) holding the stripped original.
-_ORIGINAL_ATTR = "_fla_ac_original"
-
+__all__ = ["SUPPORTED_MIXERS", "restore_mixers", "swap_mixers"]
 
 SUPPORTED_MIXERS: tuple[UpstreamMixer, ...] = tuple(upstream for upstream, _ in upstream_mixers())
 """Upstream mixer classes :func:`swap_mixers` replaces (matched by module and class name).
@@ -123,60 +126,6 @@ def _check_swappable(path: str, mixer: nn.Module) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------- tensor slots
-def _slots(module: nn.Module) -> dict[str, tuple[nn.Module, str, str]]:
-    """``{qualified name: (owning module, local name, kind)}`` for every tensor slot of ``module``.
-
-    ``kind`` is ``"param"``, ``"buffer"`` or ``"buffer (non-persistent)"``; slots holding ``None`` count.
-    """
-    slots: dict[str, tuple[nn.Module, str, str]] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for local in sub._parameters:
-            slots[f"{prefix}.{local}" if prefix else local] = (sub, local, "param")
-        for local in sub._buffers:
-            kind = "buffer (non-persistent)" if local in sub._non_persistent_buffers_set else "buffer"
-            slots[f"{prefix}.{local}" if prefix else local] = (sub, local, kind)
-    return slots
-
-
-def _table(owner: nn.Module, kind: str) -> dict[str, Any]:
-    return owner._parameters if kind == "param" else owner._buffers
-
-
-def _share_tensors(src: nn.Module, dst: nn.Module, what: str) -> None:
-    """Point every parameter/buffer slot of ``dst`` at the tensor object of the same name in ``src``.
-
-    Raises:
-        RuntimeError: the two modules do not declare the same parameters and buffers (names, kinds,
-            shapes), so the replacement would not be a drop-in: its ``state_dict()`` would differ.
-    """
-    src_slots, dst_slots = _slots(src), _slots(dst)
-    if set(src_slots) != set(dst_slots):
-        raise RuntimeError(
-            f"{what}: {type(dst).__name__} does not declare the tensors of {type(src).__name__} "
-            f"(missing {sorted(set(src_slots) - set(dst_slots))}, extra {sorted(set(dst_slots) - set(src_slots))}); "
-            "a drop-in must keep upstream names"
-        )
-    for name, (owner, local, kind) in dst_slots.items():
-        src_owner, src_local, src_kind = src_slots[name]
-        if kind != src_kind:
-            raise RuntimeError(f"{what}: {name!r} is a {src_kind} in {type(src).__name__} but a {kind} here")
-        tensor = _table(src_owner, src_kind)[src_local]
-        declared = _table(owner, kind)[local]
-        if tensor is not None and declared is not None and tuple(declared.shape) != tuple(tensor.shape):
-            raise RuntimeError(
-                f"{what}: {name!r} has shape {tuple(tensor.shape)} in {type(src).__name__} but "
-                f"{type(dst).__name__} expects {tuple(declared.shape)} (was it built from another config?)"
-            )
-        _table(owner, kind)[local] = tensor
-
-
-def _strip_tensors(module: nn.Module) -> None:
-    """Drop the module's references to its tensors (kept slots are filled again by a restore)."""
-    for owner, local, kind in _slots(module).values():
-        _table(owner, kind)[local] = None
-
-
 def _install(model: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, leaf = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
@@ -191,7 +140,7 @@ def _build(family: Family, upstream: UpstreamMixer, original: nn.Module, config:
     layer_idx = getattr(original, "layer_idx", None)
     with torch.device("meta"):
         new = cls(config, layer_idx, backend=backend)
-    _share_tensors(original, new, f"swap_mixers({path!r})")
+    share_tensors(original, new, f"swap_mixers({path!r})")
     new.train(original.training)
     return new
 
@@ -241,14 +190,12 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    from fla_ac_isolation.ops import check_backend
-
     check_backend(backend)
     ours = tuple({family.mixer_class(upstream) for upstream, family in upstream_mixers()})
     found: list[tuple[str, nn.Module, Family, UpstreamMixer]] = []
     swapped_before: list[str] = []  # swapped earlier, or built from fla_ac_isolation.mixers directly
     for path, module in model.named_modules():
-        if _ORIGINAL_ATTR in vars(module) or isinstance(module, ours):
+        if original_of(module) is not None or isinstance(module, ours):
             swapped_before.append(path)
             continue
         match = _family_of(module)
@@ -275,33 +222,10 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
         new = _build(family, upstream, original, found_config, backend, path)
         replacements.append((path, original, new))
     for path, original, new in replacements:
-        _strip_tensors(original)
-        vars(new)[_ORIGINAL_ATTR] = original
+        strip_tensors(original)
+        keep_original(new, original)
         _install(model, path, new)
     return [path for path, _, _ in replacements]
-
-
-@contextlib.contextmanager
-def lent_to_original(module: nn.Module) -> Iterator[nn.Module]:
-    """The upstream module a swapped mixer replaced, pointed at the swapped mixer's tensors for the block.
-
-    For upstream code that must run on the swapped mixer's tensors, e.g. OLMo-core's ``init_weights``
-    (``OlmoNemotronMamba2Mixer.init_weights``). The tensors are the same objects (sharded or not); what the
-    block writes into them stays. On exit the upstream module holds no tensors again.
-
-    Raises:
-        RuntimeError: ``module`` was not made by :func:`swap_mixers` (it holds no upstream module).
-    """
-    original = vars(module).get(_ORIGINAL_ATTR)
-    if original is None:
-        raise RuntimeError(
-            f"{type(module).__name__} was not made by swap_mixers: it holds no upstream module to lend its tensors to"
-        )
-    _share_tensors(module, original, f"lent_to_original({type(module).__name__})")
-    try:
-        yield original
-    finally:
-        _strip_tensors(original)
 
 
 def restore_mixers(model: nn.Module) -> list[str]:
@@ -325,18 +249,18 @@ def restore_mixers(model: nn.Module) -> list[str]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if _ORIGINAL_ATTR in vars(model):
+    if original_of(model) is not None:
         raise ValueError(
             "restore_mixers needs the model (or a module) containing the swapped mixer, not the swapped mixer itself"
         )
     restored = []
     for path, module in list(model.named_modules()):
-        original = vars(module).get(_ORIGINAL_ATTR)
+        original = original_of(module)
         if original is None:
             continue
-        _share_tensors(module, original, f"restore_mixers({path!r})")
+        share_tensors(module, original, f"restore_mixers({path!r})")
         original.train(module.training)
-        del vars(module)[_ORIGINAL_ATTR]
+        release_original(module)
         _install(model, path, original)
         restored.append(path)
     if not restored:

@@ -235,8 +235,8 @@ def test_a_second_recompute_is_compared_and_records_hold_no_tensors():
         loss = model(torch.randn(8, 16), seqlens).pow(2).mean()
         loss.backward(retain_graph=True)
         loss.backward()  # full AC recomputes every region again
-    assert [len(r.recomputes) for r in audit._regions] == [2, 2]
+    assert [len(r.recomputes) for r in audit._session.regions] == [2, 2]
     assert audit.ok and all(r.verdict == "aligned" for r in audit.regions)
-    for region in audit._regions:
+    for region in audit._session.regions:
         for p in (region.forward, *region.recomputes):
             assert not any(isinstance(leaf, torch.Tensor) for leaf in _leaves(p.ops))

@@ -280,7 +280,8 @@ def test_the_reference_backend_refuses_cp(backend):
     chosen = "backend='reference'" if backend == "reference" else "backend='auto' (which picks 'reference' for cpu tensors)"
     assert str(info.value) == (
         f"context parallelism needs FLA's CP kernels, but {chosen} has none: the reference backend computes whole "
-        "sequences only; use backend='fla' (CUDA, or a CPU under TRITON_INTERPRET=1 with fla_ac_isolation.testing.cp_shims)"
+        "sequences only; use backend='fla' (CUDA, or a CPU under TRITON_INTERPRET=1 with the seam's interpreter backend "
+        "fla_ac_isolation.fla_seam.interpreter)"
     )
 
 

@@ -58,7 +58,7 @@ def test_isolation_fails_when_local_returns_the_shared_tensor(monkeypatch):
     shared = {}
 
     def shared_local(self):
-        from fla_ac_isolation.seqlens import LocalSeqlens
+        from fla_ac_isolation.local_seqlens import LocalSeqlens
 
         t = shared.setdefault(id(self), self._cu_seqlens)
         return LocalSeqlens(t, None, self.max_seqlen)

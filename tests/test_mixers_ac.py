@@ -75,7 +75,7 @@ def test_same_stack_with_one_shared_cu_seqlens_object_fails_as_predicted(core_fa
 def test_the_fp32_case_fails_when_local_returns_the_shared_tensors(core_family, monkeypatch):
     """Mutation check: with ``.local()`` handing out its stored objects (the precomputed schedule kept, which
     hides the fault from ``save_all_copies`` in the GDN families), the fp32 case no longer matches no-AC."""
-    from fla_ac_isolation.seqlens import LocalSeqlens
+    from fla_ac_isolation.local_seqlens import LocalSeqlens
 
     def shared_local(self):
         return LocalSeqlens(self._cu_seqlens, self._cu_seqlens_cpu, self.max_seqlen, self._chunk_indices)

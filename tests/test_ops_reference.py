@@ -9,7 +9,9 @@ from helpers import PACKED_LENS, split_documents
 
 from fla_ac_isolation import ops
 from fla_ac_isolation.fla_cache import clear_tensor_cache, probe_tensor_cache
+from fla_ac_isolation.op_inputs import discretize_dt
 from fla_ac_isolation.ops import reference
+from fla_ac_isolation.ops.backend import resolve_backend
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -127,7 +129,7 @@ def test_float32_chunked_ssd_stays_accurate_under_strong_decay():
 
 def test_dt_limit_clamps_the_time_step():
     dt = torch.tensor([[[-20.0, 0.0, 20.0]]])
-    clamped = reference.discretize_dt(dt, None, (0.5, 3.0))
+    clamped = discretize_dt(dt, None, (0.5, 3.0))
     assert clamped.flatten().tolist() == pytest.approx([0.5, math.log(2.0), 3.0])
 
 
@@ -191,8 +193,8 @@ def test_inconsistent_helper_metadata_is_reported(monkeypatch):
 
 # -------------------------------------------------------------------------------------- dispatch
 def test_auto_backend_is_reference_on_cpu():
-    assert ops.resolve_backend("auto", torch.zeros(1)) == "reference"
-    assert ops.resolve_backend("fla", torch.zeros(1)) == "fla"
+    assert resolve_backend("auto", torch.zeros(1)) == "reference"
+    assert resolve_backend("fla", torch.zeros(1)) == "fla"
 
 
 def test_unknown_backend_is_rejected():

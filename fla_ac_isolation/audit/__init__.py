@@ -76,8 +76,9 @@ with the audit. Outside checkpointed regions nothing is recorded. A debugging to
 
 from fla_ac_isolation.audit.recorder import ReplayDivergenceError, ReplayDivergenceWarning
 from fla_ac_isolation.audit.records import CacheDifference
-from fla_ac_isolation.audit.replay_audit import OnDivergence, ReplayAudit
+from fla_ac_isolation.audit.replay_audit import ReplayAudit
 from fla_ac_isolation.audit.report import RegionReport
+from fla_ac_isolation.audit.session import OnDivergence
 
 __all__ = [
     "CacheDifference",

@@ -22,7 +22,7 @@ from fla_ac_isolation.audit.records import (
 )
 
 if TYPE_CHECKING:
-    from fla_ac_isolation.audit.replay_audit import ReplayAudit
+    from fla_ac_isolation.audit.session import AuditSession
 
 __all__ = ["PassRecorder", "ReplayDivergenceError", "ReplayDivergenceWarning"]
 
@@ -46,9 +46,9 @@ class PassRecorder(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True  # as SAC: compiled graphs run whole (one inductor_compiled_code op)
 
-    def __init__(self, audit: ReplayAudit, region: Region, kind: str, inner: Any, label_from: Any) -> None:
+    def __init__(self, session: AuditSession, region: Region, kind: str, inner: Any, label_from: Any) -> None:
         super().__init__()
-        self._audit = audit
+        self._session = session
         self._region = region
         self._kind = kind
         self._inner = inner
@@ -56,7 +56,7 @@ class PassRecorder(TorchDispatchMode):
         self._stack: contextlib.ExitStack | None = None
         self._pass: Pass | None = None
         self._forward_ops: list[OpRecord] = []
-        self._ignored = audit._ignored
+        self._ignored = session.ignored
         self._fsdp_depth = 0  # inside FSDP2's own profiler scopes: not recorded (records.scope_change)
 
     # -- lifecycle
@@ -64,8 +64,7 @@ class PassRecorder(TorchDispatchMode):
         stack = contextlib.ExitStack()
         if self._inner is not None:
             stack.enter_context(self._inner)
-        probe = self._audit._probe  # None outside `with ReplayAudit()`: no shared probe, so no FLA telemetry
-        probe_events = None if probe is None else probe.events
+        probe_events = self._session.probe_events()
         self._events_src = probe_events
         self._events_start = len(probe_events) if probe_events is not None else 0
         p = Pass(self._kind)  # type: ignore[arg-type]
@@ -73,9 +72,7 @@ class PassRecorder(TorchDispatchMode):
         region = self._region
         if self._kind == "forward":
             region.forward = p
-            if region.label is None:
-                region.label = self._audit._namer.label_for(self._label_from, self._audit._next_index)
-            self._audit._add_region(region)
+            self._session.add_region(region, self._label_from)
         else:
             if region.forward is None:
                 raise RuntimeError("ReplayAudit: a recompute started for a region whose forward was not recorded")
@@ -158,10 +155,10 @@ class PassRecorder(TorchDispatchMode):
             rec_op = format_op(rec, f"<end of recompute after {i} ops>")
         self._collect_events()
         if rec is not None:
-            p.where = self._audit._namer.where(self._region.label)
+            p.where = self._session.namer.where(self._region.label)
         diffs = implicating_fla(cache_differences(self._region.forward.events, p.events, rec_complete=rec is None))
         p.message = explain(self._region.label, p.where, i, fwd_op, rec_op, list(diffs))
-        mode = self._audit.on_divergence
+        mode = self._session.on_divergence
         if mode == "raise":
             raise ReplayDivergenceError(p.message)
         if mode == "warn":

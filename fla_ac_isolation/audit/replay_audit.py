@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -14,12 +14,17 @@ from fla_ac_isolation.audit.labels import RegionNamer
 from fla_ac_isolation.audit.recorder import PassRecorder
 from fla_ac_isolation.audit.records import Region, ignored_ops
 from fla_ac_isolation.audit.report import RegionReport, region_report, summary_table
+from fla_ac_isolation.audit.session import AuditSession, OnDivergence
 from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
 
-__all__ = ["OnDivergence", "ReplayAudit"]
+__all__ = ["ReplayAudit"]
 
-OnDivergence = Literal["raise", "warn", "record"]
 _ON_DIVERGENCE = ("raise", "warn", "record")
+
+
+def _check_on_divergence(value: object) -> None:
+    if value not in _ON_DIVERGENCE:
+        raise ValueError(f"on_divergence must be one of {_ON_DIVERGENCE}, got {value!r}")
 
 
 class ReplayAudit:
@@ -56,18 +61,22 @@ class ReplayAudit:
         on_divergence: OnDivergence = "raise",
         probe_fla: bool = True,
     ) -> None:
-        if on_divergence not in _ON_DIVERGENCE:
-            raise ValueError(f"on_divergence must be one of {_ON_DIVERGENCE}, got {on_divergence!r}")
+        _check_on_divergence(on_divergence)
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
-        self.on_divergence: OnDivergence = on_divergence
         self.probe_fla = probe_fla
-        self._namer = RegionNamer(model)
-        self._regions: list[Region] = []
-        self._next_index = 0
-        self._probe = None
+        self._session = AuditSession(on_divergence, RegionNamer(model), ignored_ops())
         self._stack: contextlib.ExitStack | None = None
-        self._ignored = ignored_ops()
+
+    @property
+    def on_divergence(self) -> OnDivergence:
+        """``"raise"``, ``"warn"`` or ``"record"``: what a divergent recompute does (see the class)."""
+        return self._session.on_divergence
+
+    @on_divergence.setter
+    def on_divergence(self, value: OnDivergence) -> None:
+        _check_on_divergence(value)
+        self._session.on_divergence = value
 
     # -- context manager
     def __enter__(self) -> ReplayAudit:
@@ -77,11 +86,11 @@ class ReplayAudit:
         try:
             if self.probe_fla:
                 with contextlib.suppress(ImportError):
-                    self._probe = stack.enter_context(probe_tensor_cache())
+                    self._session.probe = stack.enter_context(probe_tensor_cache())
             stack.enter_context(self._patched_checkpoint())
         except BaseException:
             stack.close()
-            self._probe = None
+            self._session.probe = None
             raise
         self._stack = stack
         return self
@@ -91,7 +100,7 @@ class ReplayAudit:
         try:
             stack.__exit__(exc_type, exc, tb)
         finally:
-            self._probe = None
+            self._session.probe = None
         return False
 
     @contextlib.contextmanager
@@ -154,24 +163,18 @@ class ReplayAudit:
             fwd_ctx, rec_ctx = inner() if inner is not None else (None, None)
             region = Region(-1, label)
             return (
-                PassRecorder(self, region, "forward", fwd_ctx, _label_from),
-                PassRecorder(self, region, "recompute", rec_ctx, _label_from),
+                PassRecorder(self._session, region, "forward", fwd_ctx, _label_from),
+                PassRecorder(self._session, region, "recompute", rec_ctx, _label_from),
             )
 
         audited_context_fn._replay_audit = True  # type: ignore[attr-defined]
         return audited_context_fn
 
-    # -- labels
-    def _add_region(self, region: Region) -> None:
-        region.index = self._next_index
-        self._next_index += 1
-        self._regions.append(region)
-
     # -- results
     @property
     def regions(self) -> list[RegionReport]:
         """One :class:`RegionReport` per checkpointed region whose forward ran, in forward order."""
-        return [self._report(r) for r in self._regions]
+        return [self._report(r) for r in self._session.regions]
 
     @property
     def divergent(self) -> list[RegionReport]:

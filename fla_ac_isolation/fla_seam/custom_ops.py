@@ -41,7 +41,8 @@ Mamba2 stack with these operators equals the default path, FLA's public function
 
 Inputs are used in the dtypes given (custom ops run outside autocast; the mixers cast explicitly).
 ``cp_context``, initial and final states are not offered. FLA is imported inside the kernels, never at
-import; the kernels need CUDA tensors (or ``TRITON_INTERPRET=1`` with the test shims).
+import; the kernels need CUDA tensors (or a CPU under ``TRITON_INTERPRET=1``, the seam's interpreter backend
+``fla_ac_isolation.fla_seam.interpreter``).
 
 A custom op's output may not alias an input or another output (torch checks): ``v`` is never an output,
 placeholders are distinct empty tensors, and an absent conv bias gradient is ``empty(0)``.
@@ -57,7 +58,8 @@ from torch import Tensor
 
 from fla_ac_isolation.fla_seam import kernels
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
-from fla_ac_isolation.ops.reference import check_groups, discretize_dt
+from fla_ac_isolation.op_inputs import check_groups, discretize_dt
+from fla_ac_isolation.op_names import by_operation
 
 __all__ = ["OPS", "causal_conv1d", "chunk_gated_delta_rule", "ssd"]
 
@@ -323,12 +325,13 @@ def _gla_backward(ctx, do, _dg_cumsum):
 
 _gla_forward.register_autograd(_gla_backward, setup_context=_gla_setup)
 
-OPS: dict[str, torch._ops.OpOverload] = {
-    "causal_conv1d": torch.ops.fla_ac_isolation.causal_conv1d.default,
-    "gated_delta_rule": torch.ops.fla_ac_isolation.gated_delta_rule.default,
-    "ssd": torch.ops.fla_ac_isolation.simple_gla.default,
-}
-"""The forward operator behind each saveable operation (what a SAC policy saves), by operation name."""
+OPS: dict[str, torch._ops.OpOverload] = by_operation(
+    gated_delta_rule=torch.ops.fla_ac_isolation.gated_delta_rule.default,
+    causal_conv1d=torch.ops.fla_ac_isolation.causal_conv1d.default,
+    ssd=torch.ops.fla_ac_isolation.simple_gla.default,
+)
+"""The forward operator behind each saveable operation (what a SAC policy saves), by operation name
+(:data:`~fla_ac_isolation.op_names.SAVEABLE_OP_NAMES`)."""
 
 
 # ------------------------------------------------------------------- the backend functions (ops facade)

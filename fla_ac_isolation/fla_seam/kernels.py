@@ -30,8 +30,8 @@ from the context (``cu_seqlens`` is not passed), exchanging conv history and rec
 other ranks of ``cp_context.group``. ``chunk_indices`` must then be the RANK-LOCAL schedule. FLA's simple
 GLA (behind :func:`ssd`) has no CP in FLA 0.6.
 
-FLA is imported inside each function, never at import. The kernels need CUDA tensors (or
-``TRITON_INTERPRET=1`` with :mod:`fla_ac_isolation.testing` shims on CPU).
+FLA is imported inside each function, never at import. The kernels need CUDA tensors (or a CPU under
+``TRITON_INTERPRET=1`` with the seam's interpreter backend, ``fla_ac_isolation.fla_seam.interpreter``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import os
 import torch
 
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
-from fla_ac_isolation.ops.reference import discretize_dt
+from fla_ac_isolation.op_inputs import discretize_dt
 
 __all__ = ["causal_conv1d", "chunk_gated_delta_rule", "ssd"]
 

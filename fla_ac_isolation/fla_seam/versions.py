@@ -5,8 +5,8 @@
   installed metadata (``pyproject.toml`` writes it once).
 * :func:`hopper_gdn_guard_active` - whether FLA 0.5.2+ refuses the gated ``chunk_bwd_dqkwg`` backward
   (gated delta rule, simple GLA) on this machine: Hopper GPUs with Triton >= 3.4 and < 3.7.1 (FLA issue
-  #640, ``fla/ops/common/chunk_o.py``). Test harnesses may lift it (:mod:`fla_ac_isolation.testing.gpu`);
-  library code never does.
+  #640, ``fla/ops/common/chunk_o.py``). A GPU test harness may lift it (the project's test support does,
+  announcing it); library code never does.
 
 Nothing here imports FLA at import time.
 """
@@ -20,7 +20,7 @@ __all__ = ["fla_version", "hopper_gdn_guard_active", "tested_range"]
 
 
 def tested_range() -> str:
-    """The fla-core range this package is tested with and requires (``"<0.7,>=0.6"``), from its installed metadata.
+    """The fla-core range this package is tested with and requires, as its installed metadata states it.
 
     ``pyproject.toml`` writes the range once, as the ``fla-core`` requirement; this reads it back, so the
     report and the requirement cannot disagree. ``"unknown (...)"`` when fla-ac-isolation's metadata is

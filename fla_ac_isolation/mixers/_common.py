@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens, devices_match
+from fla_ac_isolation.local_seqlens import LocalSeqlens
+from fla_ac_isolation.seqlens import LayerLocalSeqlens, devices_match
 
 
 def check_hidden_states(hidden_states: Any, hidden_size: int, weight: torch.Tensor) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fla_ac_isolation import ops
+from fla_ac_isolation.ops.backend import check_cp_backend
 
 __all__ = ["check_cp_conv"]
 
@@ -24,12 +24,13 @@ def check_cp_conv(
 
     Raises:
         NotImplementedError: the mixer's ``backend`` has no CP kernels, or the mixer was built with
-            ``saveable=True`` (FLA's CP kernels are not custom operators; :func:`ops.check_cp_backend`).
+            ``saveable=True`` (FLA's CP kernels are not custom operators;
+            :func:`~fla_ac_isolation.ops.backend.check_cp_backend`).
         ValueError: the context's ``conv_kernel_size`` is ``None`` or smaller than this layer's conv width
             (the interval-length check of ``CPConfig`` then did not cover this conv), or the context has no
             process group (a ``CPConfig`` built with ``world_size``/``rank`` only, for metadata).
     """
-    ops.check_cp_backend(cp_context, backend, hidden_states, saveable)
+    check_cp_backend(cp_context, backend, hidden_states, saveable)
     width = cp_context.conv1d_kernel_size
     if width is None or width < conv_kernel_size:
         raise ValueError(

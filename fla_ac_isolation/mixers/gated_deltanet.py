@@ -46,6 +46,7 @@ from fla_ac_isolation.mixers._common import (
     text_config,
 )
 from fla_ac_isolation.mixers._cp import check_cp_conv
+from fla_ac_isolation.ops.backend import check_backend, check_saveable, resolve_backend
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm"]
@@ -125,8 +126,8 @@ class GatedDeltaNet(nn.Module):
     ) -> None:
         super().__init__()
         config = text_config(config)
-        self.backend = ops.check_backend(backend)
-        self.saveable = ops.check_saveable(saveable)
+        self.backend = check_backend(backend)
+        self.saveable = check_saveable(saveable)
         self.hidden_size = config_field(config, "hidden_size")
         self.num_v_heads = config_field(config, "linear_num_value_heads")
         self.num_k_heads = config_field(config, "linear_num_key_heads")
@@ -218,7 +219,7 @@ class GatedDeltaNet(nn.Module):
         varlen = {
             "cu_seqlens": local.cu_seqlens if local is not None else None,
             "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
-            "backend": ops.resolve_backend(self.backend, hidden_states),
+            "backend": resolve_backend(self.backend, hidden_states),
             "saveable": self.saveable,
         }
         chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed

@@ -17,7 +17,7 @@ Why a replacement: without mamba_ssm, transformers' torch path ignores packed-do
 the next. Here the conv and the scan restart at every ``cu_seqlens`` offset, each call localises its
 ``cu_seqlens`` (:meth:`~fla_ac_isolation.LayerLocalSeqlens.local`) inside ``forward``, and the backend is
 explicit (FLA's conv and ``chunk_simple_gla`` on CUDA, the pure-torch reference elsewhere; see
-:mod:`fla_ac_isolation.ops.fla` for why SSD runs on simple GLA). Cached generation is not implemented.
+:mod:`fla_ac_isolation.fla_seam.kernels` for why SSD runs on simple GLA). Cached generation is not implemented.
 
 Context parallelism: FLA 0.6 has no CP for simple GLA, so with ``seqlens`` built with ``cp=CPConfig(...)``
 the mixer runs head-parallel (:mod:`fla_ac_isolation.mixers.nemotron_h_cp`): two all-to-alls, and whole
@@ -43,6 +43,7 @@ from fla_ac_isolation.mixers._common import (
     resolve_seqlens,
     text_config,
 )
+from fla_ac_isolation.ops.backend import check_backend, check_saveable, resolve_backend
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["GroupedGatedRMSNorm", "NemotronHMamba2Mixer"]
@@ -127,8 +128,8 @@ class NemotronHMamba2Mixer(nn.Module):
         super().__init__()
         config = text_config(config)
         self.config = config
-        self.backend = ops.check_backend(backend)
-        self.saveable = ops.check_saveable(saveable)
+        self.backend = check_backend(backend)
+        self.saveable = check_saveable(saveable)
         self.num_heads = config_field(config, "mamba_num_heads")
         self.hidden_size = config_field(config, "hidden_size")
         self.ssm_state_size = config_field(config, "ssm_state_size")
@@ -238,7 +239,7 @@ class NemotronHMamba2Mixer(nn.Module):
         varlen = {
             "cu_seqlens": local.cu_seqlens if local is not None else None,
             "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
-            "backend": ops.resolve_backend(self.backend, hidden_states),
+            "backend": resolve_backend(self.backend, hidden_states),
             "saveable": self.saveable,
         }
         chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed

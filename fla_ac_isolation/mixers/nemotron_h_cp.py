@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fla_ac_isolation import ops
+from fla_ac_isolation.ops.backend import resolve_backend
 from fla_ac_isolation.parallel import CPConfig, heads_to_sequence, sequence_to_heads
 from fla_ac_isolation.seqlens import LayerLocalSeqlens, devices_match
 
@@ -106,7 +107,7 @@ def head_parallel_forward(
     cp = seqlens.cp
     channels, heads, groups = head_shard(mixer, cp)
     whole = seqlens.local(whole_batch=True)  # fresh GLOBAL offsets: each rank runs whole documents
-    backend = ops.resolve_backend(mixer.backend, hidden_states)
+    backend = resolve_backend(mixer.backend, hidden_states)
     dtype, local_tokens = hidden_states.dtype, hidden_states.shape[1]
     H_r, P, N = heads.numel(), mixer.head_dim, mixer.ssm_state_size
 

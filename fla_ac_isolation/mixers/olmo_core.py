@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fla_ac_isolation.mixers.lending import lent_to_original
 from fla_ac_isolation.mixers.nemotron_h import NemotronHMamba2Mixer
 
 __all__ = ["OlmoNemotronMamba2Mixer"]
@@ -111,8 +112,6 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
             RuntimeError: this module was not made by :func:`~fla_ac_isolation.swap_mixers` (it holds no
                 OLMo-core module to initialise with).
         """
-        from fla_ac_isolation.swap import lent_to_original  # swap owns the replaced module and its slots
-
         with lent_to_original(self) as olmo:
             olmo.init_weights(**kwargs)
 

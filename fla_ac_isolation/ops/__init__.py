@@ -26,7 +26,7 @@ operators**; it does not make anything else safe (context-parallel metadata buil
 helpers, foreign modules): keep passing :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`'s tensors.
 
 ``SAVEABLE_OPS`` (``dict[str, tuple[OpOverload, OpOverload]]``): the custom operators behind
-``saveable=True``, per operation (``"gated_delta_rule"``, ``"causal_conv1d"``, ``"ssd"``): the ``fla`` and
+``saveable=True``, per operation of :data:`~fla_ac_isolation.op_names.SAVEABLE_OP_NAMES`: the ``fla`` and
 the ``reference`` backend's forward overloads, whose outputs :func:`fla_ac_isolation.policies.save_fla_ops`
 saves. Outputs per call:
 
@@ -37,81 +37,34 @@ saves. Outputs per call:
   (``reference``, the scan): ``y [B, T, H, P]`` in float32.
 
 Context parallelism: the conv and the gated delta rule take ``cp_context`` (``LocalSeqlens.cp_context``),
-FLA's CP metadata; only the ``fla`` backend has CP kernels (:func:`check_cp_backend`), and they are not
-wrapped as custom operators (``saveable=True`` with ``cp_context`` is refused).
+FLA's CP metadata; only the ``fla`` backend has CP kernels
+(:func:`~fla_ac_isolation.ops.backend.check_cp_backend`), and they are not wrapped as custom operators
+(``saveable=True`` with ``cp_context`` is refused).
+
+The backend choice and its checks live in :mod:`fla_ac_isolation.ops.backend`; the input checks both
+backends share in :mod:`fla_ac_isolation.op_inputs`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
 from fla_ac_isolation.fla_seam import custom_ops as fla_saveable_backend
 from fla_ac_isolation.fla_seam import kernels as fla_backend
+from fla_ac_isolation.op_names import SAVEABLE_OP_NAMES
 from fla_ac_isolation.ops import reference as reference_backend
 from fla_ac_isolation.ops import reference_ops as reference_saveable_backend
+from fla_ac_isolation.ops.backend import BACKENDS, Backend, check_cp_backend, check_saveable, resolve_backend
 from fla_ac_isolation.seqlens import devices_match
 
-__all__ = [
-    "BACKENDS",
-    "SAVEABLE_OPS",
-    "Backend",
-    "causal_conv1d",
-    "check_backend",
-    "check_chunk_indices",
-    "check_cp_backend",
-    "check_saveable",
-    "chunk_gated_delta_rule",
-    "resolve_backend",
-    "ssd",
-]
+__all__ = ["BACKENDS", "SAVEABLE_OPS", "Backend", "causal_conv1d", "chunk_gated_delta_rule", "ssd"]
 
-Backend = Literal["auto", "fla", "reference"]
-BACKENDS: tuple[str, ...] = ("auto", "fla", "reference")
-
-def __getattr__(name: str):
-    # SAVEABLE_OPS is built on first access: the operator modules import this package's reference backend,
-    # so whichever of them is imported first, this package may still be initialising (PEP 562).
-    if name == "SAVEABLE_OPS":
-        return {op: (fla_saveable_backend.OPS[op], reference_saveable_backend.OPS[op])
-                for op in ("gated_delta_rule", "causal_conv1d", "ssd")}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def check_backend(backend: str) -> str:
-    """Return ``backend`` if it is one of :data:`BACKENDS`.
-
-    Raises:
-        ValueError: naming ``backend`` and the accepted values.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
-
-
-def resolve_backend(backend: str, tensor: torch.Tensor) -> Literal["fla", "reference"]:
-    """The concrete backend for ``tensor``: ``auto`` picks ``fla`` on CUDA, ``reference`` elsewhere.
-
-    Raises:
-        ValueError: unknown ``backend``.
-    """
-    check_backend(backend)
-    if backend == "auto":
-        return "fla" if tensor.device.type == "cuda" else "reference"
-    return backend  # type: ignore[return-value]
-
-
-def check_saveable(saveable: bool) -> bool:
-    """Return ``saveable`` if it is a bool.
-
-    Raises:
-        TypeError: naming ``saveable`` and what was given.
-    """
-    if not isinstance(saveable, bool):
-        raise TypeError(f"saveable must be True or False, got {saveable!r}")
-    return saveable
+SAVEABLE_OPS: dict[str, tuple[torch._ops.OpOverload, torch._ops.OpOverload]] = {
+    name: (fla_saveable_backend.OPS[name], reference_saveable_backend.OPS[name]) for name in SAVEABLE_OP_NAMES
+}
+"""The custom operators behind ``saveable=True``: ``(fla, reference)`` forward overloads per operation name."""
 
 
 def _module(backend: str, tensor: torch.Tensor, saveable: bool):
@@ -127,7 +80,7 @@ def _module(backend: str, tensor: torch.Tensor, saveable: bool):
     return reference_saveable_backend if saveable else reference_backend
 
 
-def check_chunk_indices(chunk_indices: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> None:
+def _check_chunk_indices(chunk_indices: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> None:
     """Reject a ``chunk_indices`` that FLA's kernels would misread (they index memory with it unchecked).
 
     Checks the form only (``[NT, 2]`` integer rows on the device of ``cu_seqlens``); the values are those
@@ -155,34 +108,6 @@ def check_chunk_indices(chunk_indices: torch.Tensor | None, cu_seqlens: torch.Te
         )
 
 
-def check_cp_backend(cp_context: object | None, backend: str, tensor: torch.Tensor, saveable: bool = False) -> None:
-    """Refuse context parallelism on a backend without CP kernels, or through the custom operators.
-
-    Raises:
-        NotImplementedError: ``cp_context`` is given and ``backend`` resolves to ``reference`` for ``tensor``
-            (the pure-torch backend computes whole sequences only; FLA's CP kernels are the ``fla`` backend:
-            CUDA, or a CPU under ``TRITON_INTERPRET=1`` with the test shims of
-            :mod:`fla_ac_isolation.testing.cp_shims`); ``cp_context`` with ``saveable=True`` (FLA's CP
-            kernels are not wrapped as custom operators).
-    """
-    if cp_context is None:
-        return
-    if saveable:
-        raise NotImplementedError(
-            "saveable=True cannot run context parallelism: FLA's CP kernels are not wrapped as custom operators; "
-            "use saveable=False with cp_context"
-        )
-    if resolve_backend(backend, tensor) != "reference":
-        return
-    chosen = f"backend={backend!r}" + (f" (which picks 'reference' for {tensor.device.type} tensors)"
-                                       if backend == "auto" else "")
-    raise NotImplementedError(
-        f"context parallelism needs FLA's CP kernels, but {chosen} has none: the reference backend computes "
-        "whole sequences only; use backend='fla' (CUDA, or a CPU under TRITON_INTERPRET=1 with "
-        "fla_ac_isolation.testing.cp_shims)"
-    )
-
-
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -206,13 +131,13 @@ def causal_conv1d(
     this rank's part of their gradient (sum it over the CP group).
 
     Raises:
-        ValueError: unknown ``backend``; malformed ``chunk_indices`` (:func:`check_chunk_indices`); the
-            backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
+        ValueError: unknown ``backend``; malformed ``chunk_indices`` (not ``[NT, 2]`` rows on the device of
+            ``cu_seqlens``); the backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
         TypeError: ``chunk_indices`` is not an integer tensor; ``saveable`` is not a bool.
         NotImplementedError: ``cp_context`` with the reference backend or ``saveable=True``
-            (:func:`check_cp_backend`).
+            (:func:`~fla_ac_isolation.ops.backend.check_cp_backend`).
     """
-    check_chunk_indices(chunk_indices, cu_seqlens)
+    _check_chunk_indices(chunk_indices, cu_seqlens)
     check_cp_backend(cp_context, backend, x, saveable)
     if cp_context is not None:
         return fla_backend.causal_conv1d(x, weight, bias, activation=activation, chunk_indices=chunk_indices,
@@ -248,13 +173,13 @@ def chunk_gated_delta_rule(
     CP ranks (``fla.ops.gated_delta_rule.chunk_gated_delta_rule(..., cp_context=)``).
 
     Raises:
-        ValueError: unknown ``backend``; malformed ``chunk_indices`` (:func:`check_chunk_indices`); the
-            backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
+        ValueError: unknown ``backend``; malformed ``chunk_indices`` (not ``[NT, 2]`` rows on the device of
+            ``cu_seqlens``); the backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
         TypeError: ``chunk_indices`` is not an integer tensor; ``saveable`` is not a bool.
         NotImplementedError: ``cp_context`` with the reference backend or ``saveable=True``
-            (:func:`check_cp_backend`).
+            (:func:`~fla_ac_isolation.ops.backend.check_cp_backend`).
     """
-    check_chunk_indices(chunk_indices, cu_seqlens)
+    _check_chunk_indices(chunk_indices, cu_seqlens)
     check_cp_backend(cp_context, backend, q, saveable)
     if cp_context is not None:
         return fla_backend.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale,

@@ -1,6 +1,6 @@
-"""Pure-torch varlen operations: the CPU backend and the parity oracle for :mod:`fla_ac_isolation.ops.fla`.
+"""Pure-torch varlen operations: the CPU backend and the parity oracle for :mod:`fla_ac_isolation.fla_seam.kernels`.
 
-Three operations, each with the signature of its twin in ``ops/fla.py``:
+Three operations, each with the signature of its twin in :mod:`fla_ac_isolation.fla_seam.kernels`:
 
 * :func:`causal_conv1d` - depthwise causal convolution over time (+ optional SiLU), reset at every
   document start.
@@ -43,20 +43,16 @@ import torch
 import torch.nn.functional as F
 
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+from fla_ac_isolation.op_inputs import (
+    check_activation,
+    check_groups,
+    check_heads,
+    check_packed,
+    compute_dtype,
+    discretize_dt,
+)
 
-__all__ = [
-    "CHUNK_SIZE",
-    "causal_conv1d",
-    "check_activation",
-    "check_groups",
-    "check_heads",
-    "check_packed",
-    "chunk_gated_delta_rule",
-    "compute_dtype",
-    "discretize_dt",
-    "ssd",
-    "ssd_scan",
-]
+__all__ = ["CHUNK_SIZE", "causal_conv1d", "chunk_gated_delta_rule", "ssd", "ssd_scan"]
 
 
 # ------------------------------------------------------------------------------------ chunk schedule
@@ -134,23 +130,6 @@ def _documents(
     return documents
 
 
-def check_packed(name: str, t: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
-    """Packed input (``cu_seqlens`` given) has batch size 1.
-
-    Raises:
-        ValueError: naming ``name`` and its shape.
-    """
-    if cu_seqlens is not None and t.shape[0] != 1:
-        raise ValueError(
-            f"{name} must have batch size 1 when cu_seqlens is given (packed input), got shape {tuple(t.shape)}"
-        )
-
-
-def compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """float32 for half/bfloat16/float32 inputs; float64 stays float64 (handy as a test oracle)."""
-    return torch.promote_types(t.dtype, torch.float32)
-
-
 def _concat_time(pieces: list[torch.Tensor], like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Concatenate per-chunk outputs along time; an input with no tokens gives an empty output."""
     if not pieces:
@@ -159,16 +138,6 @@ def _concat_time(pieces: list[torch.Tensor], like: torch.Tensor, shape: tuple[in
 
 
 # ------------------------------------------------------------------------------------ causal conv1d
-def check_activation(activation: str | None) -> None:
-    """The conv's activation is one FLA offers.
-
-    Raises:
-        ValueError: naming ``activation`` and the accepted values.
-    """
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"activation must be 'silu', 'swish' or None (what FLA's conv offers), got {activation!r}")
-
-
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -277,19 +246,6 @@ def _gdn_chunk(
     return out, state
 
 
-def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """q and k share ``H`` heads and v's ``HV`` heads are a multiple of ``H`` (GVA).
-
-    Raises:
-        ValueError: naming the three shapes.
-    """
-    if k.shape[2] != q.shape[2] or v.shape[2] % q.shape[2]:
-        raise ValueError(
-            f"q and k must share H heads and v's HV heads must be a multiple of H; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-
-
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -354,22 +310,6 @@ def chunk_gated_delta_rule(
 
 
 # ------------------------------------------------------------------------------------ Mamba2 SSD
-def discretize_dt(
-    dt: torch.Tensor,
-    dt_bias: torch.Tensor | None,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
-) -> torch.Tensor:
-    """``clamp(softplus(dt + dt_bias), *dt_limit)``, the Mamba2 time step ``[B, T, H]``, in float32 (float64
-    stays float64)."""
-    dt = dt.to(compute_dtype(dt))
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(dt.dtype)
-    dt = F.softplus(dt)
-    if tuple(dt_limit) != (0.0, math.inf):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    return dt
-
-
 def _ssd_chunk(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -406,7 +346,7 @@ def ssd(
 ) -> torch.Tensor:
     """The Mamba2 SSD scan over packed documents, each starting from a zero state.
 
-    Per head ``h`` and token ``t`` (``dt`` discretised by :func:`discretize_dt`)::
+    Per head ``h`` and token ``t`` (``dt`` discretised by :func:`~fla_ac_isolation.op_inputs.discretize_dt`)::
 
         S_t = exp(dt_t * A_h) * S_{t-1} + B_t (x) (dt_t * x_t)      # [N, P]
         y_t = C_t . S_t + D_h * x_t
@@ -438,17 +378,6 @@ def ssd(
     if D is not None:
         y = y + D.to(dtype)[:, None] * x.to(dtype)
     return y.to(x.dtype)
-
-
-def check_groups(heads: int, B: torch.Tensor, C: torch.Tensor) -> None:
-    """Mamba2's grouped ``B``/``C`` ``[B, T, G, N]`` must share ``G`` groups dividing the ``heads``.
-
-    Raises:
-        ValueError: naming the head and group counts.
-    """
-    groups = B.shape[2]
-    if heads % groups or C.shape[2] != groups:
-        raise ValueError(f"heads ({heads}) must be a multiple of the B/C groups ({groups}, {C.shape[2]})")
 
 
 def ssd_scan(

@@ -31,6 +31,15 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from fla_ac_isolation.op_inputs import (
+    check_activation,
+    check_groups,
+    check_heads,
+    check_packed,
+    compute_dtype,
+    discretize_dt,
+)
+from fla_ac_isolation.op_names import by_operation
 from fla_ac_isolation.ops import reference
 
 __all__ = ["OPS", "causal_conv1d", "chunk_gated_delta_rule", "ssd"]
@@ -232,12 +241,13 @@ def _scan_backward(ctx, dy):
 
 _scan_forward.register_autograd(_scan_backward, setup_context=_scan_setup)
 
-OPS: dict[str, torch._ops.OpOverload] = {
-    "causal_conv1d": torch.ops.fla_ac_isolation.causal_conv1d_reference.default,
-    "gated_delta_rule": torch.ops.fla_ac_isolation.gated_delta_rule_reference.default,
-    "ssd": torch.ops.fla_ac_isolation.ssd_scan_reference.default,
-}
-"""The forward operator behind each saveable operation (what a SAC policy saves), by operation name."""
+OPS: dict[str, torch._ops.OpOverload] = by_operation(
+    gated_delta_rule=torch.ops.fla_ac_isolation.gated_delta_rule_reference.default,
+    causal_conv1d=torch.ops.fla_ac_isolation.causal_conv1d_reference.default,
+    ssd=torch.ops.fla_ac_isolation.ssd_scan_reference.default,
+)
+"""The forward operator behind each saveable operation (what a SAC policy saves), by operation name
+(:data:`~fla_ac_isolation.op_names.SAVEABLE_OP_NAMES`)."""
 
 
 # ------------------------------------------------------------------- the backend functions (ops facade)
@@ -256,8 +266,8 @@ def causal_conv1d(
     Raises:
         ValueError: as :func:`reference.causal_conv1d` (checked here, before the op runs).
     """
-    reference.check_activation(activation)
-    reference.check_packed("x", x, cu_seqlens)
+    check_activation(activation)
+    check_packed("x", x, cu_seqlens)
     if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight must be [D, W] with D = {x.shape[-1]}, got shape {tuple(weight.shape)}")
     return _conv_forward(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
@@ -281,8 +291,8 @@ def chunk_gated_delta_rule(
     Raises:
         ValueError: as :func:`reference.chunk_gated_delta_rule` (checked here, before the op runs).
     """
-    reference.check_packed("q", q, cu_seqlens)
-    reference.check_heads(q, k, v)
+    check_packed("q", q, cu_seqlens)
+    check_heads(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _gdn_forward(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_indices)
 
@@ -308,10 +318,10 @@ def ssd(
     Raises:
         ValueError: as :func:`reference.ssd` (checked here, before the op runs).
     """
-    reference.check_packed("x", x, cu_seqlens)
-    reference.check_groups(x.shape[2], B, C)
-    dtype = reference.compute_dtype(x)
-    dt = reference.discretize_dt(dt, dt_bias, dt_limit).to(dtype)
+    check_packed("x", x, cu_seqlens)
+    check_groups(x.shape[2], B, C)
+    dtype = compute_dtype(x)
+    dt = discretize_dt(dt, dt_bias, dt_limit).to(dtype)
     y = _scan_forward(x.to(dtype) * dt.unsqueeze(-1), dt * A.to(dtype), B.to(dtype), C.to(dtype), cu_seqlens,
                       cu_seqlens_cpu)
     if D is not None:

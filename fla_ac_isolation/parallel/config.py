@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from fla_ac_isolation.cp_interface import CPSplit
+
+if TYPE_CHECKING:
+    import torch
+
+    from fla_ac_isolation.parallel.seqlens_cp import CPSeqlens
 
 __all__ = ["LAYOUTS", "CPConfig"]
 
@@ -28,8 +35,11 @@ def _is_int(value: object) -> bool:
 
 
 @dataclass(frozen=True)
-class CPConfig:
+class CPConfig(CPSplit):
     """One context-parallel (CP) group as FLA's CP kernels see it.
+
+    The core's :class:`~fla_ac_isolation.cp_interface.CPSplit`: ``LayerLocalSeqlens(..., cp=)`` builds this
+    rank's part of each batch through :meth:`batch_seqlens`.
 
     Args:
         group: the CP process group (``torch.distributed``). FLA's CP kernels communicate on it; when
@@ -144,3 +154,17 @@ class CPConfig:
     def local_num_tokens(self, num_tokens: int) -> int:
         """Tokens each rank holds, ``T / W`` (after :meth:`check_num_tokens`)."""
         return num_tokens // self.world_size
+
+    # ------------------------------------------------------------------------------------------- batch
+    def batch_seqlens(self, host: torch.Tensor, device: torch.device, *, chunk_indices: bool) -> CPSeqlens:
+        """This rank's CP metadata for one batch (:class:`~fla_ac_isolation.parallel.seqlens_cp.CPSeqlens`).
+
+        Called by ``LayerLocalSeqlens(..., cp=self)`` once per batch, with the validated GLOBAL host offsets
+        ``host [N + 1]``, the activations' ``device`` and whether to precompute the rank-local chunk schedule.
+
+        Raises:
+            ValueError: the token count does not split as :attr:`layout` needs (:meth:`check_num_tokens`).
+        """
+        from fla_ac_isolation.parallel.seqlens_cp import CPSeqlens
+
+        return CPSeqlens(self, host, device, chunk_indices=chunk_indices)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from fla_ac_isolation.parallel.config import CPConfig
-from fla_ac_isolation.parallel.sharding import _token_index, unshard
+from fla_ac_isolation.parallel.sharding import rank_token_index, unshard
 
 __all__ = ["heads_to_sequence", "sequence_to_heads"]
 
@@ -80,7 +80,7 @@ def heads_to_sequence(full: torch.Tensor, cp: CPConfig) -> torch.Tensor:
     _check(full, cp, "heads_to_sequence")
     world, tokens = cp.world_size, full.shape[1]
     local = tokens // world
-    order = torch.cat([_token_index(tokens, world, d, cp.layout) for d in range(world)])   # destination-major
+    order = torch.cat([rank_token_index(tokens, world, d, cp.layout) for d in range(world)])   # destination-major
     send = full[0].index_select(0, order.to(full.device)).reshape(-1)
     recv = _all_to_all(send, [send.numel() // world] * world, [send.numel() // world] * world, cp)
     per_source = recv.reshape(world, local, *full.shape[2:])                               # [W, T/W, H_r, ...]

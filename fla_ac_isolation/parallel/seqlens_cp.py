@@ -1,13 +1,15 @@
 """The context-parallel half of :class:`~fla_ac_isolation.LayerLocalSeqlens`: FLA's CP context, once per batch.
 
 :class:`CPSeqlens` is built by ``LayerLocalSeqlens(..., cp=CPConfig(...))`` at construction, i.e. once
-per batch and outside every checkpointed region. It builds this rank's ``FLACPContext`` from the GLOBAL
+per batch and outside every checkpointed region, through :meth:`CPConfig.batch_seqlens
+<fla_ac_isolation.parallel.CPConfig.batch_seqlens>` (the core's :class:`~fla_ac_isolation.cp_interface.CPSplit`
+interface: the core never imports this package). It builds this rank's ``FLACPContext`` from the GLOBAL
 host offsets (:func:`fla_ac_isolation.fla_seam.cp.build_cp_context`: FLA's own function, its cache
 bypassed, nothing read from a device), moves the rank-local offsets to the device once (pinned, not
 blocking) and precomputes the rank-local chunk schedule. Each layer then takes :meth:`CPSeqlens.local`:
 
-* fresh ``cu_seqlens`` / ``cu_seqlens_cpu`` objects (``seqlens._fresh``: invisible to SAC, the audit and
-  ``torch.compile``) and a fresh ``chunk_indices``;
+* fresh ``cu_seqlens`` / ``cu_seqlens_cpu`` objects (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`:
+  invisible to SAC, the audit and ``torch.compile``) and a fresh ``chunk_indices``;
 * a fresh ``FLACPContext`` holding THOSE SAME objects, so every FLA lookup of the layer (the conv's and
   the gated delta rule's ``prepare_chunk_indices``/``prepare_chunk_offsets`` on ``ctx.cu_seqlens``) keys
   on one new object: forward and recompute both start with a miss.
@@ -20,32 +22,18 @@ out exactly that, for the unsafe ``shared`` mode.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fla_ac_isolation.fla_seam.cp import build_cp_context, with_offsets
 from fla_ac_isolation.fla_seam.layout import chunk_indices_for
-from fla_ac_isolation.parallel.config import CPConfig
-from fla_ac_isolation.seqlens import LocalSeqlens, _fresh, _to_device
+from fla_ac_isolation.local_seqlens import LocalSeqlens, fresh_copy, host_to_device
 
-__all__ = ["CPSeqlens", "check_cp_arguments"]
+if TYPE_CHECKING:
+    from fla_ac_isolation.parallel.config import CPConfig
 
-
-def check_cp_arguments(cp: object, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None) -> None:
-    """What ``LayerLocalSeqlens(..., cp=...)`` checks before anything else.
-
-    Raises:
-        TypeError: ``cp`` is not a :class:`~fla_ac_isolation.parallel.CPConfig`.
-        ValueError: ``cu_seqlens`` is not on the CPU and no ``cu_seqlens_cpu`` is given: FLA's CP metadata
-            is computed on the host, and reading device offsets there is a device-to-host sync.
-    """
-    if not isinstance(cp, CPConfig):
-        raise TypeError(f"cp must be a fla_ac_isolation.parallel.CPConfig or None, got {type(cp).__name__}")
-    if cu_seqlens_cpu is None and cu_seqlens.device.type != "cpu":
-        raise ValueError(
-            f"cp=CPConfig(...) needs the host offsets cu_seqlens_cpu when cu_seqlens is on {cu_seqlens.device}: "
-            "FLA's CP metadata is computed on the host, and reading device offsets there is a device-to-host "
-            "sync; pass cu_seqlens_cpu= (or build with LayerLocalSeqlens.from_seq_lens)"
-        )
+__all__ = ["CPSeqlens"]
 
 
 class CPSeqlens:
@@ -75,9 +63,9 @@ class CPSeqlens:
         context = build_cp_context(host, world_size=cp.world_size, rank=cp.rank, group=cp.group, layout=cp.layout,
                                    conv_kernel_size=cp.conv_kernel_size)
         local_host = context.cu_seqlens_cpu  # int32, rank-local
-        self._context = with_offsets(context, _to_device(local_host, device), local_host)
+        self._context = with_offsets(context, host_to_device(local_host, device), local_host)
         self._chunk_indices = (
-            _to_device(chunk_indices_for(local_host).to(torch.int32), device) if chunk_indices else None
+            host_to_device(chunk_indices_for(local_host).to(torch.int32), device) if chunk_indices else None
         )
         self.config = cp
         self.num_tokens = cp.local_num_tokens(total)
@@ -86,10 +74,24 @@ class CPSeqlens:
     @torch.compiler.disable
     def local(self) -> LocalSeqlens:
         """Fresh rank-local offsets, chunk schedule and ``FLACPContext`` (holding those same offsets)."""
-        cu_seqlens, cu_seqlens_cpu = _fresh(self._context.cu_seqlens), _fresh(self._context.cu_seqlens_cpu)
-        chunk_indices = _fresh(self._chunk_indices) if self._chunk_indices is not None else None
+        cu_seqlens, cu_seqlens_cpu = fresh_copy(self._context.cu_seqlens), fresh_copy(self._context.cu_seqlens_cpu)
+        chunk_indices = fresh_copy(self._chunk_indices) if self._chunk_indices is not None else None
         context = with_offsets(self._context, cu_seqlens, cu_seqlens_cpu)
         return LocalSeqlens(cu_seqlens, cu_seqlens_cpu, self.max_seqlen, chunk_indices, context)
+
+    def check_tokens(self, num_tokens: int, name: str, total: int) -> None:
+        """Refuse a batch whose packed token count ``num_tokens`` is not this rank's ``T / W`` of ``total``.
+
+        Raises:
+            ValueError: naming ``name``, this rank, its share and the layout.
+        """
+        if num_tokens != self.num_tokens:
+            cp = self.config
+            raise ValueError(
+                f"{name} has {num_tokens} packed tokens but CP rank {cp.rank} of {cp.world_size} holds "
+                f"{self.num_tokens} of the cu_seqlens[-1] = {total} tokens ({cp.layout} layout): "
+                "shard the batch with fla_ac_isolation.parallel.shard_packed_batch"
+            )
 
     def shared(self) -> LocalSeqlens:
         """The one context of the batch and its offsets, the same objects on every call (UNSAFE under AC)."""

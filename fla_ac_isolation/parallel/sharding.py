@@ -23,7 +23,7 @@ import torch
 from fla_ac_isolation.fla_seam.cp import build_cp_context
 from fla_ac_isolation.parallel.config import LAYOUTS, CPConfig
 
-__all__ = ["CPShard", "cp_token_index", "gather_unshard", "shard_packed_batch", "unshard"]
+__all__ = ["CPShard", "cp_token_index", "gather_unshard", "rank_token_index", "shard_packed_batch", "unshard"]
 
 
 def _check_cp(cp: object) -> CPConfig:
@@ -32,7 +32,11 @@ def _check_cp(cp: object) -> CPConfig:
     return cp
 
 
-def _token_index(num_tokens: int, world_size: int, rank: int, layout: str) -> torch.Tensor:
+def rank_token_index(num_tokens: int, world_size: int, rank: int, layout: str) -> torch.Tensor:
+    """:func:`cp_token_index` for any ``rank`` of a ``world_size``-rank group (``num_tokens`` already checked).
+
+    Host int64 ``[num_tokens / world_size]``; for the head-parallel all-to-all, which orders every rank's tokens.
+    """
     if layout == "contiguous":
         part = num_tokens // world_size
         return torch.arange(rank * part, (rank + 1) * part)
@@ -53,7 +57,7 @@ def cp_token_index(num_tokens: int, cp: CPConfig) -> torch.Tensor:
     """
     cp = _check_cp(cp)
     cp.check_num_tokens(num_tokens, name="num_tokens")
-    return _token_index(operator.index(num_tokens), cp.world_size, cp.rank, cp.layout)
+    return rank_token_index(operator.index(num_tokens), cp.world_size, cp.rank, cp.layout)
 
 
 def _document_positions(offsets: torch.Tensor) -> torch.Tensor:
@@ -148,7 +152,7 @@ def shard_packed_batch(
                 f"tensors[{name!r}] must have cu_seqlens_cpu[-1] = {num_tokens} entries along dim {dim}, "
                 f"got shape {tuple(t.shape)}"
             )
-    index = _token_index(num_tokens, cp.world_size, cp.rank, cp.layout)
+    index = rank_token_index(num_tokens, cp.world_size, cp.rank, cp.layout)
     out = {name: t.index_select(dim, index.to(t.device)) for name, t in tensors.items()}
     context = build_cp_context(offsets, world_size=cp.world_size, rank=cp.rank, layout=cp.layout,
                                conv_kernel_size=cp.conv_kernel_size)
@@ -157,7 +161,7 @@ def shard_packed_batch(
 
 
 def _inverse_order(num_tokens: int, world_size: int, layout: str) -> torch.Tensor:
-    order = torch.cat([_token_index(num_tokens, world_size, r, layout) for r in range(world_size)])
+    order = torch.cat([rank_token_index(num_tokens, world_size, r, layout) for r in range(world_size)])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(num_tokens)
     return inverse

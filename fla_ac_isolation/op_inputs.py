@@ -1,0 +1,88 @@
+"""What both backends of :mod:`fla_ac_isolation.ops` do to their inputs first: checks, compute dtype, Mamba2's ``dt``.
+
+A leaf (torch only, nothing from this package), so that the ``fla`` backend
+(:mod:`fla_ac_isolation.fla_seam.kernels`, :mod:`fla_ac_isolation.fla_seam.custom_ops`) and the ``reference``
+backend (:mod:`fla_ac_isolation.ops.reference`, :mod:`fla_ac_isolation.ops.reference_ops`) share one copy
+without importing each other.
+
+* :func:`compute_dtype` - float32 for half/bfloat16/float32, float64 kept.
+* :func:`check_packed`, :func:`check_activation`, :func:`check_heads`, :func:`check_groups` - the shape and
+  argument checks, each raising ``ValueError`` naming what it got.
+* :func:`discretize_dt` - Mamba2's time step ``clamp(softplus(dt + dt_bias), *dt_limit)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["check_activation", "check_groups", "check_heads", "check_packed", "compute_dtype", "discretize_dt"]
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """float32 for half/bfloat16/float32 inputs; float64 stays float64 (handy as a test oracle)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def check_packed(name: str, t: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
+    """Packed input (``cu_seqlens`` given) has batch size 1.
+
+    Raises:
+        ValueError: naming ``name`` and its shape.
+    """
+    if cu_seqlens is not None and t.shape[0] != 1:
+        raise ValueError(
+            f"{name} must have batch size 1 when cu_seqlens is given (packed input), got shape {tuple(t.shape)}"
+        )
+
+
+def check_activation(activation: str | None) -> None:
+    """The conv's activation is one FLA offers.
+
+    Raises:
+        ValueError: naming ``activation`` and the accepted values.
+    """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be 'silu', 'swish' or None (what FLA's conv offers), got {activation!r}")
+
+
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q and k share ``H`` heads and v's ``HV`` heads are a multiple of ``H`` (GVA).
+
+    Raises:
+        ValueError: naming the three shapes.
+    """
+    if k.shape[2] != q.shape[2] or v.shape[2] % q.shape[2]:
+        raise ValueError(
+            f"q and k must share H heads and v's HV heads must be a multiple of H; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+
+
+def check_groups(heads: int, B: torch.Tensor, C: torch.Tensor) -> None:
+    """Mamba2's grouped ``B``/``C`` ``[B, T, G, N]`` must share ``G`` groups dividing the ``heads``.
+
+    Raises:
+        ValueError: naming the head and group counts.
+    """
+    groups = B.shape[2]
+    if heads % groups or C.shape[2] != groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of the B/C groups ({groups}, {C.shape[2]})")
+
+
+def discretize_dt(
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> torch.Tensor:
+    """``clamp(softplus(dt + dt_bias), *dt_limit)``, the Mamba2 time step ``[B, T, H]``, in float32 (float64
+    stays float64)."""
+    dt = dt.to(compute_dtype(dt))
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    dt = F.softplus(dt)
+    if tuple(dt_limit) != (0.0, math.inf):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
