@@ -19,7 +19,8 @@ def test_audit_cli_fault_stack_flags_shared_and_passes_isolated(capsys):
 
 def test_audit_cli_rejects_bad_modes(capsys):
     assert main(["audit", "--model", "fault-stack", "--modes", "no-ac"]) == 2
-    assert "--modes must be a non-empty subset" in capsys.readouterr().err
+    assert ("fla-ac-isolation audit: error: modes must be a non-empty subset of ('shared', 'isolated', "
+            "'global-disable'), got ('no-ac',)") in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ within 1e-4 of the largest gradient at step 0 and 1e-6 of the loss at every step
 
 import pytest
 
+from fla_ac_isolation.cli import regress_render
 from fla_ac_isolation.regression import RegressionSpec, report, run_regression
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -58,7 +59,7 @@ def test_report_names_the_parallelism_and_the_cp1_column(nemotron_h):
     from rich.console import Console
 
     console = Console(width=220, record=True)
-    report.print_report(nemotron_h, console=console)
+    regress_render.print_report(nemotron_h, console=console)
     text = console.export_text()
     assert "nemotron_h  CP=2 (zigzag) x EP=2  AC selective" in text
     assert "max |grad - CP=1|" in text and "reference (one rank, no CP, no AC)" in text
