@@ -19,10 +19,10 @@ import torch
 from helpers import FAMILIES, HIDDEN
 
 from benchmarks import layer_step, saved_outputs
-from fla_ac_isolation.families import layer_fields
+from fla_ac_isolation.families import LAYERS, family_for_layer, layer_fields
 
 TOKENS, DOCS, ITERS = 192, 3, 3  # several 64-token chunks per document
-LAYER_FAMILY = {"gdn": "qwen3_5_moe", "mamba2": "nemotron_h"}
+LAYER_FAMILY = {layer: family_for_layer(layer).name for layer in LAYERS}  # the benchmark's layer of each kind
 SAVEABLE_MODES = {"isolated+save-core": ("gated_delta_rule", "ssd"),
                   "isolated+save-core+conv": ("gated_delta_rule", "ssd", "causal_conv1d")}
 
