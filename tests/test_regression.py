@@ -130,6 +130,42 @@ def test_spec_errors_name_the_field(change, message):
         RegressionSpec(**change).validate()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU defaults")
+def test_spec_resolves_its_own_defaults():
+    """Every default lives in the spec (the command passes its unset flags through): what ``regress`` and
+    ``regress --cp 2`` run on a CPU, from Python."""
+    spec = RegressionSpec()
+    assert (spec.ep, spec.steps, spec.device, spec.dtype, spec.hidden_size) == (2, 3, "cpu", "float32", 128)
+    assert (spec.backend, spec.kernels, spec.rank_env) == ("auto", "native", ())
+    cp = RegressionSpec(cp=2)
+    assert (cp.ep, cp.steps, cp.device, cp.dtype, cp.hidden_size) == (1, 2, "cpu", "float32", 64)
+    assert (cp.backend, cp.kernels, cp.rank_env) == ("fla", "interpreter", (("TRITON_INTERPRET", "1"),))
+    nemotron = RegressionSpec(model="nemotron_h", cp=2)  # head-parallel Mamba2: the reference ops, no interpreter
+    assert (nemotron.backend, nemotron.kernels, nemotron.rank_env) == ("auto", "native", ())
+    assert RegressionSpec(cp=2, backend="reference").kernels == "native"
+    cuda = RegressionSpec(device="cuda")
+    assert (cuda.dtype, cuda.hidden_size, cuda.kernels) == ("bfloat16", 512, "native")
+    with pytest.raises(ValueError, match=r"^device 'cuda' needs 2 CUDA devices \(one per rank\), found 0$"):
+        cuda.validate()
+
+
+def test_rank_setup_is_a_module_level_function_and_kernels_a_known_choice():
+    from fla_ac_isolation.testing.gpu import gpu_test_harness
+
+    spec = RegressionSpec(rank_setup=gpu_test_harness, device="cpu").validate()
+    assert spec.to_dict()["rank_setup"] == "fla_ac_isolation.testing.gpu:gpu_test_harness"
+    assert json.loads(json.dumps(spec.to_dict()))["rank_setup"] == "fla_ac_isolation.testing.gpu:gpu_test_harness"
+    for bad in (lambda: None, "fla_ac_isolation.testing.gpu:gpu_test_harness"):
+        with pytest.raises(ValueError, match=r"^rank_setup must be a module-level function \(it is pickled into "
+                                             r"every rank process\), got "):
+            RegressionSpec(rank_setup=bad).validate()
+    with pytest.raises(ValueError, match=r"^kernels must be 'auto' or one of \('native', 'interpreter'\), got 'gpu'$"):
+        RegressionSpec(kernels="gpu").validate()
+    with pytest.raises(ValueError, match=r"^kernels='interpreter' runs FLA's kernels under Triton's interpreter on a "
+                                         r"CPU; device must be 'cpu', got 'cuda'$"):
+        RegressionSpec(kernels="interpreter", device="cuda").validate()
+
+
 def test_no_ac_always_runs_first():
     assert RegressionSpec(modes=("isolated", "shared")).ordered_modes == ("no-ac", "shared", "isolated")
 
