@@ -1,4 +1,4 @@
-"""Fixtures only; shared helpers live in ``helpers.py`` (imported by the tests as ``from helpers import ...``)."""
+"""Fixtures only; shared helpers live in the ``helpers`` package (imported by the tests as ``from helpers import ...``)."""
 
 from __future__ import annotations
 
