@@ -3,7 +3,7 @@
 What follows from the degrees comes from here and nowhere else: the number of processes
 (:attr:`ParallelMesh.world`), where a rank sits (:meth:`ParallelMesh.coordinates`), and torch's
 ``DeviceMesh`` with one process group per dimension (:meth:`ParallelMesh.build`, through
-``torch.distributed.device_mesh``). It follows torchtitan 0.3's ``ParallelDims``
+``torch.distributed.device_mesh``, kept as one-dimensional meshes by name). It follows torchtitan 0.3's ``ParallelDims``
 (``torchtitan/distributed/parallel_dims.py``) where that fits a harness without FSDP or TP:
 
 * the ranks form a ``(pp, dp, cp)`` grid (torchtitan's dense order, without ``tp``), rank
@@ -109,11 +109,12 @@ class ParallelMesh:
             rank, coords[name] = divmod(rank, size)
         return {name: coords[name] for name in MESH_DIMS}
 
-    def build(self, device_type: str) -> Any:
-        """torch's ``DeviceMesh`` of this layout over the default process group, dimensions :data:`MESH_DIMS`
-        plus ``"dp_cp"`` (``dp`` and ``cp`` flattened: the ranks that sum a stage's gradients).
+    def build(self, device_type: str) -> dict[str, Any]:
+        """torch's ``DeviceMesh`` of this layout over the default process group, as its one-dimensional meshes by
+        name: :data:`MESH_DIMS` and ``"dp_cp"`` (``dp`` and ``cp`` flattened: the ranks that sum a stage's
+        gradients; torchtitan's ``loss`` mesh).
 
-        ``mesh["cp"].get_group()`` is this rank's CP group, ``mesh["dp_cp"].get_group()`` its gradient
+        ``build(...)["cp"].get_group()`` is this rank's CP group, ``build(...)["dp_cp"].get_group()`` its gradient
         reduction group. Every rank of the default group must call it (it creates process groups).
 
         Args:
@@ -130,5 +131,6 @@ class ParallelMesh:
             raise RuntimeError(f"the mesh {self.shape} of {MESH_DIMS} needs a default process group of "
                                f"{self.world} ranks, found {found}")
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-        mesh["dp", "cp"]._flatten("dp_cp")  # torch's way to a group over several dimensions (torchtitan's too)
-        return mesh
+        meshes = {name: mesh[name] for name in MESH_DIMS}
+        meshes["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp")  # torch's way to a group over several dimensions
+        return meshes

@@ -34,16 +34,19 @@ layer; each mixer calls ``.local()`` inside its own forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fla_ac_isolation.families import FAMILIES, Family
+from fla_ac_isolation.families import FAMILIES
 from fla_ac_isolation.parallel import CPConfig, cp_token_index, gather_unshard
 from fla_ac_isolation.regression.expert_parallel import MoEShape, build_moe
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
+
+if TYPE_CHECKING:
+    from fla_ac_isolation.families import Family
 
 __all__ = ["LAYOUTS", "ModelSize", "PackedAttention", "TinyDecoder", "build_model"]
 

@@ -41,7 +41,9 @@ __all__ = ["RankContext", "run_mode_on_rank", "setup_process"]
 @dataclass
 class RankContext:
     """Where this rank runs: its rank, the ranks' layout (:class:`~fla_ac_isolation.parallel.ParallelMesh`),
-    its device, and torch's ``DeviceMesh`` of that layout (``None`` on one rank, which has no process group).
+    its device, and torch's ``DeviceMesh`` of that layout as one-dimensional meshes by name
+    (:meth:`ParallelMesh.build <fla_ac_isolation.parallel.ParallelMesh.build>`; ``None`` on one rank, which has
+    no process group).
 
     Build it with :meth:`create` on every rank (the mesh's process groups are created collectively).
     """
@@ -49,7 +51,7 @@ class RankContext:
     rank: int
     mesh: ParallelMesh
     device: torch.device
-    device_mesh: Any = None
+    meshes: dict[str, Any] | None = None
 
     @classmethod
     def create(cls, rank: int, mesh: ParallelMesh, device: torch.device) -> RankContext:
@@ -69,12 +71,12 @@ class RankContext:
     @property
     def group(self) -> Any:
         """The group the harness sums gradients and statistics over (the mesh's ``dp_cp``); ``None`` on one rank."""
-        return None if self.device_mesh is None else self.device_mesh["dp_cp"].get_group()
+        return None if self.meshes is None else self.meshes["dp_cp"].get_group()
 
     @property
     def cp_group(self) -> Any:
         """This rank's context-parallel group (the mesh's ``cp``); ``None`` on one rank."""
-        return None if self.device_mesh is None else self.device_mesh["cp"].get_group()
+        return None if self.meshes is None else self.meshes["cp"].get_group()
 
 
 @dataclass
