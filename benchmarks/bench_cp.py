@@ -4,12 +4,12 @@ One Qwen3.5-MoE Gated DeltaNet mixer (``Qwen3_5MoeGatedDeltaNet``, backend ``fla
 and gated delta rule, bf16) per rank of a context-parallel (CP) group of ``--nproc`` ranks (default 2; NCCL, one
 GPU per rank). ``T`` packed tokens in total (``--tokens``, default 65536 and 262144) are cut across the ranks in
 FLA's layout (``--layout contiguous``, the default, and/or ``zigzag``): each rank holds ``T / W`` tokens. The
-documents (``--docs``, seeded lengths, ``bench_isolation.doc_lengths``) cross the rank cuts: every document
+documents (``--docs``, seeded lengths, ``layer_step.doc_lengths``) cross the rank cuts: every document
 layout is checked to hold at least one document with tokens on two ranks.
 
 Modes (``fla_ac_isolation.modes``; every mode but ``no-ac`` wraps the mixer in torch's non-reentrant
 checkpoint wrapper with torchtitan 0.3's op-level SAC policy, ``policies.torchtitan_selective``, as
-``bench_isolation.py`` does). Every mode gets the global offsets on the device and on the host
+``bench_isolation`` does). Every mode gets the global offsets on the device and on the host
 (``cu_seqlens_cpu``; CP metadata is computed on the host, and ``LayerLocalSeqlens`` refuses CP without them):
 
     no-ac           no checkpointing, ``SharedSeqlens(cp=...)``: the floor for time, the ceiling for memory
@@ -22,7 +22,7 @@ checkpoint wrapper with torchtitan 0.3's op-level SAC policy, ``policies.torchti
 
 Method. Per (tokens, layout) group each rank builds every mode's layer up front (one build from seed 0, so the
 same weights on every rank, deep-copied per mode) and 3 rotating input buffers ``[1, T / W, hidden]`` (seeded per
-rank) with one ``grad_out``. ``bench_isolation.measure`` then runs ``--warmup`` untimed iterations, one probe
+rank) with one ``grad_out``. ``layer_step.measure`` then runs ``--warmup`` untimed iterations, one probe
 step and one memory step per mode, and ``--iters`` timed iterations; each iteration runs every mode once, in
 an order rotated by the iteration index (iteration ``i`` starts at mode ``i % n_modes``), so every rank runs
 the same mode at the same time without exchanging anything. Each step builds new offsets (as a data loader
@@ -58,9 +58,9 @@ NVLink multicast stays off: ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MUL
 ``NVSHMEM_DISABLE_NVLS=1`` are set for every rank, overriding the environment). Under ``torchrun`` it uses
 the processes torchrun started (``--nproc``, if given, must equal the world size)::
 
-    python benchmarks/bench_cp.py --nproc 2 --first-config --lift-hopper-guard \\
+    python -m benchmarks.bench_cp --nproc 2 --first-config --lift-hopper-guard \\
         --json h200x2_cp_layer.json --png h200x2_cp_layer.png 2>&1 | tee h200x2_cp_layer.log
-    torchrun --nproc-per-node 2 benchmarks/bench_cp.py --first-config --lift-hopper-guard
+    torchrun --nproc-per-node 2 -m benchmarks.bench_cp --first-config --lift-hopper-guard
 
 Budget on 2 H200s (an estimate, not yet a measurement). ``bench_isolation`` measured this layer (hidden 2048,
 bf16, ``--first-config``) on one H200: no-ac 34 ms and SAC 42-46 ms per step at T = 32768, no-ac 129 ms and
@@ -76,15 +76,17 @@ autotunes every kernel (minutes more).
 
 ``--device cpu`` is a smoke test of this script, not a measurement: 2 gloo ranks (spawned with
 ``TRITON_INTERPRET=1`` in their environment, so FLA's kernels run in Triton's interpreter), FLA's CP kernels
-with the test-only shims of ``fla_ac_isolation.testing.cp_shims``, float32, and tiny default shapes (hidden
-32, i.e. 4 heads of 8; T = 128; 3 documents; 1 iteration, no warm-up). It times with ``time.perf_counter``
-after a barrier and reports host syncs and memory as 0. Under ``torchrun`` on a CPU, export
-``TRITON_INTERPRET=1`` first. It costs about 80 s of CPU with the defaults (measured: 12 interpreted steps of
-about 3 s per rank, plus about 5 s of imports per rank).
+through the seam's interpreter backend (``fla_ac_isolation.fla_seam.interpreter.cpu_cp_kernels``), float32,
+and tiny default shapes (hidden 32, i.e. 4 heads of 8; T = 128; 3 documents; 1 iteration, no warm-up). It
+times with ``time.perf_counter`` after a barrier and reports host syncs and memory as 0. Under ``torchrun`` on
+a CPU, export ``TRITON_INTERPRET=1`` first. It costs about 80 s of CPU with the defaults (measured: 12
+interpreted steps of about 3 s per rank, plus about 5 s of imports per rank).
 
 On Hopper with Triton < 3.7.1 FLA refuses the gated backward (its issue #640); ``--lift-hopper-guard`` sets
 FLA's flag on every rank, printing so. ``--first-config`` runs every Triton autotuner's first config only
-(``fla_ac_isolation.testing.autotune``): the same kernels in every mode, not the tuned ones.
+(``fla_ac_isolation.fla_seam.interpreter.first_autotune_config``): the same kernels in every mode, not the
+tuned ones. The rows, targets, table and JSON are ``benchmarks/cp_rows.py``; the measuring loop is
+``benchmarks/layer_step.py`` (shared with ``bench_isolation``).
 """
 
 from __future__ import annotations
@@ -94,25 +96,31 @@ import contextlib
 import copy
 import datetime
 import importlib.util
-import json
 import os
-import socket
-import statistics
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # bench_isolation, also in spawned ranks
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_isolation as iso
+from benchmarks.cp_rows import (
+    LAYER,
+    MODES,
+    CPRow,
+    build_rows,
+    crossing_documents,
+    document_layouts,
+    print_progress,
+    rank_cuts,
+    report,
+)
+from benchmarks.layer_step import NUM_BUFFERS, Step, build_layer, make_seqlens, measure, wrap_for_mode
+from fla_ac_isolation.environment import versions
+from fla_ac_isolation.families import layer_fields
+from fla_ac_isolation.regression.launch import environment_variables, free_port
+from fla_ac_isolation.regression.torchrun import under_torchrun
 
-MODES = ("no-ac", "shared", "isolated", "global-disable")
-LAYER = "gdn"  # the Qwen3.5-MoE Gated DeltaNet mixer (bench_isolation.build_layer)
-CP_SITES = "fla/ops/cp/"  # a host sync whose site holds this comes from FLA's CP code (metadata, communication)
 # NVLink multicast must stay off on the shared GPU hosts: set for every rank, whatever the environment says
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DEFAULTS = {  # per --device, for the flags left unset
@@ -120,87 +128,13 @@ DEFAULTS = {  # per --device, for the flags left unset
     "cpu": {"tokens": [128], "hidden": 32, "docs": 3, "iters": 1, "warmup": 0},
 }
 TIMEOUT_S = 300  # a collective waiting this long for a peer fails the run (a crashed or hung rank), in seconds
-TARGET_RATIO = 1.01  # isolated / shared, paired
-
-
-@dataclass
-class CPRow:
-    """One mode in one (tokens, layout) group, over every rank (see the module docstring for each field)."""
-
-    tokens: int  # T, packed tokens over all ranks
-    local_tokens: int  # T / W, per rank
-    layout: str
-    world: int  # CP degree W
-    docs: int
-    mode: str
-    median_ms: float  # of the step time: the slowest rank per iteration
-    p10_ms: float
-    p90_ms: float
-    x_shared: float | None
-    paired_x_shared: float | None
-    x_no_ac: float | None
-    paired_x_no_ac: float | None
-    rank_median_ms: list[float]  # per rank
-    peak_mib: list[float]  # per rank (0 on CPU)
-    held_mib: list[float]  # per rank (0 on CPU)
-    syncs_per_step: list[int]  # per rank (0 on CPU)
-    cp_syncs_per_step: list[int]  # per rank, sites in fla/ops/cp/
-    helper_computations_per_step: list[int]  # per rank
-    sync_sites: list[dict[str, int]]  # per rank, "file:line" -> count
-    step_ms: list[float] = field(default_factory=list)  # per iteration, the slowest rank
-    times_ms: list[list[float]] = field(default_factory=list)  # [rank][iteration]
-
-
-# ------------------------------------------------------------------------------------------- documents
-def rank_cuts(tokens: int, world: int, layout: str) -> list[int]:
-    """Global token positions ``t`` where token ``t - 1`` and token ``t`` are held by different ranks.
-
-    FLA's layouts (``fla_ac_isolation.parallel.cp_token_index``): ``contiguous`` cuts ``T`` into ``W`` equal
-    parts, part ``r`` on rank ``r``; ``zigzag`` into ``2W`` parts, parts ``r`` and ``2W - 1 - r`` on rank ``r``
-    (so its middle cut, between two parts of rank ``W - 1``, is not a rank cut).
-    """
-    parts = world if layout == "contiguous" else 2 * world
-    size = tokens // parts
-
-    def owner(part: int) -> int:
-        return part if part < world else 2 * world - 1 - part
-
-    return [k * size for k in range(1, parts) if owner(k - 1) != owner(k)]
-
-
-def crossing_documents(lens: list[int], cuts: list[int]) -> list[int]:
-    """Indices of the documents (lengths ``lens``, packed in order) holding tokens on both sides of a cut."""
-    crossing, start = [], 0
-    for i, length in enumerate(lens):
-        if any(start < cut < start + length for cut in cuts):
-            crossing.append(i)
-        start += length
-    return crossing
-
-
-def document_layouts(tokens: int, docs: int, world: int, layout: str) -> list[list[int]]:
-    """The group's ``NUM_BUFFERS`` document-length lists (``bench_isolation.doc_lengths``, seeds 0, 1, 2).
-
-    Raises:
-        ValueError: a list in which no document crosses a rank cut (every rank cut falls on a document
-            boundary), naming ``--docs``.
-    """
-    layouts = [iso.doc_lengths(tokens, docs, seed) for seed in range(iso.NUM_BUFFERS)]
-    cuts = rank_cuts(tokens, world, layout)
-    for seed, lens in enumerate(layouts):
-        if not crossing_documents(lens, cuts):
-            raise ValueError(
-                f"--docs {docs}: the document lengths of seed {seed} for --tokens {tokens} put a document boundary "
-                f"on every rank cut {cuts} ({layout} layout over {world} ranks), so no document crosses a rank; "
-                "choose another --docs"
-            )
-    return layouts
 
 
 # ---------------------------------------------------------------------------------------------- group
 @dataclass
 class CPGroup:
-    """What one (tokens, layout) group shares on one rank; the interface of ``bench_isolation.Group``."""
+    """What one (tokens, layout) group shares on one rank (a group of ``layer_step``; ``bench_isolation.Group``'s
+    interface)."""
 
     tokens: int
     layout: str
@@ -218,23 +152,23 @@ class CPGroup:
 
         from fla_ac_isolation.parallel import CPConfig
 
-        fields = iso.layer_fields(LAYER, args.hidden)
+        fields = layer_fields(LAYER, args.hidden)
         cp = CPConfig(group=dist.group.WORLD, layout=layout, conv_kernel_size=fields["linear_conv_kernel_dim"])
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         torch.manual_seed(0)
-        base = iso.build_layer(LAYER, args.hidden, dtype, device, backend="fla")
-        layers = {mode: iso.wrap_for_mode(copy.deepcopy(base), mode) for mode in modes}
+        base = build_layer(LAYER, args.hidden, dtype, device, backend="fla")
+        layers = {mode: wrap_for_mode(copy.deepcopy(base), mode) for mode in modes}
         torch.manual_seed(1 + cp.rank)
         shape = (1, cp.local_num_tokens(tokens), args.hidden)
-        inputs = [torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(iso.NUM_BUFFERS)]
+        inputs = [torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(NUM_BUFFERS)]
         grad_out = torch.randn(shape, device=device, dtype=dtype)
         lens = document_layouts(tokens, args.docs, cp.world_size, layout)
         return cls(tokens, layout, device, cp, layers, inputs, grad_out, lens)
 
-    def prepare(self, mode: str, i: int, layer: torch.nn.Module | None = None) -> iso.Step:
+    def prepare(self, mode: str, i: int, layer: torch.nn.Module | None = None) -> Step:
         """Iteration ``i``'s fresh GLOBAL offsets (device + host) for ``mode`` under CP, and its step."""
-        seqlens = iso.make_seqlens(mode, self.lens[i % iso.NUM_BUFFERS], self.device, with_host=True, cp=self.cp)
-        return iso.Step(layer or self.layers[mode], self.inputs[i % iso.NUM_BUFFERS], seqlens, self.grad_out)
+        seqlens = make_seqlens(mode, self.lens[i % NUM_BUFFERS], self.device, with_host=True, cp=self.cp)
+        return Step(layer or self.layers[mode], self.inputs[i % NUM_BUFFERS], seqlens, self.grad_out)
 
     def synchronize(self) -> None:
         """Wait for this rank's device, then for every rank (``dist.barrier``)."""
@@ -246,9 +180,9 @@ class CPGroup:
 
 
 def run_group_on_rank(tokens: int, layout: str, args: argparse.Namespace, device: str) -> dict:
-    """Measure one group on this rank (``bench_isolation.measure``); plain data for ``all_gather_object``."""
+    """Measure one group on this rank (``layer_step.measure``); plain data for ``all_gather_object``."""
     group = CPGroup.build(tokens, layout, args.modes, args, device)
-    times, memory, probes = iso.measure(group, args.modes, args.warmup, args.iters)
+    times, memory, probes = measure(group, args.modes, args.warmup, args.iters)
     cuts = rank_cuts(tokens, group.cp.world_size, layout)
     result = {
         "tokens": tokens, "layout": layout, "docs": args.docs, "local_tokens": group.inputs[0].shape[1],
@@ -262,121 +196,14 @@ def run_group_on_rank(tokens: int, layout: str, args: argparse.Namespace, device
     return result
 
 
-# ------------------------------------------------------------------------------------------------ rows
-def cp_syncs(sites: dict[str, int]) -> int:
-    """Host syncs of ``sites`` (``"file:line" -> count``) whose site is in FLA's CP code (:data:`CP_SITES`)."""
-    return sum(n for site, n in sites.items() if CP_SITES in site)
-
-
-def build_rows(per_rank: list[dict], modes: list[str]) -> list[CPRow]:
-    """One :class:`CPRow` per mode from every rank's :func:`run_group_on_rank` result (``per_rank[r]``: rank r)."""
-    first = per_rank[0]
-    iters = len(first["times"][modes[0]])
-    step = {mode: [max(r["times"][mode][i] for r in per_rank) for i in range(iters)] for mode in modes}
-    rows = []
-    for mode in modes:
-        probes = [r["probes"][mode] for r in per_rank]  # (syncs, sites, helper computations) per rank
-        rows.append(CPRow(
-            first["tokens"], first["local_tokens"], first["layout"], len(per_rank), first["docs"], mode,
-            *iso.step_statistics(step[mode], step),
-            rank_median_ms=[statistics.median(r["times"][mode]) for r in per_rank],
-            peak_mib=[r["memory"][mode][0] for r in per_rank], held_mib=[r["memory"][mode][1] for r in per_rank],
-            syncs_per_step=[p[0] for p in probes], cp_syncs_per_step=[cp_syncs(p[1]) for p in probes],
-            helper_computations_per_step=[p[2] for p in probes], sync_sites=[dict(p[1]) for p in probes],
-            step_ms=step[mode], times_ms=[list(r["times"][mode]) for r in per_rank],
-        ))
-    return rows
-
-
-def targets(rows: list[CPRow]) -> list[str]:
-    """The issue's targets per group, one line each with ``met`` / ``NOT met`` (lines need the modes they compare)."""
-    lines = []
-    for key in dict.fromkeys((r.tokens, r.layout) for r in rows):
-        by_mode = {r.mode: r for r in rows if (r.tokens, r.layout) == key}
-        name = f"T={key[0]} {key[1]}"
-        iso_row, disable = by_mode.get("isolated"), by_mode.get("global-disable")
-        if iso_row is None:
-            continue
-        if iso_row.paired_x_shared is not None:
-            ok = iso_row.paired_x_shared <= TARGET_RATIO
-            lines.append(f"{name}: isolated / shared (paired) = {iso_row.paired_x_shared:.3f}, target <= "
-                         f"{TARGET_RATIO}: {'met' if ok else 'NOT met'}")
-        if disable is not None and iso_row.paired_x_shared is not None and disable.paired_x_shared is not None:
-            ok = iso_row.paired_x_shared <= disable.paired_x_shared
-            lines.append(f"{name}: isolated {iso_row.paired_x_shared:.3f} vs global-disable "
-                         f"{disable.paired_x_shared:.3f} (paired x shared), target isolated <= global-disable: "
-                         f"{'met' if ok else 'NOT met'}")
-        ok = not any(iso_row.cp_syncs_per_step)
-        lines.append(f"{name}: host syncs from {CP_SITES} in isolated, per rank {iso_row.cp_syncs_per_step}, "
-                     f"target none: {'met' if ok else 'NOT met'}")
-    return lines
-
-
-# ---------------------------------------------------------------------------------------------- output
-def _per_rank(values: list, spec: str) -> str:
-    return " / ".join(format(v, spec) for v in values)
-
-
-def print_table(rows: list[CPRow], title: str) -> None:
-    """The rows as one rich table; per-rank columns read ``rank 0 / rank 1 / ...``."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for col in ("T", "T/rank", "layout", "mode", "median ms", "p10-p90 ms", "x shared (paired)", "x no-ac (paired)",
-                "rank medians ms", "peak MiB", "d peak vs shared", "syncs/step", "fla/ops/cp syncs",
-                "helper computations"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        shared = next((r for r in rows if (r.tokens, r.layout, r.mode) == (row.tokens, row.layout, "shared")), None)
-        d_peak = max(p - s for p, s in zip(row.peak_mib, shared.peak_mib)) if shared else None
-        table.add_row(
-            str(row.tokens), str(row.local_tokens), row.layout, row.mode, f"{row.median_ms:.3f}",
-            f"{row.p10_ms:.3f}-{row.p90_ms:.3f}", iso._fmt(row.paired_x_shared, ".3f"),
-            iso._fmt(row.paired_x_no_ac, ".3f"), _per_rank(row.rank_median_ms, ".3f"), _per_rank(row.peak_mib, ".1f"),
-            iso._fmt(d_peak, "+.2f"), _per_rank(row.syncs_per_step, "d"), _per_rank(row.cp_syncs_per_step, "d"),
-            _per_rank(row.helper_computations_per_step, "d"),
-        )
-    Console(width=250).print(table)
-
-
-def write_json(path: str, meta: dict, rows: list[CPRow], groups: list[dict]) -> None:
-    """``{"meta", "groups" (document layouts, rank cuts, crossing documents), "rows" (raw times included)}``."""
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "groups": groups, "rows": [asdict(r) for r in rows]}, f, indent=1)
-
-
-def report(rows: list[CPRow], groups: list[dict], args: argparse.Namespace, meta: dict) -> None:
-    """Rank 0: the table, the sync sites, the targets; ``--json`` and ``--png``."""
-    if args.json:
-        write_json(args.json, meta, rows, groups)
-    if args.png:
-        iso.plot(rows, args.png, label=lambda r: f"{LAYER} CP={r.world} {r.layout}")
-    smoke = " - CPU SMOKE TEST, not a measurement" if args.device == "cpu" else ""
-    print_table(rows, f"CP={meta['world']} {LAYER} layer step (forward + recompute + backward), {meta['dtype']}, "
-                      f"slowest rank per iteration, {args.iters} interleaved iterations{smoke}")
-    for row in rows:
-        for rank, sites in enumerate(row.sync_sites):
-            if sites:
-                print(f"sync sites T={row.tokens} {row.layout} {row.mode} rank {rank}: {sites}")
-    for line in targets(rows):
-        print(f"target {line}{' (CPU smoke: not a measurement)' if smoke else ''}")
-
-
 def run_meta(args: argparse.Namespace, world: int, launcher: str) -> dict:
     """What the JSON records about the run besides the rows."""
-    from importlib.metadata import PackageNotFoundError, version
-
     cuda = args.device == "cuda"
-    try:
-        fla_version = version("fla-core")
-    except PackageNotFoundError:
-        fla_version = "not installed as fla-core"
     return {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "world": world, "launcher": launcher,
         "process_group": "nccl" if cuda else "gloo", "kernels": "fla" if cuda else "fla (Triton interpreter)",
-        "dtype": "bfloat16" if cuda else "float32", "torch": torch.__version__, "fla-core": fla_version,
-        "layer": "Qwen3_5MoeGatedDeltaNet", "layer_fields": iso.layer_fields(LAYER, args.hidden),
+        "dtype": "bfloat16" if cuda else "float32", "versions": versions(),
+        "layer": "Qwen3_5MoeGatedDeltaNet", "layer_fields": layer_fields(LAYER, args.hidden),
         "policy": "policies.torchtitan_selective", "hidden": args.hidden, "docs": args.docs, "iters": args.iters,
         "warmup": args.warmup, "modes": args.modes, "layouts": args.layout, "tokens": args.tokens,
         "order": "interleaved; iteration i starts at mode i % len(modes), the same on every rank",
@@ -389,15 +216,15 @@ def run_meta(args: argparse.Namespace, world: int, launcher: str) -> dict:
 # ----------------------------------------------------------------------------------------------- ranks
 @contextlib.contextmanager
 def rank_harness(args: argparse.Namespace) -> Iterator[None]:
-    """CPU: one torch thread, FLA's CP kernels under the interpreter shims; CUDA: the requested GPU switches."""
-    if args.device == "cpu":
-        from fla_ac_isolation.testing.cp_shims import cpu_cp_harness
+    """CPU: one torch thread, FLA's CP kernels under the seam's interpreter backend; CUDA: the requested GPU
+    switches."""
+    from fla_ac_isolation.fla_seam.interpreter import cpu_cp_kernels, first_autotune_config
 
+    if args.device == "cpu":
         torch.set_num_threads(1)
-        with cpu_cp_harness():
+        with cpu_cp_kernels():
             yield
         return
-    from fla_ac_isolation.testing.autotune import first_autotune_config
     from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
 
     with (
@@ -439,34 +266,9 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, i
         dist.destroy_process_group()
 
 
-def print_progress(rows: list[CPRow]) -> list[CPRow]:
-    """One line per row as soon as its group is done (rank 0); returns ``rows``."""
-    for r in rows:
-        print(f"T={r.tokens} ({r.local_tokens}/rank) {r.layout} {r.mode}: {r.median_ms:.3f} ms (slowest rank), "
-              f"paired x shared {iso._fmt(r.paired_x_shared, '.3f')}, peak MiB {_per_rank(r.peak_mib, '.1f')}, "
-              f"syncs {_per_rank(r.syncs_per_step, 'd')} (fla/ops/cp: {_per_rank(r.cp_syncs_per_step, 'd')})",
-              flush=True)
-    return rows
-
-
 def _spawned_rank(index: int, world: int, port: int, args: argparse.Namespace) -> None:
     """Entry point of a rank started by :func:`spawn_ranks` (rank = local rank = ``index``)."""
     run_rank(index, world, index, args, f"tcp://127.0.0.1:{port}", "spawn")
-
-
-@contextlib.contextmanager
-def environment(env: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` updated with ``env`` inside the block (spawned processes copy it), restored after."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def spawn_ranks(args: argparse.Namespace) -> int:
@@ -478,13 +280,11 @@ def spawn_ranks(args: argparse.Namespace) -> int:
     """
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(NO_MULTICAST)
     if args.device == "cpu":
         env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    with environment(env):
+    with environment_variables(tuple(env.items())):
         try:
             mp.spawn(_spawned_rank, args=(args.nproc, port, args), nprocs=args.nproc, join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
@@ -494,11 +294,6 @@ def spawn_ranks(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------- arguments
-def under_torchrun() -> bool:
-    """Whether this process is a rank that ``torchrun`` started."""
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -550,7 +345,7 @@ def _check_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.iters < 1 or args.warmup < 0:
         parser.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     try:
-        conv = iso.layer_fields(LAYER, args.hidden)["linear_conv_kernel_dim"]
+        conv = layer_fields(LAYER, args.hidden)["linear_conv_kernel_dim"]
     except ValueError as err:
         parser.error(str(err))
     if args.docs < 1:

@@ -5,9 +5,10 @@ torchtitan's MoE and all-to-all dispatcher, FLA kernels, bf16) for ``--steps`` A
 the torchtitan / prime-rl SAC rule (``save-d2h-copies``, under which the shared path runs), and prints the
 median forward + backward time of the slowest rank per mode, skipping the first two steps (compilation,
 and the data schedule's deliberately sparse step 1). Test-harness switches (FLA's #640 Hopper guard,
-first-config autotuning) are applied through ``rank_setup`` and printed by the ranks.
+first-config autotuning) are applied through ``rank_setup`` (``testing.gpu.gpu_test_harness``) and printed
+by the ranks.
 
-    python benchmarks/bench_ep_step.py --steps 8 --json ep_step.json
+    python -m benchmarks.bench_ep_step --steps 8 --json ep_step.json
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 def main(argv=None) -> int:
     from fla_ac_isolation.regression import RegressionSpec, run_regression
+    from fla_ac_isolation.testing.gpu import gpu_test_harness
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3_5_moe")
@@ -33,7 +35,7 @@ def main(argv=None) -> int:
     spec = RegressionSpec(
         model=args.model, ep=2, steps=args.steps, ac="selective", policy=args.policy, backend="fla",
         device="cuda", dtype="bfloat16", hidden_size=512, num_experts=16, top_k=4, timeout_s=300,
-        rank_setup="fla_ac_isolation.testing.gpu:gpu_test_harness",
+        rank_setup=gpu_test_harness,
         modes=("no-ac", "shared", "isolated", "global-disable"),
     )
     result = run_regression(spec)

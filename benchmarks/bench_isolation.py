@@ -54,13 +54,13 @@ Per row (one mode in one group):
 
 Run on a CUDA machine (the defaults are the H200 shapes: hidden 2048, T = 32768 and 131072, 8 documents)::
 
-    python benchmarks/bench_isolation.py --first-config --lift-hopper-guard --json bench.json --png bench.png
+    python -m benchmarks.bench_isolation --first-config --lift-hopper-guard --json bench.json --png bench.png
 
 The saveable-ops table and the recompute profile (issue 16), one command, about 4 minutes on one H200
 (estimated from the measured budget below: ~70 s start-up, ~2.5 s per iteration with these 4 modes, then
 3 profiled steps per group)::
 
-    python benchmarks/bench_isolation.py --first-config --lift-hopper-guard --iters 30 --warmup 3 \
+    python -m benchmarks.bench_isolation --first-config --lift-hopper-guard --iters 30 --warmup 3 \
         --modes no-ac isolated isolated+save-core isolated+save-core+conv --profile \
         --json h200_saveable_ops.json --png h200_saveable_ops.png 2>&1 | tee h200_saveable_ops.log
 
@@ -83,36 +83,35 @@ sets FLA's flag for this process, printing so. Every mode runs the same kernels,
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import copy
-import importlib.util
-import itertools
 import json
-import statistics
-import sys
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import recompute_profile, saved_outputs
+from benchmarks.charts import plot
+from benchmarks.layer_step import (
+    NUM_BUFFERS,
+    SAVED,
+    Step,
+    base_mode,
+    build_layer,
+    cache_context,
+    doc_lengths,
+    fmt,
+    make_seqlens,
+    measure,
+    step_statistics,
+    wrap_for_mode,
+)
+from fla_ac_isolation.environment import versions
+from fla_ac_isolation.families import layer_fields
+
 MODES = ("no-ac", "shared", "isolated", "isolated+cpu", "isolated-no-indices", "global-disable", "isolated+save-core",
          "isolated+save-core+conv")
-COLORS = {
-    "no-ac": "#999999", "shared": "#e63946", "isolated": "#2a9d8f", "isolated+cpu": "#52b788",
-    "isolated-no-indices": "#457b9d", "global-disable": "#f4a261", "isolated+save-core": "#6a4c93",
-    "isolated+save-core+conv": "#b5838d",
-}
-# the saveable modes: the FLA operations each saves (save_fla_ops names; a layer runs one of the two cores)
-SAVED = {
-    "isolated+save-core": ("gated_delta_rule", "ssd"),
-    "isolated+save-core+conv": ("gated_delta_rule", "ssd", "causal_conv1d"),
-}
-MIB = 2**20
-NUM_BUFFERS = 3  # rotating inputs (and document layouts) per group
 
 
 @dataclass
@@ -137,170 +136,7 @@ class Row:
     times_ms: list[float] = field(default_factory=list)  # every timed step, in iteration order
 
 
-# ----------------------------------------------------------------------------------------------- layers
-def layer_fields(kind: str, hidden: int) -> dict[str, int]:
-    """Config fields of the benchmarked mixer, derived from ``hidden`` (the model width ``D``).
-
-    GDN: head dims ``K = V = min(128, D // 4)``, ``D // K`` key heads and as many value heads (hidden 2048:
-    16 heads of 128). Mamba2: head dim ``P = min(64, D // 4)``, ``H = 2 * D // P`` heads (``H * P = expand *
-    D``, expand 2), ``G = min(8, H)`` groups, state ``N = min(128, D)`` (hidden 2048: 64 heads of 64, 8
-    groups, state 128). Hidden 64 gives 4 GDN heads of 16 and 8 Mamba2 heads of 16.
-
-    Raises:
-        ValueError: ``hidden`` does not split into whole heads, or ``kind`` is unknown.
-    """
-    if hidden < 16 or hidden % 4:
-        raise ValueError(f"--hidden must be a multiple of 4 and at least 16, got {hidden}")
-    if kind == "gdn":
-        head_dim = min(128, hidden // 4)
-        if hidden % head_dim:
-            raise ValueError(f"--hidden {hidden} does not split into GDN heads of {head_dim}")
-        heads = hidden // head_dim
-        return dict(
-            hidden_size=hidden, linear_num_key_heads=heads, linear_num_value_heads=heads,
-            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
-        )
-    if kind == "mamba2":
-        head_dim = min(64, hidden // 4)
-        if (2 * hidden) % head_dim:
-            raise ValueError(f"--hidden {hidden} does not split into Mamba2 heads of {head_dim}")
-        heads = 2 * hidden // head_dim
-        groups = min(8, heads)
-        if heads % groups:
-            raise ValueError(f"--hidden {hidden} gives {heads} Mamba2 heads, not a multiple of {groups} groups")
-        return dict(
-            hidden_size=hidden, mamba_num_heads=heads, mamba_head_dim=head_dim, ssm_state_size=min(128, hidden),
-            n_groups=groups, conv_kernel=4, expand=2, chunk_size=64,
-        )
-    raise ValueError(f"unknown layer kind {kind!r}")
-
-
-def build_layer(kind: str, hidden: int, dtype: torch.dtype, device: str, backend: str = "fla", saveable: bool = False):
-    """One mixer (``gdn``: Qwen3.5-MoE GDN, ``mamba2``: Nemotron-H Mamba2) with the shapes of :func:`layer_fields`."""
-    fields = layer_fields(kind, hidden)
-    if kind == "gdn":
-        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-
-        from fla_ac_isolation.mixers import Qwen3_5MoeGatedDeltaNet
-
-        config = Qwen3_5MoeTextConfig(**fields)
-        layer = Qwen3_5MoeGatedDeltaNet(config, layer_idx=0, backend=backend, saveable=saveable)
-    else:
-        from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
-
-        from fla_ac_isolation.mixers import NemotronHMamba2Mixer
-
-        layer = NemotronHMamba2Mixer(NemotronHConfig(**fields), layer_idx=0, backend=backend, saveable=saveable)
-    return layer.to(device=device, dtype=dtype)
-
-
-def mode_policy(mode: str):
-    """The SAC policy of a checkpointed mode: torchtitan's, plus ``save_fla_ops`` for the saveable modes."""
-    from fla_ac_isolation.policies import any_of, save_fla_ops, torchtitan_selective
-
-    if mode in SAVED:
-        return any_of(save_fla_ops(SAVED[mode]), torchtitan_selective())
-    return torchtitan_selective()
-
-
-def wrap_for_mode(layer: torch.nn.Module, mode: str, marker: Callable | None = None) -> torch.nn.Module:
-    """``layer`` itself for ``no-ac``; otherwise a non-reentrant checkpoint wrapper with :func:`mode_policy`.
-
-    ``marker`` (``recompute_profile.marked`` with a synchronisation bound) wraps the ``context_fn`` for
-    profiling.
-    """
-    if mode == "no-ac":
-        return layer
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-    from fla_ac_isolation.policies import sac_context_fn
-
-    context_fn = sac_context_fn(mode_policy(mode))
-    if marker is not None:
-        context_fn = marker(context_fn)
-    return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=context_fn)
-
-
-def sibling(name: str):
-    """A script of this directory as a module (``saved_outputs``, ``recompute_profile``), loaded once."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-# --------------------------------------------------------------------------------------------- seqlens
-def doc_lengths(tokens: int, docs: int, seed: int) -> list[int]:
-    """``docs`` document lengths (tokens, each >= 1) summing to ``tokens``, cut at seeded random points."""
-    g = torch.Generator().manual_seed(seed)
-    cuts = sorted(torch.randint(1, tokens, (docs - 1,), generator=g).tolist())
-    bounds = [0, *cuts, tokens]
-    return [b - a for a, b in itertools.pairwise(bounds)]
-
-
-# the benchmark's variants of the isolated mode: extra keywords for LayerLocalSeqlens
-VARIANTS = {
-    "isolated+cpu": ("isolated", {"with_host": True}),
-    "isolated-no-indices": ("isolated", {"chunk_indices": False}),
-    "isolated+save-core": ("isolated", {}),
-    "isolated+save-core+conv": ("isolated", {}),
-}
-
-
-def base_mode(mode: str):
-    """The :class:`fla_ac_isolation.modes.Mode` a benchmark mode runs (its variants run ``isolated``)."""
-    from fla_ac_isolation.modes import get_mode
-
-    return get_mode(VARIANTS.get(mode, (mode, {}))[0])
-
-
-def make_seqlens(mode: str, lens: list[int], device: str, *, with_host: bool = False, **kwargs: Any):
-    """New offsets for one step of ``mode`` (see the module docstring), as a loader would build them.
-
-    ``with_host``: the loader also hands over the host offsets (``cu_seqlens_cpu``, as ``isolated+cpu``
-    does; needed under context parallelism). ``kwargs``: more keywords of ``LayerLocalSeqlens`` (``cp=``).
-    """
-    host = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    options = dict(VARIANTS.get(mode, (mode, {}))[1])
-    if options.pop("with_host", False) or with_host:
-        options["cu_seqlens_cpu"] = host
-    return base_mode(mode).seqlens(host.to(device), **options, **kwargs)
-
-
-def cache_context(mode: str):
-    """The mode's FLA cache context: ``tensor_cache_disabled()`` for ``global-disable``, else a no-op."""
-    return base_mode(mode).cache_context()
-
-
-def rotated(modes: list[str], i: int) -> list[str]:
-    """The order of iteration ``i``: ``modes`` starting at index ``i % len(modes)``."""
-    k = i % len(modes)
-    return modes[k:] + modes[:k]
-
-
-# ----------------------------------------------------------------------------------------------- group
-@dataclass
-class Step:
-    """One layer step: ``forward()`` returns the output, ``backward(out)`` runs recompute + backward."""
-
-    layer: torch.nn.Module
-    x: torch.Tensor
-    seqlens: Any
-    grad_out: torch.Tensor
-
-    def forward(self) -> torch.Tensor:
-        return self.layer(self.x, seqlens=self.seqlens)
-
-    def backward(self, out: torch.Tensor) -> None:
-        out.backward(self.grad_out)
-        self.x.grad = None
-
-    def __call__(self) -> None:
-        self.backward(self.forward())
-
-
+# ------------------------------------------------------------------------------------------------ group
 @dataclass
 class Group:
     """Everything one (layer, tokens) group shares: per-mode layers, inputs, ``grad_out``, document layouts."""
@@ -340,113 +176,18 @@ class Group:
             torch.cuda.synchronize()
 
 
-# ------------------------------------------------------------------------------------- measuring a step
-def warm_step(group: Group, mode: str, i: int) -> None:
-    """One untimed step of ``mode`` (inside ``tensor_cache_disabled()`` for ``global-disable``)."""
-    with cache_context(mode):
-        group.prepare(mode, i)()
-
-
-def time_step(group: Group, mode: str, i: int) -> float:
-    """Milliseconds of one step of ``mode`` (CUDA events on a GPU, ``time.perf_counter`` on CPU).
-
-    ``group`` is a :class:`Group` or anything with its ``prepare``, ``device`` and ``synchronize``
-    (``bench_cp.CPGroup``); so are the other ``*_step`` functions' and :func:`measure`'s.
-    """
-    with cache_context(mode):
-        step = group.prepare(mode, i)
-        group.synchronize()  # Group: the device (nothing on CPU); a CP group adds a barrier of its ranks
-        if group.device == "cpu":
-            start = time.perf_counter()
-            step()
-            return (time.perf_counter() - start) * 1e3
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        return begin.elapsed_time(end)
-
-
-def probe_step(group: Group, mode: str, i: int) -> tuple[int, dict[str, int], int]:
-    """One untimed step of ``mode``: ``(host syncs, {"file:line": syncs}, FLA helper computations)``.
-
-    Host syncs are counted only on CUDA (0 on CPU).
-    """
-    from fla_ac_isolation.fla_cache import probe_tensor_cache
-    from fla_ac_isolation.testing.gpu import host_sync_sites
-
-    with cache_context(mode):
-        step = group.prepare(mode, i)
-        group.synchronize()
-        syncs = host_sync_sites() if group.device != "cpu" else contextlib.nullcontext([])
-        with syncs as sites, probe_tensor_cache() as probe:
-            step()
-        group.synchronize()
-    return len(sites), dict(collections.Counter(sites)), probe.misses + probe.bypasses
-
-
-def memory_step(group: Group, mode: str, i: int) -> tuple[float, float]:
-    """``(peak, held)`` MiB of one untimed step of ``mode`` above what was allocated before it (0, 0 on CPU).
-
-    ``held``: allocated after the forward, before the backward (what the layer keeps for its backward, its
-    output included); ``peak``: the step's maximum.
-    """
-    with cache_context(mode):
-        step = group.prepare(mode, i)
-        if group.device == "cpu":
-            step()
-            return 0.0, 0.0
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = step.forward()
-        torch.cuda.synchronize()
-        held = (torch.cuda.memory_allocated() - base) / MIB
-        step.backward(out)
-        del out
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / MIB, held
-
-
 def profile_step(group: Group, mode: str, i: int) -> dict:
     """The recompute's per-kernel breakdown of one step of checkpointed ``mode`` (``recompute_profile``)."""
-    profiler = sibling("recompute_profile")
     layer = group.layers[mode]
-    marker = lambda context_fn: profiler.marked(context_fn, group.synchronize)  # noqa: E731
+    marker = lambda context_fn: recompute_profile.marked(context_fn, group.synchronize)  # noqa: E731
     profiled = wrap_for_mode(layer._checkpoint_wrapped_module, mode, marker)  # same weights, marked recompute
     with cache_context(mode):
         step = group.prepare(mode, i, layer=profiled)
         group.synchronize()
-        return profiler.profile(step, group.device)
+        return recompute_profile.profile(step, group.device)
 
 
 # ----------------------------------------------------------------------------------------- one group
-def measure(group, modes: list[str], warmup: int, iters: int) -> tuple[dict, dict, dict]:
-    """Warm up, probe, measure memory and time every mode of ``group``, interleaved (:func:`rotated`).
-
-    ``warmup`` untimed iterations, one probe step and one memory step per mode, then ``iters`` timed
-    iterations; each iteration runs every mode once, starting at mode ``i % len(modes)``, so every process
-    that calls this with the same arguments runs the same modes in the same order.
-
-    Returns:
-        ``(times, memory, probes)`` keyed by mode: step times in ms in iteration order (:func:`time_step`),
-        ``(peak, held)`` MiB (:func:`memory_step`), ``(host syncs, {"file:line": syncs}, FLA helper
-        computations)`` (:func:`probe_step`).
-    """
-    for i in range(warmup):
-        for mode in rotated(modes, i):
-            warm_step(group, mode, i)
-    group.synchronize()
-    probes = {mode: probe_step(group, mode, 0) for mode in modes}
-    memory = {mode: memory_step(group, mode, 1) for mode in modes}
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
-    for i in range(iters):
-        for mode in rotated(modes, i):
-            times[mode].append(time_step(group, mode, i))
-    return times, memory, probes
-
-
 def run_group(kind: str, tokens: int, docs: int, modes: list[str], args) -> tuple[list[Row], list[dict]]:
     """Warm up, probe, measure memory and time every mode of one group, interleaved; profile on request.
 
@@ -454,19 +195,14 @@ def run_group(kind: str, tokens: int, docs: int, modes: list[str], args) -> tupl
     """
     group = Group.build(kind, tokens, docs, modes, args)
     times, memory, probes = measure(group, modes, args.warmup, args.iters)
-    saved = {mode: sibling("saved_outputs").saved_mib(kind, tokens, args.hidden, SAVED.get(mode, ())) for mode in modes}
+    saved = {mode: saved_outputs.saved_mib(kind, tokens, args.hidden, SAVED.get(mode, ())) for mode in modes}
     rows = [summarise(group, mode, times, memory[mode], saved[mode], probes[mode]) for mode in modes]
     profiles = []
     if args.profile:
         for mode in modes:
-            if mode != "no-ac":
+            if base_mode(mode).checkpointed:
                 profiles.append({"layer": kind, "tokens": tokens, "mode": mode, **profile_step(group, mode, 2)})
     return rows, profiles
-
-
-def paired_ratio(times: list[float], reference: list[float]) -> float:
-    """Median over iterations of ``times[i] / reference[i]`` (both in the same unit, one per iteration)."""
-    return statistics.median(t / r for t, r in zip(times, reference, strict=True))
 
 
 def summarise(group: Group, mode: str, times: dict[str, list[float]], memory: tuple[float, float],
@@ -478,27 +214,7 @@ def summarise(group: Group, mode: str, times: dict[str, list[float]], memory: tu
                saved_mib, syncs, computations, sites, list(times[mode]))
 
 
-def step_statistics(mine: list[float], times: dict[str, list[float]]) -> tuple:
-    """``(median, p10, p90, x_shared, paired_x_shared, x_no_ac, paired_x_no_ac)`` of step times ``mine`` (ms).
-
-    ``times`` holds every mode's step times of the group (one per iteration, same order); the ratios
-    against a mode missing from it are ``None``. The percentiles interpolate linearly within the data
-    (``statistics.quantiles(method="inclusive")``); with one sample both are that sample.
-    """
-    median = statistics.median(mine)
-    q = statistics.quantiles(mine, n=10, method="inclusive") if len(mine) > 1 else [median]
-    ratios = []
-    for reference in ("shared", "no-ac"):
-        other = times.get(reference)
-        ratios += [median / statistics.median(other), paired_ratio(mine, other)] if other else [None, None]
-    return (median, q[0], q[-1], *ratios)
-
-
 # --------------------------------------------------------------------------------------------- output
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _same_group(rows: list[Row], row: Row, mode: str) -> Row | None:
     return next((r for r in rows if (r.layer, r.tokens, r.mode) == (row.layer, row.tokens, mode)), None)
 
@@ -516,36 +232,12 @@ def print_table(rows: list[Row], title: str) -> None:
         shared, isolated = _same_group(rows, row, "shared"), _same_group(rows, row, "isolated")
         table.add_row(
             row.layer, str(row.tokens), row.mode, f"{row.median_ms:.3f}", f"{row.p10_ms:.3f}-{row.p90_ms:.3f}",
-            _fmt(row.paired_x_shared, ".3f"), _fmt(row.paired_x_no_ac, ".3f"), f"{row.peak_mib:.1f}",
-            _fmt(row.peak_mib - shared.peak_mib if shared else None, "+.2f"), f"{row.held_mib:.1f}",
-            _fmt(row.held_mib - isolated.held_mib if isolated else None, "+.2f"), f"{row.saved_outputs_mib:.1f}",
+            fmt(row.paired_x_shared, ".3f"), fmt(row.paired_x_no_ac, ".3f"), f"{row.peak_mib:.1f}",
+            fmt(row.peak_mib - shared.peak_mib if shared else None, "+.2f"), f"{row.held_mib:.1f}",
+            fmt(row.held_mib - isolated.held_mib if isolated else None, "+.2f"), f"{row.saved_outputs_mib:.1f}",
             str(row.syncs_per_step), str(row.helper_computations_per_step),
         )
     Console(width=240).print(table)
-
-
-def plot(rows: list, path: str, label: Callable[[Any], str] = lambda row: row.layer) -> None:
-    """One panel per (``label(row)``, tokens) group, one bar per mode (median ms per step).
-
-    ``rows``: :class:`Row` s or any rows with ``tokens``, ``mode`` and ``median_ms`` (``label`` names the
-    group; by default the layer).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sorted({(label(r), r.tokens) for r in rows})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 3.8), squeeze=False)
-    for ax, (layer, tokens) in zip(axes[0], groups):
-        sub = [r for r in rows if label(r) == layer and r.tokens == tokens]
-        ax.bar([r.mode for r in sub], [r.median_ms for r in sub], color=[COLORS[r.mode] for r in sub])
-        ax.set_title(f"{layer}, T={tokens}")
-        ax.set_ylabel("median ms / step")
-        ax.tick_params(axis="x", rotation=35)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -606,7 +298,7 @@ def parse_args(argv) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from fla_ac_isolation.testing.autotune import first_autotune_config
+    from fla_ac_isolation.fla_seam.interpreter import first_autotune_config
     from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
 
     rows: list[Row] = []
@@ -621,7 +313,7 @@ def main(argv=None) -> int:
                 group_rows, group_profiles = run_group(kind, tokens, args.docs, args.modes, args)
                 for row in group_rows:
                     print(f"{kind} T={tokens} {row.mode}: {row.median_ms:.3f} ms, paired x shared "
-                          f"{_fmt(row.paired_x_shared, '.3f')}, paired x no-ac {_fmt(row.paired_x_no_ac, '.3f')}, "
+                          f"{fmt(row.paired_x_shared, '.3f')}, paired x no-ac {fmt(row.paired_x_no_ac, '.3f')}, "
                           f"held {row.held_mib:.1f} MiB, {row.syncs_per_step} syncs, "
                           f"{row.helper_computations_per_step} helper computations", flush=True)
                 rows += group_rows
@@ -629,7 +321,7 @@ def main(argv=None) -> int:
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     meta: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-        "backend": "reference" if args.device == "cpu" else "fla", "dtype": dtype, "torch": torch.__version__,
+        "backend": "reference" if args.device == "cpu" else "fla", "dtype": dtype, "versions": versions(),
         "hidden": args.hidden, "docs": args.docs, "iters": args.iters, "warmup": args.warmup,
         "modes": args.modes, "order": "interleaved; iteration i starts at mode i % len(modes)",
         "first_config": args.first_config, "hopper_guard_lifted": args.lift_hopper_guard,
@@ -649,7 +341,7 @@ def main(argv=None) -> int:
                       f"{args.iters} interleaved iterations{smoke}")
     for entry in profiles:
         title = f"{entry['layer']} T={entry['tokens']} {entry['mode']}"
-        print(sibling("recompute_profile").format_breakdown(title, entry))
+        print(recompute_profile.format_breakdown(title, entry))
     return 0
 
 

@@ -1,50 +1,39 @@
 """What ``policies.save_fla_ops`` keeps per layer: the outputs of each saveable FLA operator, in MiB.
 
 The sizes are those of the ``fla`` backend's custom operators (``fla_seam.custom_ops``) at the benchmark's
-layer shapes (``bench_isolation.layer_fields``), in bf16: each operator's fake kernel is run under
+layer shapes (``fla_ac_isolation.families.layer_fields``), in bf16: each operator's fake kernel is run under
 ``FakeTensorMode`` on inputs shaped as the mixer hands them, so nothing is allocated and no GPU is needed.
 They are exact: a checkpointed layer under ``save_fla_ops(ops)`` holds these tensors, and only these, from
 its forward to its backward (more than without saving; the step's peak, set in the backward, need not move).
 
-    python benchmarks/saved_outputs.py                 # the two tables of docs/benchmarks.md
-    python benchmarks/saved_outputs.py --tokens 8192 --hidden 1024
+    python -m benchmarks.saved_outputs                 # the two tables of docs/benchmarks.md
+    python -m benchmarks.saved_outputs --tokens 8192 --hidden 1024
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
+
+from fla_ac_isolation.families import layer_fields
 
 MIB = 2**20
 OPERATIONS = ("gated_delta_rule", "ssd", "causal_conv1d")  # the names save_fla_ops takes
 CORE = {"gdn": "gated_delta_rule", "mamba2": "ssd"}
 
 
-def _bench():
-    """``bench_isolation`` (the layer shapes), loaded from this directory."""
-    if "bench_isolation" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_isolation", Path(__file__).with_name("bench_isolation.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["bench_isolation"]
-
-
 def output_bytes(kind: str, tokens: int, hidden: int) -> dict[str, dict[str, int]]:
     """``{operation: {output name: bytes}}`` of one ``kind`` layer (``gdn`` | ``mamba2``) on ``tokens`` packed tokens.
 
     Raises:
-        ValueError: ``kind`` or ``hidden`` not accepted by ``bench_isolation.layer_fields``.
+        ValueError: ``kind`` or ``hidden`` not accepted by :func:`fla_ac_isolation.families.layer_fields`.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import fla_ac_isolation.fla_seam.custom_ops  # noqa: F401  (registers the operators)
 
-    fields = _bench().layer_fields(kind, hidden)
+    fields = layer_fields(kind, hidden)
     ops, bf16 = torch.ops.fla_ac_isolation, torch.bfloat16
     with FakeTensorMode():
         cu = torch.tensor([0, tokens], dtype=torch.int32)
@@ -110,7 +99,7 @@ def main(argv=None) -> int:
                         help="packed tokens per layer call (per GPU), one table column each")
     parser.add_argument(
         "--hidden", type=int, default=2048,
-        help="model width D; the heads follow it as in bench_isolation.layer_fields: GDN head dims "
+        help="model width D; the heads follow it as in fla_ac_isolation.families.layer_fields: GDN head dims "
              "K = V = min(128, D/4) with D/K key heads and as many value heads; Mamba2 head dim P = min(64, D/4), "
              "H = 2D/P heads, min(8, H) groups, state min(128, D) (default 2048: GDN 16 heads of 128, Mamba2 64 "
              "heads of 64). Other head layouts: use the per-token formulas of docs/benchmarks.md",

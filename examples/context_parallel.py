@@ -33,11 +33,12 @@ On a CPU, FLA's CP kernels need two things, both in place in each rank before it
 * ``TRITON_INTERPRET=1``, so that Triton's interpreter runs FLA's kernels on the CPU (slowly: hence the
   tiny shapes). Triton reads it when it is first imported, so it is set at the top of this file; the
   ranks inherit it and re-import this file first.
-* ``fla_ac_isolation.testing.cp_shims.cpu_cp_harness()``, entered by each rank: test support, not
-  library code. FLA's CP code refuses non-CUDA devices and gloo rejects its all-gather layout; inside the
-  ``with`` block the harness patches both (and the interpreter's comparison dtype). It exists only to run
-  FLA's CP kernels on a CPU. On GPUs with NCCL, leave out both it and ``TRITON_INTERPRET``; the rest is
-  unchanged apart from the device (the GPU form is in docs/context-parallel.md).
+* ``fla_ac_isolation.fla_seam.interpreter.cpu_cp_kernels()``, entered by each rank: the seam's interpreter
+  backend (what ``fla-ac-isolation regress --cp 2`` enters on a CPU too). FLA's CP code refuses non-CUDA
+  devices and gloo rejects its all-gather layout; inside the ``with`` block the backend patches both (and
+  the interpreter's autotuning, loop variables and comparison dtype). It exists only to run FLA's CP
+  kernels on a CPU. On GPUs with NCCL, leave out both it and ``TRITON_INTERPRET``; the rest is unchanged
+  apart from the device (the GPU form is in docs/context-parallel.md).
 
 Run: ``python examples/context_parallel.py`` (about 22 s on a 2-core CPU; it spawns its two ranks itself).
 """
@@ -65,11 +66,11 @@ from transformers import Qwen3_5MoeTextConfig
 
 from fla_ac_isolation import LayerLocalSeqlens
 from fla_ac_isolation.failures import first_line
+from fla_ac_isolation.fla_seam.interpreter import cpu_cp_kernels  # FLA's CP kernels on a CPU (the interpreter)
 from fla_ac_isolation.mixers import Qwen3_5MoeGatedDeltaNet
 from fla_ac_isolation.modes import FieldCPSeqlens
 from fla_ac_isolation.parallel import CPConfig, shard_packed_batch
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
-from fla_ac_isolation.testing.cp_shims import cpu_cp_harness  # test support: FLA's CP kernels on a CPU
 
 DOC_LENS = [10, 0, 20, 70, 28]  # 128 tokens; zigzag: rank 0 holds tokens 0-31 and 96-127, rank 1 tokens 32-95
 VOCAB, HIDDEN, WORLD = 128, 32, 2
@@ -173,14 +174,15 @@ def cp2_step(mode: str, group: dist.ProcessGroup) -> tuple[float, dict[str, torc
 
 
 def _rank(rank: int, port: int, reference: dict[str, torch.Tensor], queue) -> None:
-    """One CP rank (spawned): the interpreter, a gloo group, the CPU harness, then the three CP=2 steps."""
+    """One CP rank (spawned): the interpreter, a gloo group, the seam's interpreter backend, then the three
+    CP=2 steps."""
     warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
     group, results, no_ac = dist.group.WORLD, {}, None
     try:
-        with cpu_cp_harness():
+        with cpu_cp_kernels():
             for name, mode in RUNS.items():
                 try:
                     loss, grads = cp2_step(mode, group)

@@ -8,6 +8,8 @@ by the benchmarks (their JSON files). Nothing here renders; everything returns p
 * :func:`torch_features` - what each known feature needs from torch, and whether this torch has it.
 * :func:`sac_replay_semantics` - ``"(op, index)"`` (torch >= 2.13) or ``"per-op FIFO"`` (2.11/2.12).
 * :func:`environment_report` - all of the above, with the device and FLA's cache state, as ``{label: text}``.
+* :func:`resolve_device` - what ``device="auto"`` means in every command and spec: ``cuda`` when enough GPUs
+  are visible for the ranks, else ``cpu``; and the check that a ``cuda`` run has its GPUs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "TorchFeature",
     "environment_report",
     "missing_torch_features",
+    "resolve_device",
     "sac_replay_semantics",
     "torch_features",
     "versions",
@@ -119,6 +122,26 @@ def versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return out
+
+
+def resolve_device(device: str, ranks: int = 1) -> str:
+    """``"cpu"`` or ``"cuda"`` for ``device``, for a run of ``ranks`` processes with one GPU each.
+
+    ``"auto"`` is ``"cuda"`` when at least ``ranks`` CUDA devices are visible, else ``"cpu"``; ``"cpu"``
+    and ``"cuda"`` are returned as they are.
+
+    Raises:
+        ValueError: ``device`` is not ``"auto"``, ``"cpu"`` or ``"cuda"``; or it is ``"cuda"`` and fewer than
+            ``ranks`` CUDA devices are visible (naming both counts).
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        return "cuda" if visible >= ranks else "cpu"
+    if device == "cuda" and visible < ranks:
+        raise ValueError(f"device 'cuda' needs {ranks} CUDA devices (one per rank), found {visible}")
+    return device
 
 
 def _device() -> str:

@@ -1,10 +1,12 @@
 """The model families this package covers, once: our mixer, the upstream classes it replaces, their configs,
 and the FLA-backed mixers of other libraries that :func:`~fla_ac_isolation.isolate_seqlens` hooks.
 
-Every part that lists families or upstream classes reads this registry: :func:`~fla_ac_isolation.swap_mixers`
-(which upstream classes it replaces, and by what), :func:`~fla_ac_isolation.isolate_seqlens` (which classes
-call FLA with packed offsets, through which arguments), the regression and the audit (``--model`` choices;
-the tiny decoders of :mod:`fla_ac_isolation.regression.model` are keyed by these names) and the tests.
+Every part that lists families or upstream classes, or needs a fact about one, reads this registry:
+:func:`~fla_ac_isolation.swap_mixers` (which upstream classes it replaces, and by what),
+:func:`~fla_ac_isolation.isolate_seqlens` (which classes call FLA with packed offsets, through which arguments),
+the regression and the audit (``--model`` choices; :mod:`fla_ac_isolation.regression.model` builds each
+family's tiny decoder from :attr:`Family.tiny`; :attr:`Family.fla_cp` says whether its mixers run FLA's CP
+kernels), the benchmarks (a mixer's config fields at a model width, :func:`layer_fields`) and the tests.
 
 * ``qwen3_5_moe`` (Qwen3.5-MoE): ``Qwen3_5MoeGatedDeltaNet`` replaces transformers'
   ``Qwen3_5MoeGatedDeltaNet`` and the dense ``Qwen3_5GatedDeltaNet``;
@@ -17,18 +19,72 @@ the tiny decoders of :mod:`fla_ac_isolation.regression.model` are keyed by these
 transformers GDN classes above, torchtitan's Qwen3.5 ``GatedDeltaNet``, OLMo-core's ``GatedDeltaNet`` and
 ``KimiDeltaAttention`` (the last three have no drop-in here; their own code is kept and isolated).
 
-Nothing here imports transformers, OLMo-core, torchtitan or the mixers; :meth:`Family.mixer_class` and
-:meth:`UpstreamMixer.resolve` import on demand.
+Nothing here imports transformers, OLMo-core, torchtitan or the mixers; :meth:`Family.mixer_class`,
+:meth:`Family.config_class` and :meth:`UpstreamMixer.resolve` import on demand.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
-__all__ = ["FAMILIES", "FAMILY_NAMES", "FLA_BACKED_MIXERS", "Family", "UpstreamMixer", "upstream_mixers"]
+__all__ = [
+    "FAMILIES",
+    "FAMILY_NAMES",
+    "FLA_BACKED_MIXERS",
+    "LAYERS",
+    "Family",
+    "TinyRecipe",
+    "UpstreamMixer",
+    "family_for_layer",
+    "layer_fields",
+    "upstream_mixers",
+]
+
+LAYERS: tuple[str, ...] = ("gdn", "mamba2")
+"""The kinds of FLA-backed mixer a family's layers run: Gated DeltaNet, or Mamba2 (FLA's simple GLA as its SSD)."""
+
+
+def layer_fields(layer: str, hidden: int) -> dict[str, int]:
+    """Config fields of a ``layer`` mixer (``gdn`` | ``mamba2``) at model width ``hidden`` (``D``): the shapes
+    the benchmarks run (transformers' field names, read by our mixers).
+
+    GDN: head dims ``K = V = min(128, D // 4)``, ``D // K`` key heads and as many value heads (hidden 2048:
+    16 heads of 128). Mamba2: head dim ``P = min(64, D // 4)``, ``H = 2 * D // P`` heads (``H * P = expand *
+    D``, expand 2), ``G = min(8, H)`` groups, state ``N = min(128, D)`` (hidden 2048: 64 heads of 64, 8
+    groups, state 128). Hidden 64 gives 4 GDN heads of 16 and 8 Mamba2 heads of 16.
+
+    Raises:
+        ValueError: ``hidden`` does not split into whole heads (the message names ``--hidden``, the
+            benchmarks' flag), or ``layer`` is not one of :data:`LAYERS`.
+    """
+    if layer not in LAYERS:
+        raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
+    if hidden < 16 or hidden % 4:
+        raise ValueError(f"--hidden must be a multiple of 4 and at least 16, got {hidden}")
+    if layer == "gdn":
+        head_dim = min(128, hidden // 4)
+        if hidden % head_dim:
+            raise ValueError(f"--hidden {hidden} does not split into GDN heads of {head_dim}")
+        heads = hidden // head_dim
+        return dict(
+            hidden_size=hidden, linear_num_key_heads=heads, linear_num_value_heads=heads,
+            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
+        )
+    head_dim = min(64, hidden // 4)
+    if (2 * hidden) % head_dim:
+        raise ValueError(f"--hidden {hidden} does not split into Mamba2 heads of {head_dim}")
+    heads = 2 * hidden // head_dim
+    groups = min(8, heads)
+    if heads % groups:
+        raise ValueError(f"--hidden {hidden} gives {heads} Mamba2 heads, not a multiple of {groups} groups")
+    return dict(
+        hidden_size=hidden, mamba_num_heads=heads, mamba_head_dim=head_dim, ssm_state_size=min(128, hidden),
+        n_groups=groups, conv_kernel=4, expand=2, chunk_size=64,
+    )
 
 
 @dataclass(frozen=True)
@@ -98,6 +154,27 @@ class UpstreamMixer:
 
 
 @dataclass(frozen=True)
+class TinyRecipe:
+    """What the regression's tiny decoder of a family is (:mod:`fla_ac_isolation.regression.model` builds it
+    from the family's config class, :meth:`Family.config_class`, at the regression's sizes).
+
+    Attributes:
+        layout: the decoder's blocks and its config's field names. ``"qwen"``: per 4 layers, three blocks of
+            the family's mixer then one gated attention block (output gate, qk-norm, partial RoPE), each
+            followed by a routed MoE with a shared expert (softmax router); the layers are listed in the
+            config's ``layer_types``. ``"nemotron_h"``: one mixer per block, Mamba2 / MoE / attention
+            (no positional encoding) / MoE (sigmoid router), listed in ``layers_block_type``.
+        attention_type: the config's name of the attention layers (``"full_attention"``; Qwen3.8's
+            ``"indexed_attention"``, which the tiny decoder runs as plain gated attention).
+        config: further config fields the family sets, as ``(name, value)`` pairs.
+    """
+
+    layout: str
+    attention_type: str = "full_attention"
+    config: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family.
 
@@ -105,18 +182,39 @@ class Family:
         name: registry key, also the ``--model`` name of the regression and the audit.
         title: the model's name in prose (``"Qwen3.5-MoE"``).
         mixer: our drop-in's class name in :mod:`fla_ac_isolation.mixers`.
-        upstream: the classes our mixer replaces, first the family's own.
+        upstream: the classes our mixer replaces, first the family's own (whose ``config`` class configures
+            our mixer too).
+        layer: the kind of FLA-backed mixer, one of :data:`LAYERS` (its widths: :func:`layer_fields`).
+        fla_cp: under context parallelism its mixers run FLA's CP kernels (the Gated DeltaNet families);
+            ``False`` for Nemotron-H, whose Mamba2 runs head-parallel with the existing ops (FLA 0.6 has no
+            CP for simple GLA).
+        tiny: how the regression builds its tiny decoder.
     """
 
     name: str
     title: str
     mixer: str
     upstream: tuple[UpstreamMixer, ...]
+    layer: str
+    fla_cp: bool
+    tiny: TinyRecipe
 
     def mixer_class(self, upstream: UpstreamMixer | None = None) -> type[nn.Module]:
         """Our drop-in's class, or the one replacing ``upstream`` (imports :mod:`fla_ac_isolation.mixers`)."""
         name = upstream.replacement if upstream is not None and upstream.replacement else self.mixer
         return getattr(importlib.import_module("fla_ac_isolation.mixers"), name)
+
+    def config_class(self) -> type:
+        """The transformers config class of the family's own upstream mixer (imports transformers).
+
+        Raises:
+            ImportError: transformers is not installed.
+        """
+        return self.upstream[0].config_class()
+
+    def layer_fields(self, hidden: int) -> dict[str, int]:
+        """:func:`layer_fields` of this family's :attr:`layer` at model width ``hidden``."""
+        return layer_fields(self.layer, hidden)
 
 
 _HF = "transformers.models"
@@ -144,10 +242,13 @@ FAMILIES: dict[str, Family] = {
         Family(
             "qwen3_5_moe", "Qwen3.5-MoE", "Qwen3_5MoeGatedDeltaNet",
             (_QWEN3_5_MOE_GDN, _QWEN3_5_GDN),
+            layer="gdn", fla_cp=True, tiny=TinyRecipe("qwen"),
         ),
         Family(
             "qwen3_8", "Qwen3.8-Flash-Next", "Qwen3_8FlashNextGatedDeltaNet",
             (_QWEN3_8_GDN,),
+            layer="gdn", fla_cp=True,
+            tiny=TinyRecipe("qwen", attention_type="indexed_attention", config=(("output_gate_type", "sigmoid"),)),
         ),
         Family(
             "nemotron_h", "Nemotron-H", "NemotronHMamba2Mixer",
@@ -159,6 +260,7 @@ FAMILIES: dict[str, Family] = {
                 UpstreamMixer("olmo_core.nn.attention.recurrent", "NemotronMamba2Mixer", None,
                               replacement="OlmoNemotronMamba2Mixer"),
             ),
+            layer="mamba2", fla_cp=False, tiny=TinyRecipe("nemotron_h"),
         ),
     )
 }
@@ -184,3 +286,14 @@ FLA_BACKED_MIXERS: tuple[UpstreamMixer, ...] = (
 def upstream_mixers() -> list[tuple[UpstreamMixer, Family]]:
     """Every upstream class with the family whose mixer replaces it, in registry order."""
     return [(upstream, family) for family in FAMILIES.values() for upstream in family.upstream]
+
+
+def family_for_layer(layer: str) -> Family:
+    """The first family (registry order) whose mixer is a ``layer`` (:data:`LAYERS`): the benchmarks' layer.
+
+    Raises:
+        ValueError: ``layer`` is not one of :data:`LAYERS`.
+    """
+    if layer not in LAYERS:
+        raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
+    return next(family for family in FAMILIES.values() if family.layer == layer)

@@ -8,9 +8,12 @@ receive, and in which FLA cache context the step runs.
 * ``isolated``: checkpointed; one :class:`~fla_ac_isolation.LayerLocalSeqlens`, each layer calls ``.local()``.
 * ``global-disable``: checkpointed; one :class:`SharedSeqlens`, FLA's tensor cache off process-wide.
 
-``no-ac`` is the reference; ``isolated`` is this package's fix; ``global-disable`` the blunt alternative
-(:func:`~fla_ac_isolation.fla_cache.tensor_cache_disabled`); ``shared`` is what models do today (one
-``cu_seqlens`` object for every layer), run so that each check shows the fault it guards against.
+Each mode also knows its *role* in a check (:attr:`Mode.role`): ``no-ac`` is the ``reference``;
+``isolated`` (this package's fix) and ``global-disable`` (the blunt alternative,
+:func:`~fla_ac_isolation.fla_cache.tensor_cache_disabled`) are ``required`` to match it, and decide a check's
+exit code; ``shared`` is what models do today (one ``cu_seqlens`` object for every layer), ``unsafe``: run so
+that each check shows the fault it guards against, never changing the exit code. :func:`modes_with_role`
+lists them; the regression, the audit and the benchmarks read the roles from here.
 
 Under context parallelism (``cp=CPConfig(...)``) the four keep their meaning for FLA's CP context (one
 context for every layer, or a fresh one per layer call), and a fifth mode exists, in :data:`CP_MODES`:
@@ -40,7 +43,22 @@ import torch
 from fla_ac_isolation.fla_seam.cache import tensor_cache_disabled
 from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens
 
-__all__ = ["ALL_MODES", "CP_MODES", "MODES", "MODE_NAMES", "FieldCPSeqlens", "Mode", "SharedSeqlens", "get_mode"]
+__all__ = [
+    "ALL_MODES",
+    "CP_MODES",
+    "MODES",
+    "MODE_NAMES",
+    "ROLES",
+    "FieldCPSeqlens",
+    "Mode",
+    "SharedSeqlens",
+    "get_mode",
+    "modes_with_role",
+]
+
+ROLES: tuple[str, ...] = ("reference", "required", "unsafe")
+"""What a mode is in a check: the ``reference`` the others are compared with; ``required`` to match it (a
+mismatch fails the check); ``unsafe``: the fault's path, run on purpose, never changing the outcome."""
 
 
 class SharedSeqlens(LayerLocalSeqlens):
@@ -119,6 +137,7 @@ class Mode:
         checkpointed: the layers run under activation checkpointing.
         isolated: every layer gets fresh ``cu_seqlens`` objects (:class:`~fla_ac_isolation.LayerLocalSeqlens`).
         cache_disabled: FLA's tensor cache is disabled process-wide while the step runs.
+        role: ``"reference"``, ``"required"`` or ``"unsafe"`` (:data:`ROLES`).
         field: every layer builds FLA's CP context from the shared ``cu_seqlens`` (:class:`FieldCPSeqlens`);
             needs context parallelism.
     """
@@ -128,7 +147,12 @@ class Mode:
     checkpointed: bool
     isolated: bool
     cache_disabled: bool
+    role: str
     field: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
     @property
     def seqlens_class(self) -> type[LayerLocalSeqlens]:
@@ -156,13 +180,14 @@ class Mode:
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
-        Mode("no-ac", "reference: no checkpointing", checkpointed=False, isolated=False, cache_disabled=False),
+        Mode("no-ac", "reference: no checkpointing", checkpointed=False, isolated=False, cache_disabled=False,
+             role="reference"),
         Mode("shared", "UNSAFE: one cu_seqlens object for every layer", checkpointed=True, isolated=False,
-             cache_disabled=False),
+             cache_disabled=False, role="unsafe"),
         Mode("isolated", "LayerLocalSeqlens: fresh cu_seqlens per layer call", checkpointed=True, isolated=True,
-             cache_disabled=False),
+             cache_disabled=False, role="required"),
         Mode("global-disable", "FLA's tensor cache disabled process-wide", checkpointed=True, isolated=False,
-             cache_disabled=True),
+             cache_disabled=True, role="required"),
     )
 }
 """Every mode by name, in the order they run (``no-ac`` first: it is the reference)."""
@@ -171,7 +196,7 @@ MODE_NAMES: tuple[str, ...] = tuple(MODES)
 
 CP_MODES: dict[str, Mode] = {
     "field": Mode("field", "UNSAFE: each layer builds FLA's CP context from the shared cu_seqlens", checkpointed=True,
-                  isolated=False, cache_disabled=False, field=True),
+                  isolated=False, cache_disabled=False, role="unsafe", field=True),
 }
 """Modes that exist only under context parallelism (run after the four of :data:`MODES`)."""
 
@@ -188,3 +213,14 @@ def get_mode(name: str) -> Mode:
     if name not in ALL_MODES:
         raise ValueError(f"mode must be one of {tuple(ALL_MODES)}, got {name!r}")
     return ALL_MODES[name]
+
+
+def modes_with_role(role: str) -> tuple[str, ...]:
+    """The names of the modes of :data:`ALL_MODES` whose :attr:`Mode.role` is ``role``, in run order.
+
+    Raises:
+        ValueError: ``role`` is not one of :data:`ROLES`.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return tuple(name for name, mode in ALL_MODES.items() if mode.role == role)

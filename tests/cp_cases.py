@@ -3,7 +3,7 @@
 Run by ``tests/test_context_parallel_gloo.py`` in a fresh process: ``TRITON_INTERPRET`` must be set before
 FLA's kernels are decorated. The parent imports everything, then forks two rank processes (no import
 cost per rank) that join a gloo group (with a timeout, so that a rank waiting in a collective for a peer
-that raised cannot hang the test) and enter ``fla_ac_isolation.testing.cp_shims.cpu_cp_harness``. One
+that raised cannot hang the test) and enter ``fla_ac_isolation.fla_seam.interpreter.cpu_cp_kernels``. One
 launch runs every case; rank 0 reports all of them as one JSON object on the last line of stdout, with
 the CPU seconds each case took on rank 0. References are independent: CP=1 with the pure-torch reference
 backend (mixers) or the regression's one-rank run (decoders).
@@ -125,14 +125,16 @@ def case_decoder(family: str, layout: str, modes: tuple[str, ...]) -> dict:
     CP on rank 0 as the reference, then every mode under ``ReplayAudit`` (recording); an unsafe mode's
     exception is recorded per rank."""
     from fla_ac_isolation import ReplayAudit
+    from fla_ac_isolation.parallel import ParallelMesh
     from fla_ac_isolation.regression.train import RankContext, run_mode_on_rank
 
     spec = _decoder_spec(family, layout, modes)
     rank = dist.get_rank()
-    ctx = RankContext(rank, 2, torch.device("cpu"), dist.group.WORLD)
+    ctx = RankContext.create(rank, spec.mesh, torch.device("cpu"))
     holder = [None]
     if rank == 0:
-        cp1, cp1_grads = run_mode_on_rank(spec, CP1_REFERENCE, RankContext(0, 1, torch.device("cpu"), None), None)
+        one_rank = RankContext.create(0, ParallelMesh(), torch.device("cpu"))
+        cp1, cp1_grads = run_mode_on_rank(spec, CP1_REFERENCE, one_rank, None)
         holder = [(cp1.losses, cp1_grads)]
     dist.broadcast_object_list(holder, src=0)
     cp1_losses, cp1_grads = holder[0]
@@ -185,13 +187,13 @@ def _worker(rank: int, port: int, names: list[str], queue) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        from fla_ac_isolation.fla_seam.interpreter import cpu_cp_kernels
         from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
-        from fla_ac_isolation.testing.cp_shims import cpu_cp_harness
 
         ensure_torch_compat()
         setup_torchtitan("cpu")
         results = {}
-        with cpu_cp_harness():
+        with cpu_cp_kernels():
             for name, run in CASES:
                 if name not in names:
                     continue

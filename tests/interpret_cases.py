@@ -22,10 +22,10 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 from fla_ac_isolation.fla_seam import kernels as fla_ops  # noqa: E402
+from fla_ac_isolation.fla_seam.interpreter import interpreter_shims  # noqa: E402
 from fla_ac_isolation.fla_seam.layout import chunk_indices_for  # noqa: E402
 from fla_ac_isolation.ops import reference  # noqa: E402
 from fla_ac_isolation.seqlens import LayerLocalSeqlens  # noqa: E402
-from fla_ac_isolation.testing.triton_interpret import interpreter_shims  # noqa: E402
 
 LENS = [5, 0, 17, 1, 41]
 LONG_LENS = [70, 0, 130, 3]  # documents spanning several 64-token chunks (for chunk_indices cases)

@@ -19,7 +19,8 @@ def test_audit_cli_fault_stack_flags_shared_and_passes_isolated(capsys):
 
 def test_audit_cli_rejects_bad_modes(capsys):
     assert main(["audit", "--model", "fault-stack", "--modes", "no-ac"]) == 2
-    assert "--modes must be a non-empty subset" in capsys.readouterr().err
+    assert ("fla-ac-isolation audit: error: modes must be a non-empty subset of ('shared', 'isolated', "
+            "'global-disable'), got ('no-ac',)") in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -57,3 +58,36 @@ def test_audit_cli_a_mode_that_raises_is_reported_and_the_others_still_print(fai
     other = "isolated" if failing == "shared" else "shared"
     verdict = "aligned" if other == "isolated" else "1 divergent region(s)"
     assert f"== fault-stack | {other} | full AC | freq 1: {verdict}" in out
+
+
+def test_the_audit_runs_from_python_and_returns_data():
+    """The audit is library code (audit_runner): a spec in, region reports and the outcome out; nothing printed."""
+    from fla_ac_isolation.audit_runner import AuditSpec, run_audit
+
+    seen = []
+    result = run_audit(AuditSpec(model="fault-stack", ac="full"), on_run=seen.append)
+    shared, isolated = result.runs
+    assert seen == result.runs and [r.mode for r in result.runs] == ["shared", "isolated"]
+    assert [region.label for region in shared.audit.divergent] == ["layers.0"]
+    assert not shared.aligned and not shared.decides, "the unsafe mode (its role) never decides the outcome"
+    assert isolated.aligned and isolated.decides and isolated.audit.regions
+    assert result.exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "field", "message"),
+    [
+        (["--modes", ""], {"modes": ()},
+         "modes must be a non-empty subset of ('shared', 'isolated', 'global-disable'), got ()"),
+        (["--layers", "0"], {"num_layers": 0}, "num_layers must be an int >= 1, got 0"),
+        (["--hidden-size", "-1"], {"hidden_size": -1}, "hidden_size must be an int >= 1, got -1"),
+    ],
+)
+def test_audit_cli_shows_the_python_apis_message(argv, field, message, capsys):
+    from fla_ac_isolation.audit_runner import AuditSpec
+
+    assert main(["audit", "--model", "fault-stack", *argv]) == 2
+    assert f"fla-ac-isolation audit: error: {message}" in capsys.readouterr().err
+    with pytest.raises(ValueError) as info:  # the same rule, the same words, from Python
+        AuditSpec(model="fault-stack", **field).validate()
+    assert str(info.value) == message

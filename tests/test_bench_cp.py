@@ -9,10 +9,10 @@ costs 55-90 s of CPU time on the 2-core CI machine (measured, all processes: 81 
 2``): 3 steps per rank, measured 26-29 s of CPU (18 s wall). It still covers the spawned launch, gloo, FLA's CP kernels under the
 shims, the rows, table, targets and JSON. What the modes change (slowest-rank step times, paired ratios,
 targets, per-rank columns) is tested here on fabricated per-rank results, the PNG with them, and the mode
-order with a fake group through ``bench_isolation.measure`` itself.
+order with a fake group through ``layer_step.measure`` itself.
 
-``benchmarks/bench_cp.py`` is a script, not a package module, so it is loaded from its path (it imports
-``bench_isolation`` from its own folder).
+``benchmarks/bench_cp.py`` (and its rows, ``benchmarks/cp_rows.py``) are modules of the ``benchmarks`` package
+(run as ``python -m benchmarks.bench_cp``), imported here as such.
 """
 
 from __future__ import annotations
@@ -30,16 +30,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_script
+
+from benchmarks import cp_rows, layer_step
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks" / "bench_cp.py"
 SMOKE_CPU_BUDGET_S = 60  # CPU seconds of the one-mode smoke launch, all processes (measured 26-29 s)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script(BENCH, "bench_cp")
+    import benchmarks.bench_cp
+
+    return benchmarks.bench_cp
 
 
 @pytest.fixture
@@ -113,7 +115,7 @@ def test_defaults_per_device(bench, monkeypatch, no_torchrun):
 # ------------------------------------------------------------------------------------------- documents
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_rank_cuts_are_where_fla_layout_changes_rank(bench, layout, world):
+def test_rank_cuts_are_where_fla_layout_changes_rank(layout, world):
     """Independent of rank_cuts' formula: the owner of every token from parallel.cp_token_index."""
     from fla_ac_isolation.parallel import CPConfig, cp_token_index
 
@@ -122,37 +124,37 @@ def test_rank_cuts_are_where_fla_layout_changes_rank(bench, layout, world):
     for rank in range(world):
         owner[cp_token_index(tokens, CPConfig(world_size=world, rank=rank, layout=layout))] = rank
     expected = [t for t in range(1, tokens) if owner[t] != owner[t - 1]]
-    assert bench.rank_cuts(tokens, world, layout) == expected
+    assert cp_rows.rank_cuts(tokens, world, layout) == expected
     assert len(expected) == world - 1 if layout == "contiguous" else 2 * (world - 1)
 
 
-def test_crossing_documents_hold_tokens_on_both_sides_of_a_cut(bench):
-    assert bench.crossing_documents([10, 0, 30, 88], [64]) == [3]
-    assert bench.crossing_documents([64, 64], [64]) == []  # a document boundary on the cut
-    assert bench.crossing_documents([20, 60, 48], [32, 96]) == [1, 2]
+def test_crossing_documents_hold_tokens_on_both_sides_of_a_cut():
+    assert cp_rows.crossing_documents([10, 0, 30, 88], [64]) == [3]
+    assert cp_rows.crossing_documents([64, 64], [64]) == []  # a document boundary on the cut
+    assert cp_rows.crossing_documents([20, 60, 48], [32, 96]) == [1, 2]
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("tokens", [65536, 262144, 128])
-def test_every_default_document_layout_has_a_document_crossing_a_rank(bench, tokens, layout):
+def test_every_default_document_layout_has_a_document_crossing_a_rank(tokens, layout):
     docs = 3 if tokens == 128 else 8
-    layouts = bench.document_layouts(tokens, docs, 2, layout)
+    layouts = cp_rows.document_layouts(tokens, docs, 2, layout)
     assert len(layouts) == 3 and len({tuple(lens) for lens in layouts}) == 3  # three seeded layouts
     for lens in layouts:
         assert sum(lens) == tokens and len(lens) == docs and min(lens) >= 1
-        assert bench.crossing_documents(lens, bench.rank_cuts(tokens, 2, layout))
+        assert cp_rows.crossing_documents(lens, cp_rows.rank_cuts(tokens, 2, layout))
 
 
-def test_a_layout_without_a_crossing_document_is_refused_naming_docs(bench, monkeypatch):
-    monkeypatch.setattr(bench.iso, "doc_lengths", lambda tokens, docs, seed: [tokens // 2, tokens // 2])
+def test_a_layout_without_a_crossing_document_is_refused_naming_docs(monkeypatch):
+    monkeypatch.setattr(layer_step, "doc_lengths", lambda tokens, docs, seed: [tokens // 2, tokens // 2])
     with pytest.raises(ValueError, match=r"--docs 2: the document lengths of seed 0 for --tokens 128 put a document "
                                          r"boundary on every rank cut \[64\]"):
-        bench.document_layouts(128, 2, 2, "contiguous")
+        cp_rows.document_layouts(128, 2, 2, "contiguous")
 
 
 # ------------------------------------------------------------------------------------------ mode order
 class _FakeGroup:
-    """The interface bench_isolation.measure needs; records which (mode, iteration) ran, in order."""
+    """The interface layer_step.measure needs; records which (mode, iteration) ran, in order."""
 
     device = "cpu"
 
@@ -167,12 +169,12 @@ class _FakeGroup:
         self.barriers += 1
 
 
-def test_every_rank_runs_the_same_rotated_mode_order_from_the_iteration_index(bench):
+def test_every_rank_runs_the_same_rotated_mode_order_from_the_iteration_index():
     """Two 'ranks' measuring the same arguments run the same sequence: warm-up and timed iterations rotated
     (iteration i starts at mode i % 4), probe and memory steps in mode order; a barrier before every timed step and around every probe."""
-    modes = list(bench.MODES)
+    modes = list(cp_rows.MODES)
     ranks = [_FakeGroup(), _FakeGroup()]
-    results = [bench.iso.measure(group, modes, 2, 5) for group in ranks]
+    results = [layer_step.measure(group, modes, 2, 5) for group in ranks]
     assert ranks[0].ran == ranks[1].ran
     ran = ranks[0].ran
     warm, probe, memory, timed = ran[:8], ran[8:12], ran[12:16], ran[16:]
@@ -213,8 +215,8 @@ RANK1 = _rank_result(
 
 
 @pytest.fixture
-def rows(bench):
-    return bench.build_rows([RANK0, RANK1], list(bench.MODES))
+def rows():
+    return cp_rows.build_rows([RANK0, RANK1], list(cp_rows.MODES))
 
 
 def test_step_time_is_the_slowest_rank_per_iteration(rows):
@@ -253,8 +255,8 @@ def test_per_rank_syncs_sites_and_the_cp_subset(rows):
     assert disable.syncs_per_step == [2, 0] and disable.cp_syncs_per_step == [0, 0]
 
 
-def test_targets_say_met_or_not_met(bench, rows):
-    lines = bench.targets(rows)
+def test_targets_say_met_or_not_met(rows):
+    lines = cp_rows.targets(rows)
     assert lines == [
         "T=65536 contiguous: isolated / shared (paired) = 1.100, target <= 1.01: NOT met",
         "T=65536 contiguous: isolated 1.100 vs global-disable 1.050 (paired x shared), target isolated <= "
@@ -263,17 +265,17 @@ def test_targets_say_met_or_not_met(bench, rows):
     ]
     fixed = {"isolated": {"paired_x_shared": 1.005, "cp_syncs_per_step": [0, 0]}}
     good = [dataclasses.replace(r, **fixed.get(r.mode, {})) for r in rows]
-    assert [line.rsplit(": ", 1)[1] for line in bench.targets(good)] == ["met", "met", "met"]
-    assert bench.targets([r for r in rows if r.mode != "isolated"]) == []
+    assert [line.rsplit(": ", 1)[1] for line in cp_rows.targets(good)] == ["met", "met", "met"]
+    assert cp_rows.targets([r for r in rows if r.mode != "isolated"]) == []
 
 
-def test_table_json_and_png_from_rows(bench, rows, tmp_path):
-    args = bench.argparse.Namespace(json=str(tmp_path / "cp.json"), png=str(tmp_path / "cp.png"), device="cuda",
+def test_table_json_and_png_from_rows(rows, tmp_path):
+    args = cp_rows.argparse.Namespace(json=str(tmp_path / "cp.json"), png=str(tmp_path / "cp.png"), device="cuda",
                                     iters=3)
     groups = [{"tokens": 65536, "layout": "contiguous", "lens": [[1, 2]], "rank_cuts": [32768], "crossing": [[1]]}]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        bench.report(rows, groups, args, {"world": 2, "dtype": "bfloat16"})
+        cp_rows.report(rows, groups, args, {"world": 2, "dtype": "bfloat16"})
     text = out.getvalue()
     assert "CP=2 gdn layer step" in text and "SMOKE" not in text
     assert "11.000 / 10.000" in text  # isolated: the two ranks' medians
@@ -281,9 +283,9 @@ def test_table_json_and_png_from_rows(bench, rows, tmp_path):
     assert "target T=65536 contiguous: host syncs from fla/ops/cp/ in isolated, per rank [0, 2]" in text
     data = json.loads((tmp_path / "cp.json").read_text())
     assert data["meta"] == {"world": 2, "dtype": "bfloat16"} and data["groups"] == groups
-    assert [r["mode"] for r in data["rows"]] == list(bench.MODES)
+    assert [r["mode"] for r in data["rows"]] == list(cp_rows.MODES)
     assert data["rows"][2]["times_ms"] == [RANK0["times"]["isolated"], RANK1["times"]["isolated"]]
-    assert set(data["rows"][0]) == set(bench.CPRow.__dataclass_fields__)
+    assert set(data["rows"][0]) == set(cp_rows.CPRow.__dataclass_fields__)
     assert (tmp_path / "cp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -296,8 +298,8 @@ def test_cpu_smoke_launch_of_two_gloo_ranks(tmp_path):
     json_path = tmp_path / "smoke.json"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--device", "cpu", "--modes", "isolated", "--tokens", "64", "--docs", "2",
-         "--json", str(json_path)],
+        [sys.executable, "-m", "benchmarks.bench_cp", "--device", "cpu", "--modes", "isolated", "--tokens", "64",
+         "--docs", "2", "--json", str(json_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -326,10 +328,10 @@ def test_the_documented_gpu_command_and_defaults_are_the_scripts(bench, monkeypa
     section = docs[docs.index("## CP=2 layer step"):]
     command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ").split("2>&1")[0]
     argv = shlex.split(command)
-    assert argv[:2] == ["python", "benchmarks/bench_cp.py"]
+    assert argv[:3] == ["python", "-m", "benchmarks.bench_cp"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    args = bench.parse_args(argv[2:])
+    args = bench.parse_args(argv[3:])
     assert args.nproc == 2 and args.first_config and args.lift_hopper_guard and args.json and args.png
     defaults = bench.DEFAULTS["cuda"]
     line = (f"Defaults: `--tokens {' '.join(map(str, defaults['tokens']))} --layout contiguous --docs {defaults['docs']} "

@@ -1,7 +1,7 @@
 """The isolation benchmark's CPU smoke path: rows, paired ratios, helper counts, JSON and PNG.
 
-``benchmarks/bench_isolation.py`` is a script, not a package module, so it is loaded from its path. One run
-of both layers with tiny shapes on the reference backend is shared by the tests (module fixture); the FLA
+``benchmarks/bench_isolation.py`` is a module of the ``benchmarks`` package (run as ``python -m
+benchmarks.bench_isolation``), imported here as such. One run of both layers with tiny shapes on the reference backend is shared by the tests (module fixture); the FLA
 helper computations it reports are checked against counts made here, independently, with the conftest
 mixers under the same SAC policy.
 """
@@ -13,21 +13,18 @@ import io
 import json
 import re
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAMILIES, HIDDEN, load_script
+from helpers import FAMILIES, HIDDEN
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_isolation.py"
+from benchmarks import layer_step, saved_outputs
+from fla_ac_isolation.families import LAYERS, family_for_layer, layer_fields
+
 TOKENS, DOCS, ITERS = 192, 3, 3  # several 64-token chunks per document
-LAYER_FAMILY = {"gdn": "qwen3_5_moe", "mamba2": "nemotron_h"}
+LAYER_FAMILY = {layer: family_for_layer(layer).name for layer in LAYERS}  # the benchmark's layer of each kind
 SAVEABLE_MODES = {"isolated+save-core": ("gated_delta_rule", "ssd"),
                   "isolated+save-core+conv": ("gated_delta_rule", "ssd", "causal_conv1d")}
-
-
-def _load_bench():
-    return load_script(BENCH, "bench_isolation")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,7 +38,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def bench():
-    return _load_bench()
+    import benchmarks.bench_isolation
+
+    return benchmarks.bench_isolation
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +79,7 @@ def _helper_computations(bench, kind: str, mode: str) -> int:
 
     saved = SAVEABLE_MODES.get(mode)
     mixer = FAMILIES[LAYER_FAMILY[kind]].build(backend="reference", saveable=saved is not None)
-    lens = bench.doc_lengths(TOKENS, DOCS, seed=0)
+    lens = layer_step.doc_lengths(TOKENS, DOCS, seed=0)
     host = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     seqlens = {
         "isolated": lambda: LayerLocalSeqlens(host.clone()),
@@ -159,7 +158,6 @@ def test_paired_ratio_to_no_ac_is_per_iteration_median_and_exactly_one_for_no_ac
 def test_saved_outputs_column_is_the_saved_operators_outputs(run, bench):
     """The saveable modes report the MiB their saved operators keep (from the fake kernels at the group's
     shapes), the other modes 0; held memory is a CUDA measurement, 0 on CPU."""
-    saved_outputs = bench.sibling("saved_outputs")
     for r in _rows(run):
         ops = SAVEABLE_MODES.get(r["mode"], ())
         assert r["saved_outputs_mib"] == saved_outputs.saved_mib(r["layer"], TOKENS, HIDDEN, ops)
@@ -207,14 +205,14 @@ def test_json_and_png_are_written_with_the_printed_rows(run, bench):
 
 def test_rotation_puts_every_mode_first_once_per_cycle(bench):
     modes = list(bench.MODES)
-    orders = [bench.rotated(modes, i) for i in range(len(modes))]
+    orders = [layer_step.rotated(modes, i) for i in range(len(modes))]
     assert [o[0] for o in orders] == modes
     assert all(sorted(o) == sorted(modes) for o in orders)
-    assert bench.rotated(modes, len(modes)) == modes
+    assert layer_step.rotated(modes, len(modes)) == modes
 
 
-def test_default_shapes_are_the_h200_layers(bench):
-    gdn, mamba2 = bench.layer_fields("gdn", 2048), bench.layer_fields("mamba2", 2048)
+def test_default_shapes_are_the_h200_layers():
+    gdn, mamba2 = layer_fields("gdn", 2048), layer_fields("mamba2", 2048)
     assert (gdn["linear_num_key_heads"], gdn["linear_key_head_dim"]) == (16, 128)
     assert (mamba2["mamba_num_heads"], mamba2["mamba_head_dim"], mamba2["n_groups"], mamba2["ssm_state_size"]) == (
         64, 64, 8, 128)

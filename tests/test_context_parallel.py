@@ -366,7 +366,7 @@ def test_a_short_qwen_decoder_still_ends_with_attention():
     ("change", "message"),
     [
         ({"cp": 2, "ep": 4, "backend": "fla"}, "ep (4) must be 1 or equal cp (2): the EP ranks are borrowed from the 2 CP ranks (one process per CP rank)"),
-        ({"cp": 2, "ep": 1}, "backend must be 'fla' for context parallelism with qwen3_5_moe: its mixers need FLA's CP kernels, and backend='auto' on cpu runs the reference backend, which has none"),
+        ({"cp": 2, "ep": 1, "backend": "reference"}, "backend must be 'fla' for context parallelism with qwen3_5_moe: its mixers need FLA's CP kernels, and backend='reference' on cpu runs the reference backend, which has none"),
         ({"cp": 2, "cp_layout": "ring", "backend": "fla"}, "cp_layout must be one of ('contiguous', 'zigzag'), got 'ring'"),
         ({"modes": ("isolated", "field")}, "modes must be a non-empty subset of ('no-ac', 'shared', 'isolated', 'global-disable') (field needs cp > 1), got ('isolated', 'field')"),
         ({"cp": 0}, "cp must be an int >= 1, got 0"),
@@ -396,30 +396,34 @@ def _cli_spec(*argv):
 
     parser = argparse.ArgumentParser()
     regress.add_arguments(parser)
-    return regress._spec(parser.parse_args(list(argv)))
+    return regress.spec_from_arguments(parser.parse_args(list(argv)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU defaults")
-def test_cli_cp_on_cpu_runs_flas_kernels_under_the_interpreter_with_the_test_shims():
+def test_cli_cp_on_cpu_runs_flas_kernels_under_the_interpreter_backend():
+    from fla_ac_isolation.regression.spec import RegressionSpec
+
     spec = _cli_spec("--cp", "2")
     assert (spec.cp, spec.ep, spec.cp_layout, spec.steps, spec.hidden_size) == (2, 1, "contiguous", 2, 64)
-    assert spec.backend == "fla" and spec.env == (("TRITON_INTERPRET", "1"),)
-    assert spec.rank_setup == "fla_ac_isolation.testing.cp_shims:cpu_cp_harness"
+    assert spec.backend == "fla" and spec.kernels == "interpreter" and spec.rank_env == (("TRITON_INTERPRET", "1"),)
+    assert spec.rank_setup is None and spec.env == ()
+    assert spec == RegressionSpec(cp=2), "the Python API resolves the same run as the command"
     assert _cli_spec("--cp", "2", "--ep", "2", "--layout", "zigzag").ep == 2
     nemotron = _cli_spec("--cp", "2", "--model", "nemotron_h")
-    assert (nemotron.backend, nemotron.env, nemotron.rank_setup) == ("auto", (), None), "head-parallel: reference ops"
+    assert (nemotron.backend, nemotron.kernels, nemotron.rank_env) == ("auto", "native", ()), \
+        "head-parallel: reference ops"
     assert _cli_spec().ep == 2 and _cli_spec().cp == 1
 
 
 def test_launcher_spawns_ranks_with_the_environment_of_the_spec():
     import os
 
-    from fla_ac_isolation.regression.launch import _environment, _mp_context
+    from fla_ac_isolation.regression.launch import _mp_context, environment_variables
 
     assert _mp_context("cpu", (("TRITON_INTERPRET", "1"),)).get_start_method() == "spawn"
     assert _mp_context("cpu").get_start_method() == "forkserver"
     before = os.environ.get("FLA_AC_TEST_VARIABLE")
-    with _environment((("FLA_AC_TEST_VARIABLE", "1"),)):
+    with environment_variables((("FLA_AC_TEST_VARIABLE", "1"),)):
         assert os.environ["FLA_AC_TEST_VARIABLE"] == "1"
     assert os.environ.get("FLA_AC_TEST_VARIABLE") == before
 

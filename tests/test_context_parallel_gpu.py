@@ -45,7 +45,7 @@ LENS = [10, 0, 20, 70, 28, 4096 - 128]
 @pytest.fixture(scope="module")
 def one_rank_group(tmp_path_factory):
     """A one-rank NCCL group (the CP group of the kernel case); destroyed after the module."""
-    from fla_ac_isolation.testing.autotune import first_autotune_config
+    from fla_ac_isolation.fla_seam.interpreter import first_autotune_config
     from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
 
     path = tmp_path_factory.mktemp("pg") / "store"

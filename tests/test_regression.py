@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from fla_ac_isolation.cli import regress_render
 from fla_ac_isolation.regression import report
 from fla_ac_isolation.regression.data import global_batch, rank_batch
 from fla_ac_isolation.regression.spec import ModeResult, RegressionResult, RegressionSpec
@@ -129,6 +130,42 @@ def test_spec_errors_name_the_field(change, message):
         RegressionSpec(**change).validate()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU defaults")
+def test_spec_resolves_its_own_defaults():
+    """Every default lives in the spec (the command passes its unset flags through): what ``regress`` and
+    ``regress --cp 2`` run on a CPU, from Python."""
+    spec = RegressionSpec()
+    assert (spec.ep, spec.steps, spec.device, spec.dtype, spec.hidden_size) == (2, 3, "cpu", "float32", 128)
+    assert (spec.backend, spec.kernels, spec.rank_env) == ("auto", "native", ())
+    cp = RegressionSpec(cp=2)
+    assert (cp.ep, cp.steps, cp.device, cp.dtype, cp.hidden_size) == (1, 2, "cpu", "float32", 64)
+    assert (cp.backend, cp.kernels, cp.rank_env) == ("fla", "interpreter", (("TRITON_INTERPRET", "1"),))
+    nemotron = RegressionSpec(model="nemotron_h", cp=2)  # head-parallel Mamba2: the reference ops, no interpreter
+    assert (nemotron.backend, nemotron.kernels, nemotron.rank_env) == ("auto", "native", ())
+    assert RegressionSpec(cp=2, backend="reference").kernels == "native"
+    cuda = RegressionSpec(device="cuda")
+    assert (cuda.dtype, cuda.hidden_size, cuda.kernels) == ("bfloat16", 512, "native")
+    with pytest.raises(ValueError, match=r"^device 'cuda' needs 2 CUDA devices \(one per rank\), found 0$"):
+        cuda.validate()
+
+
+def test_rank_setup_is_a_module_level_function_and_kernels_a_known_choice():
+    from fla_ac_isolation.testing.gpu import gpu_test_harness
+
+    spec = RegressionSpec(rank_setup=gpu_test_harness, device="cpu").validate()
+    assert spec.to_dict()["rank_setup"] == "fla_ac_isolation.testing.gpu:gpu_test_harness"
+    assert json.loads(json.dumps(spec.to_dict()))["rank_setup"] == "fla_ac_isolation.testing.gpu:gpu_test_harness"
+    for bad in (lambda: None, "fla_ac_isolation.testing.gpu:gpu_test_harness"):
+        with pytest.raises(ValueError, match=r"^rank_setup must be a module-level function \(it is pickled into "
+                                             r"every rank process\), got "):
+            RegressionSpec(rank_setup=bad).validate()
+    with pytest.raises(ValueError, match=r"^kernels must be 'auto' or one of \('native', 'interpreter'\), got 'gpu'$"):
+        RegressionSpec(kernels="gpu").validate()
+    with pytest.raises(ValueError, match=r"^kernels='interpreter' runs FLA's kernels under Triton's interpreter on a "
+                                         r"CPU; device must be 'cpu', got 'cuda'$"):
+        RegressionSpec(kernels="interpreter", device="cuda").validate()
+
+
 def test_no_ac_always_runs_first():
     assert RegressionSpec(modes=("isolated", "shared")).ordered_modes == ("no-ac", "shared", "isolated")
 
@@ -209,7 +246,7 @@ def test_shared_failing_with_every_mode_or_by_timeout_is_not_judged_as_the_fault
     from rich.console import Console
 
     console = Console(width=200, record=True)
-    report.print_report(timed_out, console=console)
+    regress_render.print_report(timed_out, console=console)
     assert "shared (unsafe): not judged (no reference, or stopped by the timeout)" in console.export_text()
 
 
@@ -218,15 +255,15 @@ def test_report_table_json_and_plot(tmp_path):
 
     result = _result(shared={"losses": [2.0, 1.7]}, isolated={}, global_disable={})
     console = Console(width=200, record=True)
-    report.print_report(result, console=console, verbose=True)
+    regress_render.print_report(result, console=console, verbose=True)
     text = console.export_text()
     assert "DIVERGED by 1.33e-01 (loss)" in text and "fault reproduced" in text
     assert "FLA tensor-cache lookups" in text
-    report.write_json(result, tmp_path / "r.json")
+    regress_render.write_json(result, tmp_path / "r.json")
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["exit_code"] == 0 and doc["fault_reproduced"] is True
     assert doc["modes"]["isolated"]["losses"] == [2.0, 1.5]
-    report.write_plot(result, tmp_path / "r.png")
+    regress_render.write_plot(result, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -243,7 +280,7 @@ def _parse(*argv):
 
 def test_cli_defaults_are_the_readme_command():
     cli, args = _parse()
-    spec = cli._spec(args)
+    spec = cli.spec_from_arguments(args)
     assert (spec.model, spec.ep, spec.steps) == ("qwen3_5_moe", 2, 3)
     if not torch.cuda.is_available():
         assert (spec.device, spec.dtype, spec.hidden_size) == ("cpu", "float32", 128)
@@ -258,10 +295,14 @@ def test_cli_invalid_arguments_exit_2(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        pytest.param(["--timeout", "0"], "--timeout must be a number of seconds > 0, got 0.0", id="timeout-0"),
-        pytest.param(["--timeout", "-5"], "--timeout must be a number of seconds > 0, got -5.0", id="timeout-neg"),
-        pytest.param(["--timeout", "nan"], "--timeout must be a number of seconds > 0, got nan", id="timeout-nan"),
-        pytest.param(["--rtol", "-0.1"], "--rtol must be a finite number >= 0, got -0.1", id="rtol-neg"),
+        # the Python API's rules and wording (RegressionSpec.validate, report.check_rtol): one owner per rule
+        pytest.param(["--timeout", "0"], "timeout_s must be a finite number of seconds > 0, got 0.0", id="timeout-0"),
+        pytest.param(["--timeout", "-5"], "timeout_s must be a finite number of seconds > 0, got -5.0",
+                     id="timeout-neg"),
+        pytest.param(["--timeout", "nan"], "timeout_s must be a finite number of seconds > 0, got nan",
+                     id="timeout-nan"),
+        pytest.param(["--rtol", "-0.1"], "rtol must be a finite number >= 0 (relative tolerance), got -0.1",
+                     id="rtol-neg"),
         pytest.param(["--json", "{missing}/r.json"], "--json {missing}/r.json: the folder {missing} does not exist",
                      id="json-missing-folder"),
         pytest.param(["--plot", "{missing}/r.png"], "--plot {missing}/r.png: the folder {missing} does not exist",
@@ -280,7 +321,8 @@ def test_cli_invalid_arguments_exit_2(capsys):
         # the rule between the degrees comes first: with 16 experts, ep 3 also does not divide them
         pytest.param(["--cp", "2", "--ep", "3"], "ep (3) must be 1 or equal cp (2): the EP ranks are borrowed from "
                      "the 2 CP ranks (one process per CP rank)", id="ep-vs-cp-before-experts"),
-        pytest.param(["--modes", "isolated,field"], "--modes 'isolated,field': field exists only with --cp N > 1",
+        pytest.param(["--modes", "isolated,field"], "modes must be a non-empty subset of ('no-ac', 'shared', "
+                     "'isolated', 'global-disable') (field needs cp > 1), got ('isolated', 'field')",
                      id="field-without-cp"),
         # AdamW refused it only inside every rank, after every mode had started
         pytest.param(["--lr", "-1"], "lr must be a finite number >= 0 (AdamW learning rate), got -1.0", id="lr-neg"),

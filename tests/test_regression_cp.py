@@ -1,4 +1,5 @@
-"""The regression under context parallelism through its launcher: CP=2 x EP=2 over gloo in 2 processes.
+"""The regression under context parallelism through its launcher: CP=2 x EP=2 over gloo in 2 processes, and
+``RegressionSpec(cp=2)`` from Python (FLA's CP kernels under Triton's interpreter, as ``regress --cp 2``).
 
 Nemotron-H: its Mamba2 runs head-parallel with the reference ops (no interpreter needed), its attention
 gathers keys and values over the CP ranks, torchtitan's MoE shards its experts over the same ranks; the
@@ -15,6 +16,7 @@ within 1e-4 of the largest gradient at step 0 and 1e-6 of the loss at every step
 
 import pytest
 
+from fla_ac_isolation.cli import regress_render
 from fla_ac_isolation.regression import RegressionSpec, report, run_regression
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -24,6 +26,28 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def nemotron_h():
     spec = RegressionSpec(model="nemotron_h", cp=2, ep=2, cp_layout="zigzag", steps=2, modes=("shared", "isolated"))
     return run_regression(spec)
+
+
+@pytest.fixture(scope="module")
+def gdn_from_python():
+    """``RegressionSpec(cp=2)`` from Python on a CPU, as ``fla-ac-isolation regress --cp 2`` runs it (the spec
+    resolves the backend, the interpreter and the ranks' environment itself), on a smaller decoder (one GDN
+    block and one attention block, one step, ``isolated`` only) to keep CI's minutes."""
+    spec = RegressionSpec(cp=2, steps=1, num_layers=2, hidden_size=32, num_experts=4, top_k=2, modes=("isolated",))
+    return run_regression(spec)
+
+
+def test_cp_regression_runs_from_python_with_flas_cp_kernels_under_the_interpreter(gdn_from_python):
+    spec = gdn_from_python.spec
+    assert (spec.device, spec.backend, spec.kernels, spec.ep) == ("cpu", "fla", "interpreter", 1)
+    cp1, no_ac, isolated = (gdn_from_python.modes[m] for m in ("no-ac-cp1", "no-ac", "isolated"))
+    assert cp1.error is None and no_ac.error is None and isolated.error is None, (cp1.traceback, no_ac.traceback)
+    assert isolated.losses == no_ac.losses and isolated.grad_diffs == [0.0], "bit for bit with CP=2 without AC"
+    # against the one-rank run without CP: default_cp_rtol (1e-4 of the largest gradient, float32 on CPU)
+    assert abs(no_ac.losses[0] - cp1.losses[0]) <= 1e-6 * abs(cp1.losses[0])
+    assert no_ac.cp1_grad_diffs[0] <= 1e-4 * no_ac.cp1_ref_grad_max[0]
+    assert report.verdicts(gdn_from_python)["isolated"].text.startswith("matches (bit for bit); vs CP=1 ")
+    assert report.exit_code(gdn_from_python) == 0
 
 
 def test_no_ac_under_cp_matches_the_run_without_cp(nemotron_h):
@@ -58,7 +82,7 @@ def test_report_names_the_parallelism_and_the_cp1_column(nemotron_h):
     from rich.console import Console
 
     console = Console(width=220, record=True)
-    report.print_report(nemotron_h, console=console)
+    regress_render.print_report(nemotron_h, console=console)
     text = console.export_text()
     assert "nemotron_h  CP=2 (zigzag) x EP=2  AC selective" in text
     assert "max |grad - CP=1|" in text and "reference (one rank, no CP, no AC)" in text

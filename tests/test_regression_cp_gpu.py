@@ -17,7 +17,9 @@ first-config autotuning). Run with::
 import pytest
 import torch
 
+from fla_ac_isolation.cli import regress_render
 from fla_ac_isolation.regression import RegressionSpec, report, run_regression
+from fla_ac_isolation.testing.gpu import gpu_test_harness
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,12 +34,12 @@ def _run(family: str, ep: int, layout: str, policy: str):
     spec = RegressionSpec(
         model=family, cp=2, ep=ep, cp_layout=layout, steps=2, ac="selective", policy=policy, backend="fla",
         device="cuda", dtype="bfloat16", hidden_size=512, num_experts=16, top_k=4, timeout_s=600,
-        rank_setup="fla_ac_isolation.testing.gpu:gpu_test_harness",
+        rank_setup=gpu_test_harness,
     )
     result = run_regression(spec)
     from rich.console import Console
 
-    report.print_report(result, rtol=GPU_RTOL, verbose=True, console=Console(width=180))
+    regress_render.print_report(result, rtol=GPU_RTOL, verbose=True, console=Console(width=180))
     return result
 
 

@@ -24,6 +24,7 @@ import time
 import pytest
 from page_output import assert_printed_as_on_page
 
+from fla_ac_isolation.cli import regress_render
 from fla_ac_isolation.regression import RegressionSpec, report, run_regression
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -102,7 +103,7 @@ def test_main_job_prints_what_the_readme_and_docs_show(qwen3_5_moe):
     from rich.console import Console
 
     console = Console(width=200, record=True)
-    report.print_report(qwen3_5_moe, console=console)
+    regress_render.print_report(qwen3_5_moe, console=console)
     printed = console.export_text()
     for page in ("README.md", "docs/quickstart.md"):
         assert_printed_as_on_page(printed, page, MAIN_JOB_VERDICTS, varies=("rank",))

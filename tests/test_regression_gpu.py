@@ -38,7 +38,9 @@ notes say so. Run it with::
 import pytest
 import torch
 
+from fla_ac_isolation.cli import regress_render
 from fla_ac_isolation.regression import RegressionSpec, report, run_regression
+from fla_ac_isolation.testing.gpu import gpu_test_harness
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (device kind nvidia-h200-x2)")
@@ -50,12 +52,12 @@ def _run(family: str, policy: str, ep: int) -> object:
     spec = RegressionSpec(
         model=family, ep=ep, steps=3, ac="selective", policy=policy, backend="fla", device="cuda",
         dtype="bfloat16", hidden_size=512, num_experts=16, top_k=4, timeout_s=600,
-        rank_setup="fla_ac_isolation.testing.gpu:gpu_test_harness",
+        rank_setup=gpu_test_harness,
     )
     result = run_regression(spec)
     from rich.console import Console
 
-    report.print_report(result, rtol=GPU_RTOL, verbose=True, console=Console(width=160))
+    regress_render.print_report(result, rtol=GPU_RTOL, verbose=True, console=Console(width=160))
     return result
 
 

@@ -11,7 +11,6 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -19,7 +18,9 @@ MIB = 2**20
 
 @pytest.fixture(scope="module")
 def saved_outputs():
-    return load_script(ROOT / "benchmarks" / "saved_outputs.py", "saved_outputs")
+    from benchmarks import saved_outputs
+
+    return saved_outputs
 
 
 @pytest.mark.parametrize("tokens", [32768, 131072, 100])

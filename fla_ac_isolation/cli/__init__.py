@@ -1,15 +1,18 @@
 """The ``fla-ac-isolation`` command: ``doctor | regress | audit``, each subcommand in its own module.
 
 * :mod:`~fla_ac_isolation.cli.doctor` - versions, device, FLA cache state, SAC replay semantics;
-* :mod:`~fla_ac_isolation.cli.regress` - the EP regression (:mod:`fla_ac_isolation.regression`);
-* :mod:`~fla_ac_isolation.cli.audit` - one step of a tiny model under :class:`~fla_ac_isolation.ReplayAudit`;
-* :mod:`~fla_ac_isolation.cli.console` - what they share: the console, policy lookup, foreign-text escaping.
+* :mod:`~fla_ac_isolation.cli.regress` - the EP regression (:mod:`fla_ac_isolation.regression`), rendered by
+  :mod:`~fla_ac_isolation.cli.regress_render`;
+* :mod:`~fla_ac_isolation.cli.audit` - one step of a tiny model under :class:`~fla_ac_isolation.ReplayAudit`
+  (:mod:`fla_ac_isolation.audit_runner`);
+* :mod:`~fla_ac_isolation.cli.console` - what they share: the console, the policy flags, foreign-text escaping.
 
 Each subcommand module has ``HELP`` (its line in ``--help``), ``add_arguments(parser)`` and
-``run(args) -> exit code``; this module only
-parses and dispatches. The command needs the ``cli`` extra (rich, matplotlib); ``regress`` and the family
-models of ``audit`` also need ``ep`` (torchtitan). A missing extra is reported with the ``pip install``
-that brings it (exit code 2).
+``run(args) -> exit code``: it parses the flags into the Python API's spec (whose defaults and rules, with
+their messages, are the command's), checks only what a command has (output paths) and renders the data the
+API returns; this module only parses and dispatches. The command needs the ``cli`` extra (rich,
+matplotlib); ``regress`` and the family models of ``audit`` also need ``ep`` (torchtitan). A missing extra
+is reported with the ``pip install`` that brings it (exit code 2).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What the subcommands share: the rich console, escaping of foreign text, the policy and mode arguments."""
+"""What the subcommands share: the rich console, escaping of foreign text, the policy arguments, ``--modes``
+splitting."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from fla_ac_isolation.extras import require
 
-__all__ = ["add_policy_arguments", "console", "escape", "parse_modes"]
+__all__ = ["add_policy_arguments", "console", "escape", "split_modes"]
 
 
 def console(what: str) -> Any:
@@ -28,23 +29,19 @@ def escape(text: str) -> str:
     return rich_escape(text)
 
 
-def parse_modes(value: str, allowed: tuple[str, ...], flag: str = "--modes") -> list[str]:
-    """Split a comma-separated ``--modes`` value and check every entry against ``allowed``.
-
-    Raises:
-        ValueError: naming ``flag`` and the allowed modes, for an empty value or an unknown mode.
-    """
-    modes = [m.strip() for m in value.split(",") if m.strip()]
-    if not modes or any(m not in allowed for m in modes):
-        raise ValueError(f"{flag} must be a non-empty subset of {', '.join(allowed)}, got {value!r}")
-    return modes
+def split_modes(value: str) -> tuple[str, ...]:
+    """The entries of a comma-separated ``--modes`` value, stripped (empty entries dropped); which modes a
+    command takes is the Python API's rule, checked there."""
+    return tuple(m.strip() for m in value.split(",") if m.strip())
 
 
-def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--ac full|selective``, ``--policy`` (choices: :data:`fla_ac_isolation.policies.POLICIES`) and ``--freq``."""
+def add_policy_arguments(parser: argparse.ArgumentParser, default: dict) -> None:
+    """``--ac full|selective``, ``--policy`` (choices: :data:`fla_ac_isolation.policies.POLICIES`) and ``--freq``,
+    with the ``ac``, ``policy`` and ``freq`` defaults of the command's spec (``default``)."""
     from fla_ac_isolation.policies import POLICIES
 
-    parser.add_argument("--ac", choices=("full", "selective"), default="selective", help="activation checkpointing")
-    parser.add_argument("--policy", choices=sorted(POLICIES), default="save-all-copies",
+    parser.add_argument("--ac", choices=("full", "selective"), default=default["ac"], help="activation checkpointing")
+    parser.add_argument("--policy", choices=sorted(POLICIES), default=default["policy"],
                         help="SAC policy (with --ac selective)")
-    parser.add_argument("--freq", type=int, choices=(1, 2, 4), default=1, help="checkpoint every N-th block")
+    parser.add_argument("--freq", type=int, choices=(1, 2, 4), default=default["freq"],
+                        help="checkpoint every N-th block")

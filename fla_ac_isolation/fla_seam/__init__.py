@@ -12,6 +12,8 @@ Everything this project knows about FLA (fla-core 0.6) lives in the modules of t
   forward and backward functions, fake kernels): the ``fla`` backend of ``ops(..., saveable=True)``.
 * :mod:`~fla_ac_isolation.fla_seam.versions` - the installed fla-core version, the range we test, and
   FLA's Hopper/Triton guard (its issue #640).
+* :mod:`~fla_ac_isolation.fla_seam.interpreter` - the interpreter backend: FLA's real kernels, CP ones
+  included, on a CPU under Triton's interpreter (what the CPU CP regression's ranks enter).
 
 Importing any of them imports nothing from FLA: each reaches FLA inside the function that needs it, so
 ``import fla_ac_isolation`` stays cheap and works where FLA's Triton kernels cannot run (a CPU).

@@ -1,8 +1,10 @@
 """The EP regression: tiny MoE decoders trained a few steps under AC with real torchtitan expert parallelism.
 
-``fla-ac-isolation regress`` (:mod:`fla_ac_isolation.cli.regress`) runs it; the pieces:
+``fla-ac-isolation regress`` (:mod:`fla_ac_isolation.cli.regress`) runs it and renders what it returns; this
+package returns data only (results and verdicts) and imports neither the command nor rich. The pieces:
 
-* :mod:`.spec` - what to run (:class:`RegressionSpec`) and what comes back (:class:`ModeResult`,
+* :mod:`.spec` - what to run (:class:`RegressionSpec`: every default and every rule of a run, the ranks'
+  layout as a :class:`~fla_ac_isolation.parallel.ParallelMesh`) and what comes back (:class:`ModeResult`,
   :class:`RegressionResult`);
 * :mod:`.run` - :func:`run_regression`, the entry point;
 * :mod:`.launch` - worker processes, one launch per mode, and how failures are collected;
@@ -12,7 +14,8 @@
   transformers config classes, with this package's mixers and torchtitan's MoE;
 * :mod:`.expert_parallel` - torchtitan's MoE, its EP sharding, and the environment it needs;
 * :mod:`.data` - deterministic packed batches, different per rank;
-* :mod:`.report` - verdicts, the table, JSON and the loss plot.
+* :mod:`.report` - verdicts, the exit code, the run as one JSON-ready document; :mod:`.cp_report` - the
+  judgement against the run without CP.
 
 The modes are those of :mod:`fla_ac_isolation.modes`. Needs the ``ep`` extra (torchtitan, transformers).
 

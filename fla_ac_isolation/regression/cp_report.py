@@ -1,10 +1,11 @@
 """Verdicts against the run without context parallelism, for a regression with ``cp > 1``.
 
-Under CP every mode is judged twice. First as without CP: against ``no-ac`` of the same CP ranks, bit
-for bit on CPU in float32 (forward and recompute run the same kernels on the same shards), by
-:func:`~.report.verdicts`. Then against :data:`~.spec.CP1_REFERENCE` (one rank, the whole batch, no AC):
-the same maths with another summation order (FLA's CP kernels merge per-rank states; the attention
-and the reductions add in another order), so within a stated tolerance :func:`default_cp_rtol`. The
+Under CP every mode is judged twice (both by :func:`~.report.verdicts`, with the numbers of this module).
+First as without CP: against ``no-ac`` of the same CP ranks, bit for bit on CPU in float32 (forward and
+recompute run the same kernels on the same shards). Then against :data:`~.spec.CP1_REFERENCE` (one rank,
+the whole batch, no AC): the same maths with another summation order (FLA's CP kernels merge per-rank
+states; the attention and the reductions add in another order), so within a stated tolerance
+:func:`default_cp_rtol`. The
 deviation is the larger of the largest relative loss difference over all steps and the largest
 difference of any parameter's full gradient (expert shards gathered) at step 0, relative to the largest
 CP=1 gradient there.
@@ -21,9 +22,9 @@ from __future__ import annotations
 
 import math
 
-from fla_ac_isolation.regression.spec import CP1_REFERENCE, ModeResult, RegressionResult
+from fla_ac_isolation.regression.spec import ModeResult
 
-__all__ = ["apply_cp1_verdicts", "cp1_deviation", "default_cp_rtol"]
+__all__ = ["cp1_deviation", "default_cp_rtol"]
 
 
 def default_cp_rtol(device: str, dtype: str) -> float:
@@ -39,27 +40,3 @@ def cp1_deviation(mode: ModeResult, cp1: ModeResult) -> tuple[float, str]:
     if math.isnan(loss_dev) or math.isnan(grad_dev):
         return math.inf, "nan"
     return (loss_dev, "loss") if loss_dev >= grad_dev else (grad_dev, "grad")
-
-
-def apply_cp1_verdicts(found: dict, result: RegressionResult, cp_rtol: float) -> None:
-    """Judge the modes that matched (or are the reference) against :data:`CP1_REFERENCE`, in place."""
-    from fla_ac_isolation.regression.report import Verdict
-
-    cp1 = result.modes.get(CP1_REFERENCE)
-    complete = cp1 is not None and cp1.error is None and len(cp1.losses) == result.spec.steps
-    for name, verdict in list(found.items()):
-        if name == CP1_REFERENCE:
-            if cp1.error is None:
-                found[name] = Verdict(name, "reference", "reference (one rank, no CP, no AC)", 0.0)
-            continue
-        if verdict.status not in ("reference", "matches"):
-            continue
-        if not complete:
-            found[name] = Verdict(name, "no reference", f"no reference ({CP1_REFERENCE} failed)", None)
-            continue
-        dev, what = cp1_deviation(result.modes[name], cp1)
-        if dev <= cp_rtol:
-            found[name] = Verdict(name, verdict.status, f"{verdict.text}; vs CP=1 {dev:.1e} <= {cp_rtol:g}",
-                                  verdict.deviation)
-        else:
-            found[name] = Verdict(name, "diverged", f"DIVERGED from CP=1 by {dev:.2e} ({what})", dev)

@@ -15,11 +15,11 @@ What this module adds is only the environment torchtitan expects:
   sends uneven list all-to-alls that gloo rejects), points torchtitan's mesh code at the CPU when the
   run is on CPU, and registers torch's ``fake`` process-group backend, which torchtitan's mesh builder
   uses for size-1 axes.
-* :func:`expert_parallel_dims` / :func:`apply_expert_parallel` - a torchtitan ``ParallelDims`` with
-  ``ep = world_size`` (all ranks are data-parallel and expert-parallel; no FSDP) and the call that
-  shards every MoE of a model on it. Under context parallelism (``cp = world_size``) the EP ranks are
-  borrowed from the CP ranks exactly as torchtitan does it (``ParallelDims(cp=cp, ep=ep)``: its sparse
-  mesh ``(dp_replicate, efsdp, ep)`` with ``efsdp = dp_shard * cp / ep``).
+* :func:`expert_parallel_dims` / :func:`apply_expert_parallel` - torchtitan's ``ParallelDims`` of a
+  :class:`~fla_ac_isolation.parallel.ParallelMesh` (``dp_shard = dp``, ``cp``, ``pp``, ``ep``; no FSDP, no TP)
+  and the call that shards every MoE of a model on it. The EP ranks are the data-parallel ranks, or under
+  context parallelism borrowed from the CP ranks, exactly as torchtitan does it (its sparse mesh
+  ``(dp_replicate, efsdp, ep)`` with ``efsdp = dp_shard * cp / ep = 1``).
 
 Gradients of non-expert parameters are per-rank partial sums (the data-parallel reduction that FSDP
 would do is done by the harness); expert gradients are complete on their owning rank after backward.
@@ -33,6 +33,8 @@ from functools import partial
 
 import torch
 from torch import nn
+
+from fla_ac_isolation.parallel import ParallelMesh
 
 __all__ = [
     "MoEShape",
@@ -168,36 +170,34 @@ def build_moe(shape: MoEShape, *, num_layers: int, ep_enabled: bool) -> nn.Modul
     return moe
 
 
-def expert_parallel_dims(world_size: int, *, cp: int = 1):
-    """torchtitan ``ParallelDims`` with EP over all ``world_size`` ranks (data parallel, or ``cp`` ranks of
-    context parallelism; no FSDP/TP/PP)."""
+def expert_parallel_dims(mesh: ParallelMesh):
+    """torchtitan ``ParallelDims`` of ``mesh`` (``dp_replicate = tp = 1``, ``dp_shard = mesh.dp``), its device
+    meshes built (every rank calls it)."""
     from torchtitan.distributed.parallel_dims import ParallelDims
 
     dims = ParallelDims(
-        dp_replicate=1, dp_shard=-1, cp=cp, tp=1, pp=1, ep=world_size, world_size=world_size,
+        dp_replicate=1, dp_shard=mesh.dp, cp=mesh.cp, tp=1, pp=mesh.pp, ep=mesh.ep, world_size=mesh.world,
         spmd_backend="partial_dtensor",
     )
     dims.build_mesh()
     return dims
 
 
-def apply_expert_parallel(moes: list[nn.Module], world_size: int, *, cp: int = 1) -> None:
-    """Shard every MoE in ``moes`` over an EP mesh of ``world_size`` ranks with torchtitan's plan.
+def apply_expert_parallel(moes: list[nn.Module], mesh: ParallelMesh) -> None:
+    """Shard every MoE in ``moes`` over the ``mesh.ep`` expert-parallel ranks with torchtitan's plan.
 
-    ``cp``: the context-parallel degree the ranks also form (``1`` or ``world_size``).
-
-    Requires an initialised default process group and :func:`setup_torchtitan`. Routed-expert weights
-    become ``DTensor`` s ``Shard(0)`` on the ``ep`` axis (``E / world_size`` local experts per rank);
-    the token dispatcher gets the ``ep`` mesh for its all-to-alls.
+    Requires an initialised default process group of ``mesh.world`` ranks and :func:`setup_torchtitan`.
+    Routed-expert weights become ``DTensor`` s ``Shard(0)`` on the ``ep`` axis (``E / ep`` local experts
+    per rank); the token dispatcher gets the ``ep`` mesh for its all-to-alls.
 
     Raises:
-        ValueError: the number of experts is not a multiple of ``world_size``.
+        ValueError: the number of experts is not a multiple of ``mesh.ep``.
     """
-    dims = expert_parallel_dims(world_size, cp=cp)
+    dims = expert_parallel_dims(mesh)
     for moe in moes:
         experts = moe.routed_experts.inner_experts.num_experts
-        if experts % world_size:
-            raise ValueError(f"num_experts ({experts}) must be a multiple of the EP degree ({world_size})")
+        if experts % mesh.ep:
+            raise ValueError(f"num_experts ({experts}) must be a multiple of the EP degree ({mesh.ep})")
         moe.parallelize(dims)
 
 

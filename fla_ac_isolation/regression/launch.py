@@ -1,13 +1,15 @@
-"""The launcher: one set of ``spec.world`` worker processes per mode, and how their failures are collected.
+"""The launcher: one set of worker processes per mode (``spec.world`` of them, the ranks of ``spec.mesh``), and
+how their failures are collected.
 
-:func:`run_spawned` starts ``spec.world`` worker processes per mode (on CPU from a ``forkserver`` preloaded
-with torch, FLA, torchtitan and transformers, so that a start costs about a second; on CUDA, or when the
-spec sets environment variables for the ranks (``spec.env``, e.g. ``TRITON_INTERPRET=1``), by ``spawn``);
-gloo on CPU, NCCL on CUDA (one GPU per rank). Under context parallelism the
-:data:`~.spec.CP1_REFERENCE` run comes first, on one process. One launch per mode keeps modes independent: a
-mode that crashes, on one rank or all, is recorded as failed; its surviving ranks are killed within
-``FAILURE_GRACE_S`` seconds (they would otherwise wait in a collective until the process-group timeout),
-and the next mode starts fresh. The ``no-ac`` workers write their per-step gradients to a temporary
+:func:`run_spawned` starts the ranks of each mode (on CPU from a ``forkserver`` preloaded with torch, FLA,
+torchtitan and transformers, so that a start costs about a second; on CUDA, or when the ranks need
+environment variables (``spec.rank_env``, e.g. ``TRITON_INTERPRET=1`` for ``kernels="interpreter"``), by
+``spawn``); gloo on CPU, NCCL on CUDA (one GPU per rank); each rank builds its
+:class:`~fla_ac_isolation.regression.train.RankContext` (the mesh's process groups). Under context
+parallelism the :data:`~.spec.CP1_REFERENCE` run comes first, on one process. One launch per mode keeps modes
+independent: a mode that crashes, on one rank or all, is recorded as failed; its surviving ranks are killed
+within ``FAILURE_GRACE_S`` seconds (they would otherwise wait in a collective until the process-group
+timeout), and the next mode starts fresh. The ``no-ac`` workers write their per-step gradients to a temporary
 folder; later modes compare against them on each rank.
 
 A rank reports through a queue: ``("started", rank, pid)`` once its process group is up, then notes,
@@ -29,42 +31,47 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from fla_ac_isolation.failures import first_line
+from fla_ac_isolation.parallel import ParallelMesh
 from fla_ac_isolation.regression.spec import CP1_REFERENCE, ModeResult, RegressionResult, RegressionSpec
 from fla_ac_isolation.regression.train import RankContext, run_mode_on_rank, setup_process
 
-__all__ = ["FAILURE_GRACE_S", "run_spawned"]
+__all__ = ["FAILURE_GRACE_S", "environment_variables", "free_port", "mode_mesh", "run_spawned"]
 
 FAILURE_GRACE_S = 3.0
 """Seconds the surviving ranks of a failed mode get before they are killed."""
 
 
-def _worker_main(rank: int, world: int, port: int, spec: RegressionSpec, mode: str, workdir: str, events) -> None:
+def mode_mesh(spec: RegressionSpec, mode: str) -> ParallelMesh:
+    """The ranks of ``mode``: ``spec.mesh``, or one rank for :data:`~.spec.CP1_REFERENCE`."""
+    return ParallelMesh() if mode == CP1_REFERENCE else spec.mesh
+
+
+def _worker_main(rank: int, port: int, spec: RegressionSpec, mode: str, workdir: str, events) -> None:
     """Entry point of one spawned rank for one mode. Reports through ``events``; never hangs on failure."""
     import torch.distributed as dist
 
+    mesh = mode_mesh(spec, mode)
     try:
-        device, notes, _rank_context = setup_process(spec, rank)
+        device, notes, _held = setup_process(spec, rank)
         for note in notes:
             events.put(("note", rank, note))
-        group = None
-        if world > 1:
+        if mesh.world > 1:
             dist.init_process_group(
                 "nccl" if spec.device == "cuda" else "gloo",
                 init_method=f"tcp://127.0.0.1:{port}",
                 rank=rank,
-                world_size=world,
+                world_size=mesh.world,
                 timeout=datetime.timedelta(seconds=spec.timeout_s),
                 device_id=device if spec.device == "cuda" else None,
             )
-            group = dist.group.WORLD
+        ctx = RankContext.create(rank, mesh, device)
         events.put(("started", rank, os.getpid()))
-        ctx = RankContext(rank, world, device, group)
         reference = _load(workdir, "no-ac", rank) if mode not in ("no-ac", CP1_REFERENCE) else None
         cp1_reference = _load(workdir, CP1_REFERENCE, 0) if spec.cp > 1 and mode != CP1_REFERENCE else None
         on_step = (lambda step: events.put(("step", rank, step))) if rank == 0 else None
@@ -72,7 +79,7 @@ def _worker_main(rank: int, world: int, port: int, spec: RegressionSpec, mode: s
         if mode in ("no-ac", CP1_REFERENCE):
             torch.save(grads, os.path.join(workdir, f"{mode}.rank{rank}.pt"))
         events.put(("result", rank, asdict(result)))
-        if world > 1:
+        if mesh.world > 1:
             dist.barrier()
             dist.destroy_process_group()
     except BaseException as err:
@@ -96,7 +103,8 @@ def _load(workdir: str, mode: str, rank: int) -> list[torch.Tensor] | None:
     return torch.load(path) if os.path.exists(path) else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's ``tcp://`` rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -218,23 +226,23 @@ def _merge(outcome: _Outcome, spec: RegressionSpec, mode: str, seconds: float, n
 
 
 def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: list[str], hooks: _Hooks) -> ModeResult:
-    """Start ``spec.world`` workers (one for :data:`CP1_REFERENCE`) for ``mode``, watch them, stop the
+    """Start the ranks of ``mode`` (:func:`mode_mesh`), watch them, stop the
     survivors, merge what they reported.
 
     The workers are stopped and reaped however this ends (a hook that raises, ``KeyboardInterrupt``).
     """
     events = mp_ctx.Queue()
     procs = []
-    nprocs = 1 if mode == CP1_REFERENCE else spec.world
+    nprocs = mode_mesh(spec, mode).world
     start = time.monotonic()
     try:
-        port = _free_port()
+        port = free_port()
         procs = [
-            mp_ctx.Process(target=_worker_main, args=(r, nprocs, port, spec, mode, workdir, events), daemon=True,
+            mp_ctx.Process(target=_worker_main, args=(r, port, spec, mode, workdir, events), daemon=True,
                            name=f"fla-ac-regress-{mode}-rank{r}")
             for r in range(nprocs)
         ]
-        with _environment(spec.env):
+        with environment_variables(spec.rank_env):
             for p in procs:
                 p.start()
         outcome = _watch(procs, events, spec, mode, notes, hooks)
@@ -246,8 +254,9 @@ def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: l
 
 
 @contextlib.contextmanager
-def _environment(env: tuple[tuple[str, str], ...]):
-    """``os.environ`` updated with ``env`` while rank processes start (``spawn`` copies it), then restored."""
+def environment_variables(env: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """``os.environ`` updated with ``env`` (``(name, value)`` pairs) inside the block, then restored: what
+    processes started inside it (``spawn`` copies the environment) inherit."""
     saved = {name: os.environ.get(name) for name, _ in env}
     os.environ.update(dict(env))
     try:
@@ -289,7 +298,7 @@ def run_spawned(
     is recorded as that mode's failure and the next mode runs; ``KeyboardInterrupt`` stops the run
     (after the workers are stopped).
     """
-    mp_ctx = _mp_context(spec.device, spec.env)
+    mp_ctx = _mp_context(spec.device, spec.rank_env)
     hooks = _Hooks(on_step, on_rank_start)
     notes: list[str] = []
     modes: dict[str, ModeResult] = {}

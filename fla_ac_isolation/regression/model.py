@@ -1,7 +1,9 @@
 """Tiny decoders shaped like the real model families, with torchtitan's MoE, for the regression.
 
 Each family is built from its transformers config class with small sizes, so the mixers receive exactly
-the config fields the real models carry:
+the config fields the real models carry. What a family's decoder is comes from its registry entry
+(:attr:`fla_ac_isolation.families.Family.tiny`: a layout of :data:`LAYOUTS`, the name of its attention
+layers, its own config fields); this module holds the layouts:
 
 * ``qwen3_5_moe`` (``Qwen3_5MoeTextConfig``): the real layer pattern, three Gated DeltaNet layers then
   one gated full-attention layer, every layer followed by a routed MoE (plus the shared expert).
@@ -31,9 +33,8 @@ layer; each mixer calls ``.local()`` inside its own forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,10 @@ from fla_ac_isolation.parallel import CPConfig, cp_token_index, gather_unshard
 from fla_ac_isolation.regression.expert_parallel import MoEShape, build_moe
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
-__all__ = ["RECIPES", "ModelSize", "PackedAttention", "TinyDecoder", "TinyDecoderRecipe", "build_model"]
+if TYPE_CHECKING:
+    from fla_ac_isolation.families import Family
+
+__all__ = ["LAYOUTS", "ModelSize", "PackedAttention", "TinyDecoder", "build_model"]
 
 
 @dataclass(frozen=True)
@@ -260,21 +264,7 @@ class TinyDecoder(nn.Module):
         return self.lm_head(self.norm(hidden_states)).float()
 
 
-# ------------------------------------------------------------------------------------------- families
-@dataclass(frozen=True)
-class TinyDecoderRecipe:
-    """How to build the tiny decoder of one family of :data:`fla_ac_isolation.families.FAMILIES`.
-
-    ``fla_cp``: its mixers run FLA's CP kernels under context parallelism (the Gated DeltaNet families);
-    ``False`` for Nemotron-H, whose Mamba2 runs head-parallel with the existing ops.
-    """
-
-    make_config: Callable[[ModelSize], Any]
-    build_blocks: Callable[[Any, ModelSize, str, bool], list[DecoderBlock]]
-    eps: Callable[[Any], float]
-    fla_cp: bool = True
-
-
+# -------------------------------------------------------------------------------------------- layouts
 def _qwen_layer_types(num_layers: int) -> list[str]:
     """Three Gated DeltaNet layers then one attention layer, repeated; a decoder of 2 or 3 layers still ends
     with attention (the smallest decoder with both kinds, used by the context-parallel tests)."""
@@ -282,40 +272,32 @@ def _qwen_layer_types(num_layers: int) -> list[str]:
     return ["full_attention" if (i + 1) % 4 == 0 or i == last else "linear_attention" for i in range(num_layers)]
 
 
-def _qwen_kwargs(size: ModelSize) -> dict[str, Any]:
+def _mixer_fields(layer: str, size: ModelSize) -> dict[str, Any]:
+    """The tiny decoder's mixer widths: heads of :attr:`ModelSize.head_dim` channels, a width-4 conv."""
     hd = size.head_dim
-    key_heads = max(2, size.hidden_size // (4 * hd))
-    return dict(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
-        num_hidden_layers=size.num_layers,
-        num_attention_heads=size.hidden_size // hd,
-        num_key_value_heads=2,
-        head_dim=hd,
-        linear_num_key_heads=key_heads,
-        linear_num_value_heads=2 * key_heads,
-        linear_key_head_dim=hd,
-        linear_value_head_dim=hd,
-        linear_conv_kernel_dim=4,
-        num_experts=size.num_experts,
-        num_experts_per_tok=size.top_k,
-        moe_intermediate_size=size.hidden_size // 2,
-        shared_expert_intermediate_size=size.hidden_size // 2,
+    if layer == "gdn":
+        key_heads = max(2, size.hidden_size // (4 * hd))
+        return dict(linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads, linear_key_head_dim=hd,
+                    linear_value_head_dim=hd, linear_conv_kernel_dim=4)
+    return dict(mamba_num_heads=2 * size.hidden_size // hd, mamba_head_dim=hd, n_groups=2, ssm_state_size=32,
+                conv_kernel=4, chunk_size=64)
+
+
+def _common_fields(size: ModelSize) -> dict[str, Any]:
+    """Vocabulary, width and attention heads (two key/value heads of :attr:`ModelSize.head_dim`)."""
+    hd = size.head_dim
+    return dict(vocab_size=size.vocab_size, hidden_size=size.hidden_size, num_attention_heads=size.hidden_size // hd,
+                num_key_value_heads=2, head_dim=hd)
+
+
+def _qwen_config(family: Family, size: ModelSize) -> Any:
+    tiny = family.tiny
+    types = [tiny.attention_type if t == "full_attention" else t for t in _qwen_layer_types(size.num_layers)]
+    return family.config_class()(
+        **_common_fields(size), **_mixer_fields(family.layer, size), num_hidden_layers=size.num_layers,
+        num_experts=size.num_experts, num_experts_per_tok=size.top_k, moe_intermediate_size=size.hidden_size // 2,
+        shared_expert_intermediate_size=size.hidden_size // 2, layer_types=types, **dict(tiny.config),
     )
-
-
-def _qwen3_5_moe_config(size: ModelSize) -> Any:
-    from transformers import Qwen3_5MoeTextConfig
-
-    return Qwen3_5MoeTextConfig(**_qwen_kwargs(size), layer_types=_qwen_layer_types(size.num_layers))
-
-
-def _qwen3_8_config(size: ModelSize) -> Any:
-    from transformers import Qwen4ExpTextConfig
-
-    # the real model's "indexed_attention" layers; the tiny model runs plain gated attention there
-    types = ["indexed_attention" if t == "full_attention" else t for t in _qwen_layer_types(size.num_layers)]
-    return Qwen4ExpTextConfig(**_qwen_kwargs(size), layer_types=types, output_gate_type="sigmoid")
 
 
 def _qwen_moe(config: Any, size: ModelSize, ep_enabled: bool) -> nn.Module:
@@ -344,60 +326,42 @@ def _partial_rotary_factor(config: Any) -> float:
     return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.25)))
 
 
-def _qwen_blocks(family: str) -> Callable[[Any, ModelSize, str, bool], list[DecoderBlock]]:
-    def build(config: Any, size: ModelSize, backend: str, ep_enabled: bool) -> list[DecoderBlock]:
-        mixer_cls = FAMILIES[family].mixer_class()
-        blocks = []
-        for i, kind in enumerate(config.layer_types):
-            if kind == "linear_attention":
-                mixer = mixer_cls(config, i, backend=backend)
-                name = "gdn+moe"
-            else:
-                mixer = _qwen_attention(config)
-                name = "attention+moe"
-            blocks.append(DecoderBlock(name, mixer, _qwen_moe(config, size, ep_enabled), config.hidden_size,
-                                       config.rms_norm_eps))
-        return blocks
-
-    return build
+def _qwen_blocks(family: Family, config: Any, size: ModelSize, backend: str, ep_enabled: bool) -> list[DecoderBlock]:
+    mixer_cls = family.mixer_class()
+    blocks = []
+    for i, kind in enumerate(config.layer_types):
+        if kind == "linear_attention":
+            mixer = mixer_cls(config, i, backend=backend)
+            name = "gdn+moe"
+        else:
+            mixer = _qwen_attention(config)
+            name = "attention+moe"
+        blocks.append(DecoderBlock(name, mixer, _qwen_moe(config, size, ep_enabled), config.hidden_size,
+                                   config.rms_norm_eps))
+    return blocks
 
 
-def _nemotron_h_config(size: ModelSize) -> Any:
-    from transformers import NemotronHConfig
-
+def _nemotron_h_config(family: Family, size: ModelSize) -> Any:
     pattern = ["mamba", "moe", "attention", "moe"]
-    hd = size.head_dim
-    types = {"mamba": "linear_attention", "moe": "moe", "attention": "full_attention"}
-    return NemotronHConfig(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
+    types = {"mamba": "linear_attention", "moe": "moe", "attention": family.tiny.attention_type}
+    return family.config_class()(
+        **_common_fields(size), **_mixer_fields(family.layer, size),
         layers_block_type=[types[pattern[i % 4]] for i in range(size.num_layers)],
-        num_attention_heads=size.hidden_size // hd,
-        num_key_value_heads=2,
-        head_dim=hd,
-        mamba_num_heads=2 * size.hidden_size // hd,
-        mamba_head_dim=hd,
-        n_groups=2,
-        ssm_state_size=32,
-        conv_kernel=4,
-        chunk_size=64,
-        n_routed_experts=size.num_experts,
-        num_experts_per_tok=size.top_k,
-        moe_intermediate_size=size.hidden_size // 2,
-        moe_shared_expert_intermediate_size=size.hidden_size // 2,
-        n_shared_experts=1,
+        n_routed_experts=size.num_experts, num_experts_per_tok=size.top_k, moe_intermediate_size=size.hidden_size // 2,
+        moe_shared_expert_intermediate_size=size.hidden_size // 2, n_shared_experts=1, **dict(family.tiny.config),
     )
 
 
-def _nemotron_h_blocks(config: Any, size: ModelSize, backend: str, ep_enabled: bool) -> list[DecoderBlock]:
-    mamba2_cls = FAMILIES["nemotron_h"].mixer_class()
+def _nemotron_h_blocks(family: Family, config: Any, size: ModelSize, backend: str,
+                       ep_enabled: bool) -> list[DecoderBlock]:
+    mamba2_cls = family.mixer_class()
     eps = config.layer_norm_epsilon
     blocks = []
     for i, kind in enumerate(config.layers_block_type):
         if kind == "linear_attention":
             blocks.append(DecoderBlock("mamba2", mamba2_cls(config, i, backend=backend), None,
                                        config.hidden_size, eps))
-        elif kind == "full_attention":
+        elif kind == family.tiny.attention_type:
             attention = PackedAttention(
                 config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                 gated=False, qk_norm=False, rotary_dim=0, eps=eps,
@@ -418,13 +382,17 @@ def _nemotron_h_blocks(config: Any, size: ModelSize, backend: str, ep_enabled: b
     return blocks
 
 
-RECIPES: dict[str, TinyDecoderRecipe] = {
-    "qwen3_5_moe": TinyDecoderRecipe(_qwen3_5_moe_config, _qwen_blocks("qwen3_5_moe"), lambda c: c.rms_norm_eps),
-    "qwen3_8": TinyDecoderRecipe(_qwen3_8_config, _qwen_blocks("qwen3_8"), lambda c: c.rms_norm_eps),
-    "nemotron_h": TinyDecoderRecipe(_nemotron_h_config, _nemotron_h_blocks, lambda c: c.layer_norm_epsilon,
-                                    fla_cp=False),
+class _Layout(NamedTuple):
+    config: Any  # (family, size) -> transformers config
+    blocks: Any  # (family, config, size, backend, ep_enabled) -> [DecoderBlock]
+    eps: str  # the config's norm epsilon field
+
+
+LAYOUTS: dict[str, _Layout] = {
+    "qwen": _Layout(_qwen_config, _qwen_blocks, "rms_norm_eps"),
+    "nemotron_h": _Layout(_nemotron_h_config, _nemotron_h_blocks, "layer_norm_epsilon"),
 }
-"""The tiny decoder of every family in :data:`fla_ac_isolation.families.FAMILIES` (same keys)."""
+"""The tiny decoders' layouts by :attr:`fla_ac_isolation.families.TinyRecipe.layout` (see the module docstring)."""
 
 
 def build_model(
@@ -445,14 +413,15 @@ def build_model(
     Raises:
         ValueError: unknown ``family``; ``num_experts`` smaller than ``top_k``.
     """
-    if family not in RECIPES:
-        raise ValueError(f"model must be one of {sorted(RECIPES)}, got {family!r}")
+    if family not in FAMILIES:
+        raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {family!r}")
     if size.top_k > size.num_experts:
         raise ValueError(f"top_k ({size.top_k}) must not exceed num_experts ({size.num_experts})")
-    spec = RECIPES[family]
-    config = spec.make_config(size)
-    blocks = spec.build_blocks(config, size, backend, ep_enabled)
-    model = TinyDecoder(family, config, blocks, size.vocab_size, spec.eps(config))
+    entry = FAMILIES[family]
+    layout = LAYOUTS[entry.tiny.layout]
+    config = layout.config(entry, size)
+    blocks = layout.blocks(entry, config, size, backend, ep_enabled)
+    model = TinyDecoder(family, config, blocks, size.vocab_size, getattr(config, layout.eps))
     with torch.no_grad():
         nn.init.normal_(model.embed_tokens.weight, std=0.02)
         nn.init.normal_(model.lm_head.weight, std=0.02)

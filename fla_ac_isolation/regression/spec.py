@@ -1,21 +1,30 @@
 """What a regression run is asked to do (:class:`RegressionSpec`) and what it returns (:class:`ModeResult`,
-:class:`RegressionResult`)."""
+:class:`RegressionResult`).
+
+Every default and every rule of a run lives here, once: ``fla-ac-isolation regress`` builds a spec from its
+flags and shows this module's error messages; ``run_regression(RegressionSpec(cp=2))`` from Python runs what
+``fla-ac-isolation regress --cp 2`` runs.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import pickle
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from fla_ac_isolation.environment import resolve_device
 from fla_ac_isolation.families import FAMILIES
 from fla_ac_isolation.modes import ALL_MODES, CP_MODES, MODE_NAMES
 from fla_ac_isolation.ops import BACKENDS
-from fla_ac_isolation.parallel import LAYOUTS
+from fla_ac_isolation.parallel import LAYOUTS, ParallelMesh
 from fla_ac_isolation.policies import POLICIES
 
-__all__ = ["CP1_REFERENCE", "DTYPES", "ModeResult", "RegressionResult", "RegressionSpec"]
+__all__ = ["CP1_REFERENCE", "DTYPES", "KERNELS", "ModeResult", "RegressionResult", "RegressionSpec"]
 
 CP1_REFERENCE = "no-ac-cp1"
 """Under context parallelism: the run without AC and without CP (one rank, the whole batch), first."""
@@ -23,28 +32,42 @@ CP1_REFERENCE = "no-ac-cp1"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Parameter/activation dtypes by the names a spec takes."""
 
+KERNELS: tuple[str, ...] = ("native", "interpreter")
+"""How the ranks run FLA's kernels: ``native`` (CUDA), or ``interpreter``: Triton's interpreter on a CPU
+(``TRITON_INTERPRET=1`` in every rank's environment and :func:`fla_ac_isolation.fla_seam.interpreter.cpu_cp_kernels`
+entered by every rank)."""
 
 @dataclass(frozen=True)
 class RegressionSpec:
-    """What to run.
+    """What to run. Fields left at ``None`` or ``"auto"`` are resolved when the spec is built (read them back
+    from the spec); :meth:`validate` checks every field.
 
     Attributes:
         model: family name, a key of :data:`fla_ac_isolation.families.FAMILIES`.
-        ep: expert-parallel degree; the number of ranks when ``cp == 1``. Under context parallelism the
-            EP ranks are borrowed from the CP ranks (as torchtitan does): ``ep`` is 1 (experts
-            replicated) or ``cp``.
+        ep: expert-parallel degree; ``None``: 2 without context parallelism, 1 with it. Without CP the
+            ``ep`` ranks are data-parallel ranks (one process each); with CP the EP ranks are borrowed from
+            the CP ranks (as torchtitan does): ``ep`` is 1 (experts replicated) or ``cp``. The layout is
+            :attr:`mesh`.
         cp: context-parallel degree (FLA's CP; 1 = none). With ``cp > 1`` the ranks train on ONE global
             batch sharded in ``cp_layout``, a :data:`CP1_REFERENCE` run (one rank, no CP, no AC) comes
             first, and the CP-only ``field`` mode runs by default.
         cp_layout: FLA's CP layout, ``"contiguous"`` or ``"zigzag"``.
-        steps: AdamW steps per mode.
+        steps: AdamW steps per mode; ``None``: 3, or 2 with ``cp > 1``.
         ac: ``"full"`` or ``"selective"`` checkpointing for the AC modes.
         policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`), used with ``ac="selective"``.
         freq: checkpoint every ``freq``-th block.
-        backend: mixers' backend, ``auto`` | ``fla`` | ``reference``.
-        device: ``cpu`` or ``cuda``.
-        dtype: parameter/activation dtype name (``float32``, ``bfloat16``).
-        hidden_size, num_layers, num_experts, top_k: model sizes.
+        backend: mixers' backend, ``auto`` | ``fla`` | ``reference``. ``auto`` on a CPU under context
+            parallelism, for a family whose mixers run FLA's CP kernels (:attr:`Family.fla_cp
+            <fla_ac_isolation.families.Family.fla_cp>`), becomes ``fla`` (run by Triton's interpreter, see
+            ``kernels``); elsewhere the mixers resolve ``auto`` themselves (FLA's kernels on CUDA, the
+            reference on a CPU).
+        device: ``cpu``, ``cuda``, or ``auto``: ``cuda`` when at least :attr:`world` GPUs are visible, else
+            ``cpu`` (:func:`fla_ac_isolation.environment.resolve_device`, as everywhere in this package).
+        dtype: parameter/activation dtype name (``float32``, ``bfloat16``, ``float16``); ``auto``: ``bfloat16``
+            on CUDA, ``float32`` on a CPU.
+        hidden_size: model width; ``None``: 512 on CUDA, 64 on a CPU under context parallelism (sized for
+            the interpreter), else 128.
+        num_layers, num_experts, top_k: model sizes.
         data_ranks: number of ranks the data is generated for; ``None`` = ``ep``. With ``ep=1`` and
             ``data_ranks=2`` the single rank trains on both ranks' documents (the same global batch).
         seed: weights and data.
@@ -58,26 +81,30 @@ class RegressionSpec:
         fail_on: testing hook, ``(mode, rank)`` or ``(mode, rank, message)``: that rank raises
             ``RuntimeError(message)`` between the first forward and backward of that mode, to show that
             one failing rank ends all ranks promptly and that its error text reaches the report verbatim.
-        rank_setup: ``"module:function"`` called in every rank process before training, e.g. a GPU test
-            harness switch such as ``"fla_ac_isolation.testing.gpu:lift_hopper_gdn_guard"``; when it
-            returns a context manager, that is entered and kept for the life of the process.
-        env: environment variables set in every rank process before it imports anything, e.g.
-            ``(("TRITON_INTERPRET", "1"),)`` for FLA's kernels on a CPU; rank processes are then started
-            with ``spawn`` (a fresh interpreter) instead of the preloaded fork server.
+        kernels: how the ranks run FLA's kernels, one of :data:`KERNELS`; ``auto``: ``interpreter`` on a CPU
+            under context parallelism with ``backend`` ``fla`` (FLA's CP kernels have no other way to run
+            there), else ``native``. ``interpreter`` needs ``device="cpu"``.
+        rank_setup: a module-level function (it is pickled into the rank processes) called in every rank
+            process before training, e.g. a GPU test harness's switch that lifts FLA's Hopper guard for a test
+            run (the GPU tests pass theirs); when it returns a context manager, that is entered and kept for
+            the life of the process. ``None``: nothing.
+        env: environment variables set in every rank process before it imports anything; rank processes
+            are then started with ``spawn`` (a fresh interpreter) instead of the preloaded fork server.
+            ``kernels="interpreter"`` adds ``TRITON_INTERPRET=1`` (:attr:`rank_env`).
     """
 
     model: str = "qwen3_5_moe"
-    ep: int = 2
+    ep: int | None = None
     cp: int = 1
     cp_layout: str = "contiguous"
-    steps: int = 3
+    steps: int | None = None
     ac: str = "selective"
     policy: str = "save-all-copies"
     freq: int = 1
     backend: str = "auto"
-    device: str = "cpu"
-    dtype: str = "float32"
-    hidden_size: int = 128
+    device: str = "auto"
+    dtype: str = "auto"
+    hidden_size: int | None = None
     num_layers: int = 4
     num_experts: int = 16
     top_k: int = 4
@@ -88,23 +115,67 @@ class RegressionSpec:
     timeout_s: float = 300.0
     early_stop: bool = True
     fail_on: tuple[str, int] | tuple[str, int, str] | None = None
-    rank_setup: str | None = None
+    kernels: str = "auto"
+    rank_setup: Callable[[], Any] | None = None
     env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        """Resolve the ``None`` and ``"auto"`` defaults (see the attributes); nothing is checked here."""
+
+        def resolve(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        cp = self.cp > 1 if isinstance(self.cp, int) else False
+        if self.ep is None:
+            resolve("ep", 1 if cp else 2)
+        if self.steps is None:
+            resolve("steps", 2 if cp else 3)
+        if self.device == "auto":
+            with contextlib.suppress(ValueError):  # an invalid mesh: validate() names it
+                resolve("device", resolve_device("auto", self.mesh.world))
+        if self.dtype == "auto":
+            resolve("dtype", "bfloat16" if self.device == "cuda" else "float32")
+        if self.hidden_size is None:
+            resolve("hidden_size", 512 if self.device == "cuda" else 64 if cp else 128)
+        interpreted = cp and self.device == "cpu" and self._fla_cp
+        if interpreted and self.backend == "auto":
+            resolve("backend", "fla")
+        if self.kernels == "auto":
+            resolve("kernels", "interpreter" if interpreted and self.backend == "fla" else "native")
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The ranks' layout: ``ParallelMesh(ep=ep, cp=cp)`` (its rules: :mod:`fla_ac_isolation.parallel.mesh`).
+
+        Raises:
+            ValueError: ``ep`` or ``cp`` is not an int >= 1, or ``ep`` is neither 1 nor ``cp`` under CP.
+        """
+        return ParallelMesh(ep=self.ep, cp=self.cp)
 
     @property
     def world(self) -> int:
-        """Number of rank processes: ``cp`` under context parallelism, else ``ep``."""
-        return self.cp if self.cp > 1 else self.ep
+        """Number of rank processes (:attr:`ParallelMesh.world <fla_ac_isolation.parallel.ParallelMesh.world>`)."""
+        return self.mesh.world
+
+    @property
+    def rank_env(self) -> tuple[tuple[str, str], ...]:
+        """``env``, plus ``TRITON_INTERPRET=1`` with ``kernels="interpreter"``: what every rank process starts with."""
+        extra = (("TRITON_INTERPRET", "1"),) if self.kernels == "interpreter" else ()
+        return (*self.env, *(item for item in extra if item not in self.env))
 
     def validate(self) -> RegressionSpec:
-        """Return self after checking every field; errors name the field (``ValueError``)."""
+        """Return self after checking every field; errors name the field (``ValueError``).
+
+        The rules come in order of how fundamental they are: the family, the ranks' layout (:attr:`mesh`),
+        then what must divide by it.
+        """
         if self.model not in FAMILIES:
             raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {self.model!r}")
-        for name in ("ep", "cp", "steps", "freq", "hidden_size", "num_layers", "num_experts", "top_k"):
+        mesh = self.mesh  # how the ranks are laid out comes before what must divide by them
+        for name in ("steps", "freq", "hidden_size", "num_layers", "num_experts", "top_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        self._validate_degrees()  # how the ranks are laid out comes before what must divide by them
         self._validate_width()
         if self.ac not in ("full", "selective"):
             raise ValueError(f"ac must be 'full' or 'selective', got {self.ac!r}")
@@ -113,9 +184,9 @@ class RegressionSpec:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.num_experts % self.ep:
             raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of ep ({self.ep})")
         if self.top_k > self.num_experts:
@@ -136,11 +207,9 @@ class RegressionSpec:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         self._validate_fail_on()
-        if self.rank_setup is not None and ":" not in self.rank_setup:
-            raise ValueError(f"rank_setup must be 'module:function', got {self.rank_setup!r}")
         self._validate_cp()
-        if self.device == "cuda" and torch.cuda.device_count() < self.world:
-            raise ValueError(f"{self.world} ranks need {self.world} CUDA devices, found {torch.cuda.device_count()}")
+        self._validate_ranks()
+        resolve_device(self.device, mesh.world)  # a CUDA run needs one GPU per rank
         return self
 
     def _validate_width(self) -> None:
@@ -167,14 +236,6 @@ class RegressionSpec:
                 f"0 <= rank < {self.world} (the ranks), got {self.fail_on!r}"
             )
 
-    def _validate_degrees(self) -> None:
-        """The parallel degrees' rules among themselves (checked before any size that must divide by them)."""
-        if self.cp > 1 and self.ep not in (1, self.cp):
-            raise ValueError(
-                f"ep ({self.ep}) must be 1 or equal cp ({self.cp}): the EP ranks are borrowed from the {self.cp} "
-                "CP ranks (one process per CP rank)"
-            )
-
     def _validate_cp(self) -> None:
         if self.cp_layout not in LAYOUTS:
             raise ValueError(f"cp_layout must be one of {LAYOUTS}, got {self.cp_layout!r}")
@@ -187,12 +248,34 @@ class RegressionSpec:
                 f"kernels, and backend={self.backend!r} on {self.device} runs the reference backend, which has none"
             )
 
+    def _validate_ranks(self) -> None:
+        """How the rank processes start: ``kernels``, ``rank_setup`` and ``env``."""
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be 'auto' or one of {KERNELS}, got {self.kernels!r}")
+        if self.kernels == "interpreter" and self.device != "cpu":
+            raise ValueError(
+                f"kernels='interpreter' runs FLA's kernels under Triton's interpreter on a CPU; device must be "
+                f"'cpu', got {self.device!r}"
+            )
+        if self.rank_setup is not None:
+            try:
+                pickle.dumps(self.rank_setup)
+                picklable = callable(self.rank_setup)
+            except (pickle.PicklingError, AttributeError, TypeError):
+                picklable = False
+            if not picklable:
+                raise ValueError(
+                    "rank_setup must be a module-level function (it is pickled into every rank process), got "
+                    f"{self.rank_setup!r}"
+                )
+        if not all(isinstance(item, tuple) and len(item) == 2 and all(isinstance(x, str) for x in item)
+                   for item in self.env):
+            raise ValueError(f"env must be a tuple of (name, value) string pairs, got {self.env!r}")
+
     @property
     def _fla_cp(self) -> bool:
         """The family's mixers run FLA's CP kernels (the ``field`` mode builds FLA's CP context for them)."""
-        from fla_ac_isolation.regression.model import RECIPES
-
-        return self.model in RECIPES and RECIPES[self.model].fla_cp
+        return self.model in FAMILIES and FAMILIES[self.model].fla_cp
 
     @property
     def ordered_modes(self) -> tuple[str, ...]:
@@ -202,6 +285,13 @@ class RegressionSpec:
         )
         order = [*MODE_NAMES[1:], *CP_MODES]
         return (*((CP1_REFERENCE,) if self.cp > 1 else ()), "no-ac", *(m for m in order if m in wanted))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain data (JSON): ``rank_setup`` as ``"module:function"``."""
+        out = asdict(self)
+        setup = self.rank_setup
+        out["rank_setup"] = None if setup is None else f"{setup.__module__}:{setup.__qualname__}"
+        return out
 
 
 @dataclass
@@ -259,7 +349,7 @@ class RegressionResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "spec": asdict(self.spec),
+            "spec": self.spec.to_dict(),
             "modes": {name: asdict(r) for name, r in self.modes.items()},
             "notes": list(self.notes),
             "environment": dict(self.environment),

@@ -16,7 +16,7 @@ import traceback
 import torch
 
 from fla_ac_isolation.failures import first_line
-from fla_ac_isolation.regression.launch import FAILURE_GRACE_S
+from fla_ac_isolation.regression.launch import FAILURE_GRACE_S, mode_mesh
 from fla_ac_isolation.regression.spec import CP1_REFERENCE, ModeResult, RegressionResult, RegressionSpec
 from fla_ac_isolation.regression.train import RankContext, all_reduce, run_mode_on_rank, setup_process
 
@@ -54,7 +54,7 @@ def run_under_torchrun(spec: RegressionSpec, on_step) -> RegressionResult:
             f"torchrun started {world} processes but the spec runs {spec.world} ranks (--ep, or --cp under context "
             "parallelism); make them equal"
         )
-    device, shim_notes, _rank_context = setup_process(spec, int(os.environ["LOCAL_RANK"]))
+    device, shim_notes, _held = setup_process(spec, int(os.environ["LOCAL_RANK"]))
     notes.extend(n for n in shim_notes if n not in notes)
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -67,8 +67,8 @@ def run_under_torchrun(spec: RegressionSpec, on_step) -> RegressionResult:
     results: dict[str, ModeResult] = {}
     reference = cp1_reference = None
     for mode in spec.ordered_modes:
-        group = dist.new_group(backend="gloo" if spec.device == "cpu" else None)
-        ctx = RankContext(0, 1, device, None) if mode == CP1_REFERENCE else RankContext(rank, world, device, group)
+        mesh = mode_mesh(spec, mode)  # every rank runs the one-rank reference itself
+        ctx = RankContext.create(0 if mesh.world == 1 else rank, mesh, device)
         start = time.monotonic()
         try:
             result, grads = run_mode_on_rank(

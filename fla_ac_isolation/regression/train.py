@@ -17,6 +17,7 @@ no CP) trains the same batches unsharded; every mode compares its full gradients
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from fla_ac_isolation.fla_seam.cache import clear_tensor_cache, probe_tensor_cache
 from fla_ac_isolation.modes import Mode, get_mode
-from fla_ac_isolation.parallel import CPConfig, shard_packed_batch
+from fla_ac_isolation.parallel import CPConfig, ParallelMesh, shard_packed_batch
 from fla_ac_isolation.policies import POLICIES, checkpoint_layers
 from fla_ac_isolation.regression.data import PackedBatch, cp_batch, global_batch, rank_batch
 from fla_ac_isolation.regression.expert_parallel import apply_expert_parallel, is_expert_param
@@ -39,12 +40,43 @@ __all__ = ["RankContext", "run_mode_on_rank", "setup_process"]
 
 @dataclass
 class RankContext:
-    """Where this rank runs: its rank, the world size, its device and the group for the harness's reductions."""
+    """Where this rank runs: its rank, the ranks' layout (:class:`~fla_ac_isolation.parallel.ParallelMesh`),
+    its device, and torch's ``DeviceMesh`` of that layout as one-dimensional meshes by name
+    (:meth:`ParallelMesh.build <fla_ac_isolation.parallel.ParallelMesh.build>`; ``None`` on one rank, which has
+    no process group).
+
+    Build it with :meth:`create` on every rank (the mesh's process groups are created collectively).
+    """
 
     rank: int
-    world: int
+    mesh: ParallelMesh
     device: torch.device
-    group: Any  # process group for the harness's own reductions (None when world == 1)
+    meshes: dict[str, Any] | None = None
+
+    @classmethod
+    def create(cls, rank: int, mesh: ParallelMesh, device: torch.device) -> RankContext:
+        """This rank's context; with more than one rank, builds the mesh's process groups (every rank calls it)."""
+        return cls(rank, mesh, device, mesh.build(device.type) if mesh.world > 1 else None)
+
+    @property
+    def world(self) -> int:
+        """The number of ranks (:attr:`ParallelMesh.world <fla_ac_isolation.parallel.ParallelMesh.world>`)."""
+        return self.mesh.world
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's place in the mesh: ``{"pp": .., "dp": .., "cp": ..}``."""
+        return self.mesh.coordinates(self.rank)
+
+    @property
+    def group(self) -> Any:
+        """The group the harness sums gradients and statistics over (the mesh's ``dp_cp``); ``None`` on one rank."""
+        return None if self.meshes is None else self.meshes["dp_cp"].get_group()
+
+    @property
+    def cp_group(self) -> Any:
+        """This rank's context-parallel group (the mesh's ``cp``); ``None`` on one rank."""
+        return None if self.meshes is None else self.meshes["cp"].get_group()
 
 
 @dataclass
@@ -58,9 +90,14 @@ class _Trainee:
     experts: list[torch.Tensor]  # expert-parallel shards: complete on their rank
 
 
-def setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[str], object]:
-    """Device, notes for the report, and the entered ``rank_setup`` context (hold it while training:
-    a generator-based context manager that is garbage-collected runs its exit and undoes the setup)."""
+def setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[str], contextlib.ExitStack]:
+    """Device, notes for the report, and the contexts entered for the life of the process: FLA's interpreter
+    backend (``spec.kernels == "interpreter"``) and what ``spec.rank_setup`` returned. Hold the stack while
+    training (a generator-based context manager that is garbage-collected runs its exit and undoes the setup).
+
+    Raises:
+        RuntimeError: ``kernels="interpreter"`` without ``TRITON_INTERPRET=1`` in this process's environment.
+    """
     import warnings
 
     from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
@@ -75,15 +112,16 @@ def setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[s
         torch.set_num_threads(1)  # ranks share the cores; one thread each is also deterministic
         device = torch.device("cpu")
     setup_torchtitan(spec.device)
-    out = None
-    if spec.rank_setup is not None:
-        import importlib
+    held = contextlib.ExitStack()
+    if spec.kernels == "interpreter":
+        from fla_ac_isolation.fla_seam.interpreter import cpu_cp_kernels
 
-        module, _, name = spec.rank_setup.partition(":")
-        out = getattr(importlib.import_module(module), name)()
+        held.enter_context(cpu_cp_kernels())
+    if spec.rank_setup is not None:
+        out = spec.rank_setup()
         if hasattr(out, "__enter__"):
-            out.__enter__()  # kept entered until the process ends; the caller holds `out`
-    return device, notes, out
+            held.enter_context(out)  # kept entered until the process ends; the caller holds `held`
+    return device, notes, held
 
 
 def all_reduce(t: torch.Tensor, ctx: RankContext, op: str = "sum") -> torch.Tensor:
@@ -101,19 +139,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _cp_active(spec: RegressionSpec, ctx: RankContext) -> bool:
-    """The ranks of ``ctx`` shard the batch (the :data:`CP1_REFERENCE` run has one rank and does not)."""
-    return spec.cp > 1 and ctx.world > 1
-
-
 def _build_trainee(spec: RegressionSpec, mode: Mode, ctx: RankContext) -> _Trainee:
     size = ModelSize(spec.hidden_size, spec.num_layers, spec.num_experts, spec.top_k)
     torch.manual_seed(spec.seed)
-    expert_parallel = ctx.world > 1 and (spec.cp == 1 or spec.ep > 1)
+    expert_parallel = ctx.mesh.ep > 1
     model = build_model(spec.model, size, backend=spec.backend, ep_enabled=expert_parallel)
     model.to(device=ctx.device, dtype=DTYPES[spec.dtype])
     if expert_parallel:
-        apply_expert_parallel(model.moes(), ctx.world, cp=spec.cp if _cp_active(spec, ctx) else 1)
+        apply_expert_parallel(model.moes(), ctx.mesh)
     if mode.checkpointed:
         policy = POLICIES[spec.policy]() if spec.ac == "selective" else None
         checkpoint_layers(model, mode=spec.ac, policy=policy, freq=spec.freq, early_stop=spec.early_stop)
@@ -134,16 +167,17 @@ def _batch(spec: RegressionSpec, step: int, ctx: RankContext) -> PackedBatch:
     if spec.cp > 1:  # one global batch, sharded in _rank_inputs (or whole, for the CP1_REFERENCE run)
         parts = CPConfig(world_size=spec.cp, rank=0, layout=spec.cp_layout).num_parts
         return cp_batch(step, layout=spec.cp_layout, multiple=parts, seed=spec.seed, vocab_size=vocab)
-    if ctx.world == 1:
+    if ctx.mesh.dp == 1:
         return global_batch(step, data_ranks, seed=spec.seed, vocab_size=vocab)
-    return rank_batch(step, ctx.rank, data_ranks, seed=spec.seed, vocab_size=vocab)
+    return rank_batch(step, ctx.coordinates["dp"], data_ranks, seed=spec.seed, vocab_size=vocab)
 
 
 def _rank_inputs(spec: RegressionSpec, mode: Mode, ctx: RankContext, trainee: _Trainee, batch: PackedBatch):
-    """``(input_ids, labels, seqlens)`` of this rank: the batch itself, or its CP shard and CP seqlens."""
-    if not _cp_active(spec, ctx):
+    """``(input_ids, labels, seqlens)`` of this rank: the batch itself, or its CP shard and CP seqlens (the
+    ranks of the mesh's ``cp`` dimension shard the batch; the :data:`CP1_REFERENCE` run has one rank)."""
+    if ctx.mesh.cp == 1:
         return batch.input_ids, batch.labels, mode.from_seq_lens(batch.seq_lens, device=ctx.device)
-    cp = CPConfig(group=ctx.group, layout=spec.cp_layout, conv_kernel_size=trainee.model.conv_kernel_size)
+    cp = CPConfig(group=ctx.cp_group, layout=spec.cp_layout, conv_kernel_size=trainee.model.conv_kernel_size)
     offsets = torch.tensor(batch.seq_lens).cumsum(0).tolist()
     shard = shard_packed_batch({"input_ids": batch.input_ids, "labels": batch.labels}, [0, *offsets], cp)
     seqlens = mode.from_seq_lens(batch.seq_lens, device=ctx.device, cp=cp)

@@ -77,12 +77,14 @@ def lift_hopper_gdn_guard() -> Iterator[bool]:
 
 @contextlib.contextmanager
 def gpu_test_harness() -> Iterator[bool]:
-    """What a GPU test rank enters: :func:`lift_hopper_gdn_guard` plus first-config-only autotuning.
+    """What a GPU test rank enters: :func:`lift_hopper_gdn_guard` plus first-config-only autotuning
+    (:func:`fla_ac_isolation.fla_seam.interpreter.first_autotune_config`).
 
-    Used as the regression harness's ``rank_setup`` on the device, where compiling every autotune
-    config of every FLA kernel would take minutes per rank. Yields what :func:`lift_hopper_gdn_guard` does.
+    Passed to the regression as ``RegressionSpec(rank_setup=gpu_test_harness)`` (a module-level function,
+    so that it pickles into the rank processes) on the device, where compiling every autotune config of
+    every FLA kernel would take minutes per rank. Yields what :func:`lift_hopper_gdn_guard` does.
     """
-    from fla_ac_isolation.testing.autotune import first_autotune_config
+    from fla_ac_isolation.fla_seam.interpreter import first_autotune_config
 
     with lift_hopper_gdn_guard() as lifted, first_autotune_config():
         yield lifted
