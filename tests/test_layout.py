@@ -65,13 +65,6 @@ def test_library_code_never_imports_test_support():
 # every package above the target that does not hold the importer; `importlib.import_module("<literal>")`
 # counts as an import of the literal (a lazy import by name).
 
-# PENDING at the merge of issue 22: offenders that live in the harness engineer's files (cli/, regression/),
-# fixed on their branch. The coordinator empties both sets when merging; the tests then demand none at all.
-_PENDING_HARNESS_CYCLE_MODULES = {
-    "fla_ac_isolation.cli", "fla_ac_isolation.cli.audit", "fla_ac_isolation.cli.regress",
-    "fla_ac_isolation.regression", "fla_ac_isolation.regression.cp_report", "fla_ac_isolation.regression.report",
-}
-_PENDING_HARNESS_MENTIONS = {"fla_ac_isolation/cli/regress.py", "fla_ac_isolation/regression/spec.py"}
 
 
 def _module_names(package: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -183,12 +176,12 @@ def _test_support_mentions(package: pathlib.Path) -> list[str]:
 
 def test_the_library_has_no_import_cycle():
     cycles = _cycles(_import_graph(PACKAGE))
-    assert {module for cycle in cycles for module in cycle} == _PENDING_HARNESS_CYCLE_MODULES, cycles
+    assert cycles == []
 
 
 def test_library_code_never_names_test_support():
     offenders = _test_support_mentions(PACKAGE)
-    assert {o.rsplit(":", 1)[0] for o in offenders} == _PENDING_HARNESS_MENTIONS, offenders
+    assert offenders == []
 
 
 def test_the_import_graph_sees_lazy_cycles_package_inits_and_every_mention(tmp_path):
