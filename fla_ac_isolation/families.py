@@ -262,6 +262,26 @@ FAMILIES: dict[str, Family] = {
             ),
             layer="mamba2", fla_cp=False, tiny=TinyRecipe("nemotron_h"),
         ),
+        # Kimi Delta Attention (a gated delta rule with a decay per key channel, hence layer "gdn"). The three
+        # transformers classes call FLA's chunk_kda without the packed offsets (transformers' kernel wrapper
+        # drops cu_seq_lens_q): nothing to isolate in place (offsets empty), documents leak; the drop-ins keep
+        # them apart. The tiny decoder is the "qwen" layout with the KDA widths set (its GDN fields unused);
+        # no FLA CP path (fla_cp False: the mixers refuse CP seqlens).
+        Family(
+            "kimi_linear", "Kimi-Linear", "KimiLinearDeltaAttention",
+            (
+                UpstreamMixer(f"{_HF}.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention",
+                              f"{_HF}.kimi_linear.configuration_kimi_linear.KimiLinearConfig"),
+                UpstreamMixer(f"{_HF}.glm5_next.modeling_glm5_next", "Glm5NextTextLinearAttention",
+                              f"{_HF}.glm5_next.configuration_glm5_next.Glm5NextTextConfig",
+                              replacement="Glm5NextTextLinearAttention"),
+                UpstreamMixer(f"{_HF}.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention",
+                              f"{_HF}.bailing_hybrid.configuration_bailing_hybrid.BailingHybridConfig",
+                              replacement="BailingHybridDeltaAttention"),
+            ),
+            layer="gdn", fla_cp=False,
+            tiny=TinyRecipe("qwen", config=(("linear_num_heads", 4), ("linear_head_dim", 16))),
+        ),
     )
 }
 """Every family by name."""

@@ -6,8 +6,8 @@ backend (:mod:`fla_ac_isolation.ops.reference`, :mod:`fla_ac_isolation.ops.refer
 without importing each other.
 
 * :func:`compute_dtype` - float32 for half/bfloat16/float32, float64 kept.
-* :func:`check_packed`, :func:`check_activation`, :func:`check_heads`, :func:`check_groups` - the shape and
-  argument checks, each raising ``ValueError`` naming what it got.
+* :func:`check_packed`, :func:`check_activation`, :func:`check_heads`, :func:`check_groups`,
+  :func:`check_kda_gates` - the shape and argument checks, each raising ``ValueError`` naming what it got.
 * :func:`discretize_dt` - Mamba2's time step ``clamp(softplus(dt + dt_bias), *dt_limit)``.
 """
 
@@ -18,7 +18,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["check_activation", "check_groups", "check_heads", "check_packed", "compute_dtype", "discretize_dt"]
+__all__ = [
+    "check_activation", "check_groups", "check_heads", "check_kda_gates", "check_packed", "compute_dtype",
+    "discretize_dt",
+]
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -58,6 +61,22 @@ def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(
             f"q and k must share H heads and v's HV heads must be a multiple of H; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+
+
+def check_kda_gates(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+    """Kimi Delta Attention's gates: ``g [B, T, HV, K]`` (a decay per key channel) and ``beta [B, T, HV]``,
+    with ``B, T, K`` of ``q [B, T, H, K]`` and ``HV`` of ``v [B, T, HV, V]``.
+
+    Raises:
+        ValueError: naming the expected and the given shapes.
+    """
+    batch, time, _, key_dim = q.shape
+    heads = v.shape[2]
+    if tuple(g.shape) != (batch, time, heads, key_dim) or tuple(beta.shape) != (batch, time, heads):
+        raise ValueError(
+            f"g must be [B, T, HV, K] = {[batch, time, heads, key_dim]} and beta [B, T, HV] = {[batch, time, heads]}, "
+            f"got g {list(g.shape)} and beta {list(beta.shape)}"
         )
 
 

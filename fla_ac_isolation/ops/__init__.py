@@ -1,12 +1,14 @@
 """Varlen operations behind the mixers, with a choice of backend.
 
-Three operations, each offered by two backends with identical signatures: ``fla``
-(:mod:`fla_ac_isolation.fla_seam.kernels`, FLA's Triton kernels) | ``reference``
-(:mod:`fla_ac_isolation.ops.reference`, pure torch):
+Four operations, each offered by two backends with identical signatures: ``fla``
+(:mod:`fla_ac_isolation.fla_seam.kernels`, :mod:`fla_ac_isolation.fla_seam.kda`: FLA's Triton kernels) |
+``reference`` (:mod:`fla_ac_isolation.ops.reference`, :mod:`fla_ac_isolation.ops.reference_kda`: pure torch):
 
 * :func:`causal_conv1d`: FLA's ``fla.modules.causal_conv1d.causal_conv1d`` | per-document ``F.conv1d``;
 * :func:`chunk_gated_delta_rule`: FLA's ``chunk_gated_delta_rule`` | chunked WY form in torch;
-* :func:`ssd` (Mamba2): FLA's ``chunk_simple_gla`` | chunked SSD in torch.
+* :func:`ssd` (Mamba2): FLA's ``chunk_simple_gla`` | chunked SSD in torch;
+* :func:`chunk_kda` (Kimi Delta Attention): FLA's ``chunk_kda`` | token-by-token recurrence in torch. It has
+  no ``chunk_indices`` (FLA's ``chunk_kda`` takes none), no ``saveable`` and no ``cp_context``.
 
 ``backend`` is ``"auto"`` (``fla`` for CUDA tensors, ``reference`` otherwise), ``"fla"`` or
 ``"reference"``. Packed documents are described by ``cu_seqlens`` (``[N + 1]`` int offsets, batch size 1)
@@ -52,14 +54,17 @@ import math
 import torch
 
 from fla_ac_isolation.fla_seam import custom_ops as fla_saveable_backend
+from fla_ac_isolation.fla_seam import kda as fla_kda_backend
 from fla_ac_isolation.fla_seam import kernels as fla_backend
+from fla_ac_isolation.op_inputs import check_heads, check_kda_gates, check_packed
 from fla_ac_isolation.op_names import SAVEABLE_OP_NAMES
 from fla_ac_isolation.ops import reference as reference_backend
+from fla_ac_isolation.ops import reference_kda as reference_kda_backend
 from fla_ac_isolation.ops import reference_ops as reference_saveable_backend
 from fla_ac_isolation.ops.backend import BACKENDS, Backend, check_cp_backend, check_saveable, resolve_backend
 from fla_ac_isolation.seqlens import devices_match
 
-__all__ = ["BACKENDS", "SAVEABLE_OPS", "Backend", "causal_conv1d", "chunk_gated_delta_rule", "ssd"]
+__all__ = ["BACKENDS", "SAVEABLE_OPS", "Backend", "causal_conv1d", "chunk_gated_delta_rule", "chunk_kda", "ssd"]
 
 SAVEABLE_OPS: dict[str, tuple[torch._ops.OpOverload, torch._ops.OpOverload]] = {
     name: (fla_saveable_backend.OPS[name], reference_saveable_backend.OPS[name]) for name in SAVEABLE_OP_NAMES
@@ -229,3 +234,47 @@ def ssd(
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Kimi Delta Attention (a gated delta rule with a decay per key channel), zero state at every document
+    start.
+
+    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]`` (log decay, ``<= 0``), ``beta [B, T, HV]``
+    -> ``[B, T, HV, V]`` in the dtype of ``q``. See :func:`fla_ac_isolation.ops.reference_kda.chunk_kda` for
+    the maths; the ``fla`` backend is FLA's ``chunk_kda`` (:func:`fla_ac_isolation.fla_seam.kda.chunk_kda`).
+    Both backends look up FLA's ``prepare_chunk_indices`` (by keyword, as ``chunk_kda`` does) and
+    ``prepare_chunk_offsets`` for ``cu_seqlens``: pass :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`'s
+    tensors.
+
+    Raises:
+        ValueError: unknown ``backend``; ``g``/``beta`` not ``[B, T, HV, K]``/``[B, T, HV]``; head counts
+            that do not divide; ``B != 1`` with ``cu_seqlens``; ``K`` above FLA's limit
+            (:data:`~fla_ac_isolation.fla_seam.kda.MAX_KEY_DIM`) on the ``fla`` backend; ``backend='fla'``
+            with CPU tensors outside Triton's interpreter.
+    """
+    check_packed("q", q, cu_seqlens)
+    check_heads(q, k, v)
+    check_kda_gates(q, v, g, beta)
+    kwargs = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                  cu_seqlens_cpu=cu_seqlens_cpu)
+    if resolve_backend(backend, q) == "reference":
+        return reference_kda_backend.chunk_kda(q, k, v, g, beta, **kwargs)
+    if q.shape[-1] > fla_kda_backend.MAX_KEY_DIM:
+        raise ValueError(
+            f"FLA's chunk_kda takes key head dims up to {fla_kda_backend.MAX_KEY_DIM}, got K = {q.shape[-1]} "
+            "(q [B, T, H, K]); use backend='reference'"
+        )
+    return fla_kda_backend.chunk_kda(q, k, v, g, beta, **kwargs)

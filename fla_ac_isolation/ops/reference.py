@@ -52,11 +52,12 @@ from fla_ac_isolation.op_inputs import (
     discretize_dt,
 )
 
-__all__ = ["CHUNK_SIZE", "causal_conv1d", "chunk_gated_delta_rule", "ssd", "ssd_scan"]
+__all__ = ["CHUNK_SIZE", "PackedDocument", "causal_conv1d", "chunk_gated_delta_rule", "packed_documents", "ssd",
+           "ssd_scan"]
 
 
 # ------------------------------------------------------------------------------------ chunk schedule
-class _Document(NamedTuple):
+class PackedDocument(NamedTuple):
     """One document of a packed batch: its token range and the token ranges of its chunks."""
 
     start: int
@@ -68,7 +69,7 @@ def _chunk_ranges(start: int, end: int, chunk_size: int) -> list[tuple[int, int]
     return [(s, min(s + chunk_size, end)) for s in range(start, end, chunk_size)]
 
 
-def _documents(
+def packed_documents(
     num_tokens: int,
     cu_seqlens: torch.Tensor | None,
     cu_seqlens_cpu: torch.Tensor | None,
@@ -76,14 +77,15 @@ def _documents(
     *,
     recurrent: bool,
     chunk_indices: torch.Tensor | None = None,
-) -> list[_Document]:
+) -> list[PackedDocument]:
     """The documents of a batch and their chunks, as FLA's kernels would see them.
 
     Without ``cu_seqlens`` the whole time axis is one document (per batch row). With it, the schedule is
     read from ``chunk_indices`` when given, else from ``prepare_chunk_indices(cu_seqlens, chunk_size,
     cu_seqlens_cpu=...)`` (``[NT, 2]`` rows of ``(document, chunk index within the document)``), grouped per document by
     ``prepare_chunk_offsets(cu_seqlens, chunk_size)`` when ``recurrent`` (as FLA's state-passing kernels
-    do). Zero-length documents have no chunks and are left out.
+    do). Zero-length documents have no chunks and are left out. Public because the KDA reference
+    (:mod:`~fla_ac_isolation.ops.reference_kda`) walks the same schedule.
 
     Raises:
         RuntimeError: the helpers' answers contradict the offsets. That cannot happen with consistent
@@ -91,7 +93,7 @@ def _documents(
             replay misaligned by a ``cu_seqlens`` object shared across checkpointed layers.
     """
     if cu_seqlens is None:
-        return [_Document(0, num_tokens, _chunk_ranges(0, num_tokens, chunk_size))]
+        return [PackedDocument(0, num_tokens, _chunk_ranges(0, num_tokens, chunk_size))]
 
     if chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -120,7 +122,7 @@ def _documents(
                     f"{n}, chunk row {(seq, i)}); was one cu_seqlens object shared by checkpointed layers?"
                 )
             chunks.append((lo, min(lo + chunk_size, end)))
-        documents.append(_Document(start, end, chunks))
+        documents.append(PackedDocument(start, end, chunks))
     covered = sum(hi - lo for doc in documents for lo, hi in doc.chunks)
     if covered != num_tokens:
         raise RuntimeError(
@@ -176,7 +178,7 @@ def causal_conv1d(
     if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight must be [D, W] with D = {x.shape[-1]}, got shape {tuple(weight.shape)}")
     width = weight.shape[1]
-    documents = _documents(
+    documents = packed_documents(
         x.shape[1], cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=False, chunk_indices=chunk_indices
     )
     pieces = []
@@ -299,7 +301,9 @@ def chunk_gated_delta_rule(
 
     batch, _, time, key_dim = kf.shape
     pieces = []
-    for doc in _documents(time, cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=True, chunk_indices=chunk_indices):
+    documents = packed_documents(time, cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=True,
+                                 chunk_indices=chunk_indices)
+    for doc in documents:
         state = vf.new_zeros(batch, value_heads, key_dim, vf.shape[-1])
         for lo, hi in doc.chunks:
             out, state = _gdn_chunk(qf[:, :, lo:hi], kf[:, :, lo:hi], vf[:, :, lo:hi],
@@ -410,7 +414,7 @@ def ssd_scan(
 
     batch, _, time, head_dim = xf.shape
     pieces = []
-    for doc in _documents(time, cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=True):
+    for doc in packed_documents(time, cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=True):
         state = xf.new_zeros(batch, heads, bf.shape[-1], head_dim)
         for lo, hi in doc.chunks:
             out, state = _ssd_chunk(xf[:, :, lo:hi], af[:, :, lo:hi], bf[:, :, lo:hi], cf[:, :, lo:hi], state)
