@@ -280,7 +280,8 @@ FAMILIES: dict[str, Family] = {
                               replacement="BailingHybridDeltaAttention"),
             ),
             layer="gdn", fla_cp=False,
-            tiny=TinyRecipe("qwen", config=(("linear_num_heads", 4), ("linear_head_dim", 16))),
+            tiny=TinyRecipe("qwen", config=(("linear_num_heads", 4), ("linear_head_dim", 16), ("pad_token_id", None),
+                                            ("bos_token_id", None), ("eos_token_id", None))),
         ),
     )
 }

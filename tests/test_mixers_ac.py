@@ -15,6 +15,11 @@ tell shared from isolated:
   ``save_all_copies`` leaves the shared path bit-exact (that fp32 case proved nothing and was dropped);
   FLA's miss path runs an int64 ``cumsum`` that the recompute's hit skips, so the layer's own float
   ``cumsum`` (the gate's cumulative decay) is replayed with it: ``Autograd not support dtype: Long``.
+  The KDA family has no float ``cumsum`` of its own (FLA's ``chunk_kda`` cumulates the decay inside its
+  kernel, the reference recurs token by token; saving ``cumsum`` leaves its shared path bit-exact), so its
+  fp32 case saves every ``stack``: FLA's miss path stacks the int64 chunk rows, the recompute's hit skips
+  that, and the layer's own float ``stack`` (its per-token outputs) is replayed with them:
+  ``Autograd not support dtype: Long``.
 """
 
 import pytest
@@ -35,6 +40,14 @@ CASES = {  # case id: (dtype, policy builder, how the shared path fails)
     "fp32-save-cumsum": (torch.float32, lambda: save_ops([torch.ops.aten.cumsum.default]),
                          SharedOutcome(RuntimeError, "Autograd not support dtype: Long")),
 }
+#: The KDA family's fp32 case (module docstring): every ``stack`` saved instead of every ``cumsum``.
+KDA_FP32 = (torch.float32, lambda: save_ops([torch.ops.aten.stack.default]),
+            SharedOutcome(RuntimeError, "Autograd not support dtype: Long"))
+
+
+def _case(family, case: str):
+    """``CASES[case]`` for ``family``; the KDA family's fp32 case saves ``stack`` (:data:`KDA_FP32`)."""
+    return KDA_FP32 if case.startswith("fp32") and family.family.name == "kimi_linear" else CASES[case]
 
 
 def _stack(family, dtype):
@@ -53,7 +66,7 @@ def _run(family, dtype, seqlens_cls, policy=None):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_selective_ac_with_shared_layer_local_seqlens_is_bit_exact(core_family, case):
-    dtype, policy, _ = CASES[case]
+    dtype, policy, _ = _case(core_family, case)
     loss_ref, dx_ref, grads_ref = _run(core_family, dtype, LayerLocalSeqlens)
     loss_ac, dx_ac, grads_ac = _run(core_family, dtype, LayerLocalSeqlens, policy())
     assert torch.equal(loss_ac, loss_ref)
@@ -66,7 +79,7 @@ def test_selective_ac_with_shared_layer_local_seqlens_is_bit_exact(core_family, 
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_stack_with_one_shared_cu_seqlens_object_fails_as_predicted(core_family, case):
     """Control: the unsafe path under the same policy fails exactly as ``CASES`` says (module docstring)."""
-    dtype, policy, outcome = CASES[case]
+    dtype, policy, outcome = _case(core_family, case)
     with pytest.raises(outcome.error) as err:
         _run(core_family, dtype, SharedSeqlens, policy())
     outcome.check(err.value)
@@ -81,7 +94,7 @@ def test_the_fp32_case_fails_when_local_returns_the_shared_tensors(core_family, 
         return LocalSeqlens(self._cu_seqlens, self._cu_seqlens_cpu, self.max_seqlen, self._chunk_indices)
 
     monkeypatch.setattr(LayerLocalSeqlens, "local", shared_local)
-    dtype, policy, outcome = CASES["fp32-save-cumsum"]
+    dtype, policy, outcome = _case(core_family, "fp32-save-cumsum")
     with pytest.raises(outcome.error) as err:
         _run(core_family, dtype, LayerLocalSeqlens, policy())
     outcome.check(err.value)
@@ -93,14 +106,15 @@ PRECOMPUTED_SCHEDULE = {
     "qwen3_5_moe": (95, None),  # the shifted replay lands on ops whose values agree: same numbers
     "qwen3_8": (95, None),
     "nemotron_h": (74, SharedOutcome(RuntimeError, "Autograd not support dtype: Int")),
+    "kimi_linear": (106, SharedOutcome(RuntimeError, "Autograd not support dtype: Int")),  # chunk_kda's own lookup
 }
 
 
 def test_a_precomputed_schedule_does_not_make_a_shared_cu_seqlens_safe(core_family):
     """The FAQ's claim: with one shared object *and* FLA's chunk schedule precomputed, layer 0's recompute
-    still runs other ops than its forward (the gated delta rule's ``prepare_chunk_offsets`` and the SSD's
-    ``prepare_chunk_indices`` are still looked up by identity). The audit flags it in every family; the
-    numbers agree under this policy for the GDN families and the Mamba2 stack fails (asserted exactly)."""
+    still runs other ops than its forward (the gated delta rule's ``prepare_chunk_offsets``, the SSD's and
+    KDA's ``prepare_chunk_indices`` are still looked up by identity). The audit flags it in every family; the
+    numbers agree under this policy for the GDN families and the Mamba2 and KDA stacks fail (asserted exactly)."""
     from fla_ac_isolation.audit import ReplayAudit
 
     def shared_with_schedule(lens):

@@ -47,7 +47,7 @@ from fla_ac_isolation.mixers._common import (
     resolve_seqlens,
     text_config,
 )
-from fla_ac_isolation.ops.backend import check_backend, resolve_backend
+from fla_ac_isolation.ops.backend import check_backend, check_saveable, resolve_backend
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = [
@@ -105,7 +105,7 @@ class LowRankForgetGate(nn.Module):
         _init_decay(self.A_log, self.dt_bias, zero_A_log=lower_bound is not None)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = (*hidden_states.shape[:2], -1, self.head_dim)
+        shape = (*hidden_states.shape[:2], self.num_heads, self.head_dim)
         x = (self.f_b_proj(self.f_a_proj(hidden_states)).float() + self.dt_bias.float().view(1, 1, -1)).view(shape)
         rate = self.A_log.float().view(1, 1, self.num_heads, 1).exp()
         if self.safe_gate_lower_bound is not None:
@@ -191,6 +191,8 @@ class KimiDeltaAttention(nn.Module):
             transformers, so ``state_dict()`` and ``parameters()`` list the same tensors in the same order.
         conv_dtype: dtype of ``conv1d`` (GLM-5-next and Bailing force float32; ``None``: the default dtype).
             The conv computes in it and returns the input dtype, as transformers' torch conv does.
+        saveable: must be ``False``: KDA has no custom operator (``ops(..., saveable=True)``) yet. Taken so
+            that code building every family's mixer with ``saveable=`` gets a clear refusal.
 
     Config fields read: ``hidden_size`` (``D``), ``linear_num_heads`` (``H``), ``linear_head_dim`` (``K``),
     ``linear_conv_kernel_dim`` (``W``), ``hidden_act`` (conv activation), ``rms_norm_eps``, ``layer_types``.
@@ -203,7 +205,8 @@ class KimiDeltaAttention(nn.Module):
     Raises:
         ValueError: unknown ``backend``; a missing config field; ``hidden_act`` other than SiLU (FLA's conv
             offers only SiLU); ``layer_idx`` outside ``config.layer_types``.
-        TypeError: ``layer_idx`` is not an ``int`` (or ``None``).
+        TypeError: ``layer_idx`` is not an ``int`` (or ``None``); ``saveable`` is not a bool.
+        NotImplementedError: ``saveable=True``.
     """
 
     def __init__(
@@ -215,10 +218,17 @@ class KimiDeltaAttention(nn.Module):
         forget_gate: Callable[[int, int, int], nn.Module] | None = None,
         low_rank_output_gate: bool = True,
         conv_dtype: torch.dtype | None = None,
+        saveable: bool = False,
     ) -> None:
         super().__init__()
         config = text_config(config)
         self.backend = check_backend(backend)
+        self.saveable = check_saveable(saveable)
+        if saveable:
+            raise NotImplementedError(
+                "saveable=True is not implemented for Kimi Delta Attention: FLA's chunk_kda is not wrapped as a "
+                "custom operator here; use saveable=False (the mixer still isolates its offsets)"
+            )
         self.hidden_size = config_field(config, "hidden_size")
         self.num_heads = config_field(config, "linear_num_heads")
         self.head_dim = config_field(config, "linear_head_dim")
@@ -339,13 +349,14 @@ class KimiLinearDeltaAttention(KimiDeltaAttention):
         config: ``KimiLinearConfig``.
         layer_idx: index of the layer in the decoder.
         backend: ``"auto"`` | ``"fla"`` | ``"reference"`` (keyword only; default ``"auto"``).
+        saveable: must be ``False`` (keyword only), see :class:`KimiDeltaAttention`.
 
     Shapes, config fields, parameters and errors: see :class:`KimiDeltaAttention`.
     ``forward(hidden_states [B, T, D], seqlens=None, *, cu_seq_lens_q=None, ...) -> [B, T, D]``.
     """
 
-    def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto") -> None:
-        super().__init__(config, layer_idx, backend=backend)
+    def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", saveable: bool = False) -> None:
+        super().__init__(config, layer_idx, backend=backend, saveable=saveable)
 
 
 class Glm5NextTextLinearAttention(KimiDeltaAttention):
@@ -357,18 +368,20 @@ class Glm5NextTextLinearAttention(KimiDeltaAttention):
         config: ``Glm5NextTextConfig``; reads ``linear_lower_bound`` besides :class:`KimiDeltaAttention`'s fields.
         layer_idx: index of the layer in the decoder.
         backend: ``"auto"`` | ``"fla"`` | ``"reference"`` (keyword only; default ``"auto"``).
+        saveable: must be ``False`` (keyword only), see :class:`KimiDeltaAttention`.
 
     Raises:
         ValueError: as :class:`KimiDeltaAttention`; ``linear_lower_bound`` missing.
     """
 
-    def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto") -> None:
+    def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", saveable: bool = False) -> None:
         bound = config_field(text_config(config), "linear_lower_bound")
 
         def gate(d: int, h: int, k: int) -> nn.Module:
             return LowRankForgetGate(d, h, k, per_head_A_log=True, lower_bound=bound)
 
-        super().__init__(config, layer_idx, backend=backend, forget_gate=gate, conv_dtype=torch.float32)
+        super().__init__(config, layer_idx, backend=backend, forget_gate=gate, conv_dtype=torch.float32,
+                         saveable=saveable)
 
 
 class BailingHybridDeltaAttention(KimiDeltaAttention):
@@ -381,12 +394,13 @@ class BailingHybridDeltaAttention(KimiDeltaAttention):
             :class:`KimiDeltaAttention`'s fields.
         layer_idx: index of the layer in the decoder.
         backend: ``"auto"`` | ``"fla"`` | ``"reference"`` (keyword only; default ``"auto"``).
+        saveable: must be ``False`` (keyword only), see :class:`KimiDeltaAttention`.
 
     Raises:
         ValueError: as :class:`KimiDeltaAttention`; ``kda_safe_gate`` or ``kda_lower_bound`` missing.
     """
 
-    def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto") -> None:
+    def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", saveable: bool = False) -> None:
         text = text_config(config)
         safe, bound = config_field(text, "kda_safe_gate"), config_field(text, "kda_lower_bound")
 
@@ -394,4 +408,4 @@ class BailingHybridDeltaAttention(KimiDeltaAttention):
             return FullRankForgetGate(d, h, k, safe_gate=safe, lower_bound=bound)
 
         super().__init__(config, layer_idx, backend=backend, forget_gate=gate, low_rank_output_gate=False,
-                         conv_dtype=torch.float32)
+                         conv_dtype=torch.float32, saveable=saveable)

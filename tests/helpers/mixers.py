@@ -44,6 +44,31 @@ def nemotron_h_config():
     return _config("nemotron_h")
 
 
+def _kda_config(upstream: int, **extra: Any):
+    """A tiny config of the ``upstream``-th KDA class: 4 heads of 16 channels at :data:`HIDDEN`, width-4 conv.
+
+    Bailing hybrid derives its KDA widths from its attention fields (``num_attention_heads``, ``head_dim``,
+    ``short_conv_kernel_size``); Kimi-Linear and GLM-5-next read ``linear_*`` fields."""
+    entry = families.FAMILIES["kimi_linear"]
+    fields = dict(hidden_size=HIDDEN, num_hidden_layers=4, layer_types=["linear_attention"] * 4, vocab_size=128,
+                  linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=16, short_conv_kernel_size=4, pad_token_id=None, bos_token_id=None,
+                  eos_token_id=None)
+    return entry.upstream[upstream].config_class()(**fields, **extra)
+
+
+def kimi_linear_config():
+    return _kda_config(0)
+
+
+def glm5_next_config(linear_lower_bound: float | None = -5.0):
+    return _kda_config(1, linear_lower_bound=linear_lower_bound)
+
+
+def bailing_hybrid_config(kda_safe_gate: bool = True):
+    return _kda_config(2, kda_safe_gate=kda_safe_gate)
+
+
 def _gdn_fields() -> dict[str, Any]:
     return dict(
         hidden_size=HIDDEN, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -74,8 +99,8 @@ class MixerFamily:
 
     @property
     def ours(self) -> str:
-        """Our class name in fla_ac_isolation.mixers."""
-        return self.family.mixer
+        """Our class name in fla_ac_isolation.mixers (the upstream class's replacement, else the family's)."""
+        return self.upstream.replacement or self.family.mixer
 
     @property
     def hf_module(self) -> str:
@@ -87,7 +112,7 @@ class MixerFamily:
 
     def build(self, layer_idx: int = 0, seed: int = 0, **kwargs):
         torch.manual_seed(seed)
-        mixer = self.family.mixer_class()(self.config(), layer_idx, **kwargs)
+        mixer = self.family.mixer_class(self.upstream)(self.config(), layer_idx, **kwargs)
         _randomize(mixer, seed)
         return mixer
 
@@ -107,10 +132,14 @@ FAMILIES = {
         _case("qwen3_5", "qwen3_5_moe", 1, qwen3_5_config),  # dense Qwen3.5: same mixer class
         _case("qwen3_8", "qwen3_8", 0, qwen3_8_config),
         _case("nemotron_h", "nemotron_h", 0, nemotron_h_config),
+        _case("kimi_linear", "kimi_linear", 0, kimi_linear_config),
+        _case("glm5_next", "kimi_linear", 1, glm5_next_config),
+        _case("bailing_hybrid", "kimi_linear", 2, bailing_hybrid_config),
     )
 }
 """Mixer test cases: one per upstream class of :data:`fla_ac_isolation.families.FAMILIES`."""
-# One per mixer class (the dense Qwen3.5 config runs through the same class as Qwen3.5-MoE).
+# One per family (the dense Qwen3.5 config runs through the same class as Qwen3.5-MoE; GLM-5-next and Bailing
+# run through the same KDA core as Kimi-Linear).
 CORE_FAMILIES = list(families.FAMILY_NAMES)
 
 
@@ -130,6 +159,8 @@ def _randomize(mixer: torch.nn.Module, seed: int) -> None:
 HF_KERNEL_FUNCS = (
     "torch_chunk_gated_delta_rule",
     "torch_recurrent_gated_delta_rule",
+    "chunk_kimi_delta_attention",
+    "recurrent_kimi_delta_attention",
     "causal_conv1d_fn",
     "causal_conv1d_update",
     "mamba2_split_conv1d_scan_combined",
