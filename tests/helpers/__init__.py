@@ -6,6 +6,7 @@ test file); ``conftest.py`` only holds fixtures. Family facts come from the libr
 
 * :mod:`helpers.mixers` - mixer cases (one per upstream class), documents, a residual ``Block``, losses;
 * :mod:`helpers.hf_models` - whole transformers models for the swap tests, batches, one training step;
+* :mod:`helpers.kda_models` - transformers' Kimi Delta Attention models, and their shipped KDA call on CPU;
 * :mod:`helpers.faults` - how the unsafe shared path must end (``SharedOutcome``), the fault matrix;
 * :mod:`helpers.saveable` - the saveable ops under SAC: recorded operators and what a policy saved;
 * :mod:`helpers.foreign` - OLMo-core's and torchtitan's own models;
@@ -55,6 +56,17 @@ from helpers.hf_models import (
     train_step,
     unpacked_batch,
 )
+from helpers.kda_models import (
+    KDA_DOC_LENS,
+    KDA_MODELS,
+    KDAModel,
+    ServedCalls,
+    kda_loss,
+    kda_output,
+    kda_packed_batch,
+    per_document_gap,
+    shipped_kda_on_cpu,
+)
 from helpers.mixers import (
     CORE_FAMILIES,
     FAMILIES,
@@ -101,6 +113,8 @@ __all__ = [
     "HF_KERNEL_FUNCS",
     "HIDDEN",
     "INT_REPLAY",
+    "KDA_DOC_LENS",
+    "KDA_MODELS",
     "LAYER_FIELDS",
     "MATRIX",
     "MODEL_FAMILIES",
@@ -114,10 +128,12 @@ __all__ = [
     "UNSWAPPED_QWEN_UNDER_SAC",
     "VOCAB",
     "Block",
+    "KDAModel",
     "MixerFamily",
     "ModelFamily",
     "OpRecorder",
     "RecordedStep",
+    "ServedCalls",
     "SharedOutcome",
     "Step",
     "assert_bit_equal",
@@ -128,6 +144,9 @@ __all__ = [
     "glm5_next_config",
     "hf_fla_kernel_on_cpu",
     "hf_torch_fallback",
+    "kda_loss",
+    "kda_output",
+    "kda_packed_batch",
     "kimi_linear_config",
     "load_script",
     "logits_of",
@@ -140,6 +159,7 @@ __all__ = [
     "olmo_policy_plus_to_copy",
     "olmo_step",
     "packed_batch",
+    "per_document_gap",
     "qwen3_5_config",
     "qwen3_5_moe_config",
     "qwen3_8_config",
@@ -152,6 +172,7 @@ __all__ = [
     "saveable_op_names",
     "saved_indices",
     "set_checkpointing",
+    "shipped_kda_on_cpu",
     "skip_unless_torchtitan_qwen3_5",
     "split_documents",
     "torchtitan_gdn_forward_without_clone",
