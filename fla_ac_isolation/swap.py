@@ -2,7 +2,8 @@
 
 transformers hands the same ``cu_seq_lens_q`` object to every linear-attention layer of a packed batch,
 so FLA's identity-keyed index cache makes a checkpointed layer's recompute run other ops than its forward
-(docs: "The fault in one picture"), and its Nemotron-H torch path lets state flow across packed documents.
+(docs: "The fault in one picture"), its Nemotron-H torch path lets state flow across packed documents, and
+its Kimi Delta Attention mixers (Kimi-Linear, GLM-5-next, Bailing) never hand FLA the offsets at all.
 :func:`swap_mixers` replaces each supported transformers mixer with this package's drop-in
 (:mod:`fla_ac_isolation.mixers`), which isolates ``cu_seq_lens_q`` inside its own forward.
 
@@ -16,6 +17,9 @@ transformers class                                   replaced by (``fla_ac_isola
 ``qwen4_exp.Qwen4ExpTextGatedDeltaNet``               ``Qwen3_8FlashNextGatedDeltaNet``
 ``nemotron_h.NemotronHMamba2Mixer``                   ``NemotronHMamba2Mixer``
 OLMo-core ``recurrent.NemotronMamba2Mixer``            ``OlmoNemotronMamba2Mixer`` (OLMo-core's interface)
+``kimi_linear.KimiLinearDeltaAttention``              ``KimiLinearDeltaAttention``
+``glm5_next.Glm5NextTextLinearAttention``             ``Glm5NextTextLinearAttention``
+``bailing_hybrid.BailingHybridDeltaAttention``        ``BailingHybridDeltaAttention``
 ==================================================  ====================================================
 
 OLMo-core's Mamba2 has no config object: the replacement reads its configuration from the module's
@@ -155,7 +159,8 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
 
     Args:
         model: a transformers model (``Qwen3_5MoeForCausalLM``, ``Qwen3_5ForCausalLM``,
-            ``Qwen4ExpForCausalLM``/``Qwen4ExpForConditionalGeneration``, ``NemotronHForCausalLM``, their
+            ``Qwen4ExpForCausalLM``/``Qwen4ExpForConditionalGeneration``, ``NemotronHForCausalLM``,
+            ``KimiLinearForCausalLM``, ``Glm5NextTextModel``, ``BailingHybridForCausalLM``, their
             base models, or any module containing their mixers), or an OLMo-core ``Transformer`` with
             ``NemotronMamba2Mixer`` blocks, on any device including ``meta``.
         backend: the mixers' kernels: ``"auto"`` (FLA on CUDA tensors, the pure-torch reference elsewhere),

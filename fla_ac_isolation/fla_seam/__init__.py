@@ -10,6 +10,8 @@ Everything this project knows about FLA (fla-core 0.6) lives in the modules of t
   rule, simple GLA as the Mamba2 SSD): the ``fla`` backend of :mod:`fla_ac_isolation.ops`.
 * :mod:`~fla_ac_isolation.fla_seam.custom_ops` - the same three calls as torch custom operators (FLA's own
   forward and backward functions, fake kernels): the ``fla`` backend of ``ops(..., saveable=True)``.
+* :mod:`~fla_ac_isolation.fla_seam.kda` - FLA's Kimi Delta Attention (``chunk_kda``): the ``fla`` backend of
+  ``ops.chunk_kda``, and its index lookups as the kernel makes them (for the reference backend).
 * :mod:`~fla_ac_isolation.fla_seam.versions` - the installed fla-core version, the range we test, and
   FLA's Hopper/Triton guard (its issue #640).
 * :mod:`~fla_ac_isolation.fla_seam.interpreter` - the interpreter backend: FLA's real kernels, CP ones
