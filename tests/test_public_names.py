@@ -64,7 +64,9 @@ def test_lazy_names_are_listed_by_dir_without_being_imported():
 
 
 def test_ops_exports_its_operations_and_their_argument_values_only():
-    assert ops.__all__ == ["BACKENDS", "SAVEABLE_OPS", "Backend", "causal_conv1d", "chunk_gated_delta_rule", "ssd"]
+    assert ops.__all__ == [
+        "BACKENDS", "SAVEABLE_OPS", "Backend", "causal_conv1d", "chunk_gated_delta_rule", "chunk_kda", "ssd",
+    ]
     assert not hasattr(ops, "check_chunk_indices")  # private to ops now: only its operations use it
 
 
