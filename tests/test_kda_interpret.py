@@ -4,7 +4,8 @@ The cases live in ``tests/interpret_kda_cases.py`` and run in a subprocess (``TR
 FLA's kernels are decorated), with the shims of ``fla_ac_isolation.fla_seam.interpreter``. Measured on 2 CPU cores:
 max error / max(1, |reference|) <= 4.1e-7 for the op (output and gradients) and <= 1.9e-6 for the Kimi-Linear
 mixer (its decay gradients ``A_log``, ``dt_bias``; float32 chunk sums in FLA against a token recurrence); bound
-1e-5, as ``tests/test_ops_interpret.py``. 25 to 45 s on 2 shared cores.
+1e-5, as ``tests/test_ops_interpret.py``. The cases took 24 s on 2 cores, 55 s with the machine loaded
+about 2.7 times over (load average 5.5): the budget, 90 s, catches a blow-up, not a busy neighbour.
 """
 
 import pytest
@@ -13,7 +14,7 @@ from helpers import run_interpreter_cases
 pytestmark = pytest.mark.slow
 
 TOL = 1e-5
-BUDGET_S = 60
+BUDGET_S = 90
 
 
 @pytest.fixture(scope="module")

@@ -252,6 +252,7 @@ class KimiDeltaAttention(nn.Module):
                                 padding=self.conv_kernel_size - 1, bias=False, dtype=conv_dtype)
         self.forget_gate = forget_gate(self.hidden_size, self.num_heads, self.head_dim)
         self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
+        self.low_rank_output_gate = low_rank_output_gate
         if low_rank_output_gate:
             self.g_a_proj = nn.Linear(self.hidden_size, self.head_dim, bias=False)
             self.g_b_proj = nn.Linear(self.head_dim, self.qkv_dim, bias=False)
@@ -332,7 +333,8 @@ class KimiDeltaAttention(nn.Module):
         core = ops.chunk_kda(query, key, value, g, beta, use_qk_l2norm_in_kernel=True, **varlen)
 
         # 6. Per-head RMSNorm with the sigmoid output gate, output projection.
-        gate = self.g_b_proj(self.g_a_proj(hidden_states)) if hasattr(self, "g_a_proj") else self.g_proj(hidden_states)
+        low_rank = self.low_rank_output_gate
+        gate = self.g_b_proj(self.g_a_proj(hidden_states)) if low_rank else self.g_proj(hidden_states)
         core = self.o_norm(core, gate.reshape(heads))
         return self.o_proj(core.reshape(batch, tokens, self.qkv_dim))
 
