@@ -14,9 +14,10 @@ Which code ran for the shipped (unswapped) models:
   transformers runs without FLA): an implementation of KDA independent of ours (chunked, WY form).
 
 Tolerances (float32): our token-by-token KDA and transformers' chunked torch KDA round differently; on one
-unpacked document the logits differ by at most 2.4e-7 / 9.5e-7 / 2.7e-7 here (the reach report measured
-2.1e-7 / 7.2e-7 / 3.0e-7): bound 1e-5. Packed against each document alone, the swapped models differ by at
-most 7.2e-7 (GLM-5-next's last hidden state, values up to ~10): bound 1e-5. The shipped models leak: documents
+unpacked document of 70 tokens the outputs differ by at most 2.4e-7 / 1.4e-6 / 4.3e-7 here (Kimi, GLM-5-next
+whose last hidden state reaches 3.5, Bailing; the reach report measured 2.1e-7 / 7.2e-7 / 3.0e-7 against
+transformers with FLA's naive KDA): bound 1e-5. Packed against each document alone, the swapped models differ
+by at most 7.2e-7 (GLM-5-next): bound 1e-5. The shipped models leak: documents
 2 and 3 differ from themselves run alone by 0.093 / 0.137 (Kimi), 1.17 / 0.95 (GLM-5-next), 0.33 / 0.59
 (Bailing) in float32, and by as much in bfloat16: the floor asserted is 0.05, about half the smallest.
 """
