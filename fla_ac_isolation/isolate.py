@@ -49,7 +49,7 @@ from fla_ac_isolation.families import (
 )
 from fla_ac_isolation.offsets_hook import CallCounter, HostOffsets, OffsetsHook
 
-__all__ = ["IsolationHandle", "LeakingMixerWarning", "PartialIsolationWarning", "isolate_seqlens"]
+__all__ = ["IsolationHandle", "LeakingMixerWarning", "PartialIsolationWarning", "is_isolated", "isolate_seqlens"]
 
 _MARK = "_fla_ac_isolation_hook"  # in a hooked module's __dict__: the RemovableHandle of its hook
 
@@ -101,6 +101,11 @@ class IsolationHandle:
     def __repr__(self) -> str:
         shown = ", ".join(self.paths[:3]) + (", ..." if len(self.paths) > 3 else "")
         return f"IsolationHandle({len(self._hooks)} hooked, {self.rewritten} calls rewritten: {shown})"
+
+
+def is_isolated(module: nn.Module) -> bool:
+    """``module`` carries a hook of :func:`isolate_seqlens` (not removed)."""
+    return _MARK in vars(module)
 
 
 # ------------------------------------------------------------------------------------------------- API
@@ -276,21 +281,37 @@ def isolate_seqlens(
     sees (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`), so a layer's forward and its recompute both
     start with an FLA cache miss.
 
-    Known mixers (:data:`~fla_ac_isolation.families.FLA_BACKED_MIXERS`, matched along the class hierarchy)
-    and the arguments refreshed:
+    Known mixers (:func:`~fla_ac_isolation.families.foreign_mixer`, matched along the class hierarchy) and
+    the arguments refreshed:
 
-    * transformers' ``Qwen3_5MoeGatedDeltaNet``, ``Qwen3_5GatedDeltaNet`` and ``Qwen4ExpTextGatedDeltaNet``
-      (Qwen3.8-Flash-Next): ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (keywords, ``[N + 1]`` int32); the hook
+    * transformers 5.24's Gated DeltaNets: ``Qwen3_5MoeGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``,
+      ``Qwen4ExpTextGatedDeltaNet`` (Qwen3.8-Flash-Next), ``Qwen3NextGatedDeltaNet``, ``OlmoHybridGatedDeltaNet``,
+      ``LaraMiniGatedDeltaNet``: ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (keywords, ``[N + 1]`` int32); the hook
       also adds ``cu_seqlens_cpu`` (``[N + 1]`` on the host) and ``chunk_indices`` (``[NT, 2]``, FLA's
       64-token chunk schedule), which transformers hands on to FLA's ``chunk_gated_delta_rule``;
+    * flash-linear-attention 0.6's own layers and models (``fla.layers``, ``fla.models``: ``GatedDeltaNet``,
+      ``KimiDeltaAttention``, ``GatedLinearAttention``, RWKV7's blocks and feed-forwards, ...), found by a rule
+      over the class (:func:`~fla_ac_isolation.families.fla_layer_mixer`): ``cu_seqlens``;
     * torchtitan's ``models.qwen3_5.model.GatedDeltaNet``: ``attention_masks`` (positional), a
       ``VarlenMetadata`` whose ``cu_seq_q``/``cu_seq_k`` are replaced (``_replace``);
     * OLMo-core's ``nn.attention.recurrent.GatedDeltaNet`` and ``nn.attention.kda.KimiDeltaAttention``:
       ``cu_doc_lens`` (``[N + 1]`` int32, keyword or positional).
 
     Host offsets and FLA's chunk schedule are handed on only where the foreign forward passes FLA's own
-    keywords through to the kernel (transformers); OLMo-core's dispatch functions and torchtitan's mixer take
-    neither, so there FLA computes them itself on each (fresh) call.
+    keywords through to the kernel (transformers); the others take neither, so there FLA computes them itself
+    on each (fresh) call.
+
+    Mixers known to drop the offsets (:data:`~fla_ac_isolation.families.LEAKING_MIXERS`: transformers'
+    ``KimiLinearDeltaAttention``, ``BailingHybridDeltaAttention``, ``Glm5NextTextLinearAttention`` and
+    ``NemotronHMamba2Mixer``, OLMo-core's ``NemotronMamba2Mixer``; FLA's ``BasedLinearAttention``,
+    ``ReBasedLinearAttention``, ``Mamba``, ``Mamba2``, ``LogLinearMamba2``) are not hooked: a
+    :class:`LeakingMixerWarning` per class names them, why, and what to do (``swap_mixers`` where this package
+    has a drop-in).
+
+    A hook never passes a packed call silently: when none of its arguments arrives but the call carries
+    offsets-like keywords (a 1-D integer tensor under a name starting with ``cu_``, e.g. ``cu_seq_lens_q``),
+    the shared offsets would reach FLA untouched, so the call raises. A call without any (an unpacked batch)
+    passes untouched.
 
     Args:
         model: the model (any ``nn.Module``); it is changed in place (hooks only).
@@ -303,18 +324,21 @@ def isolate_seqlens(
             modules of unknown classes; overrides the registry's names (and adds no FLA keywords) otherwise.
 
     Returns:
-        An :class:`IsolationHandle` (``.paths``, ``.remove()``, a context manager). A module hooked by an
-        earlier call is skipped (idempotent): a second call returns an empty handle and warns.
+        An :class:`IsolationHandle` (``.paths``, ``.rewritten``: calls whose offsets were replaced, ``.remove()``,
+        a context manager). A module hooked by an earlier call is skipped (idempotent): a second call returns an
+        empty handle and warns.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``modules`` is not a list of modules/paths;
             ``arg_names`` is not a list of strings. At call time (from the mixer's forward): a named argument
             holds neither an integer offsets tensor nor a NamedTuple holding one.
-        ValueError: nothing to isolate (the message lists the classes and arguments looked for); a path of
-            ``modules`` is not in ``model``, a module of it is not a submodule, or it is of an unknown class
-            without ``arg_names``; empty ``modules`` or ``arg_names``; a name of ``arg_names`` is not an
-            argument of a chosen module's forward (one without ``**kwargs``). At call time: transformers' offsets are
-            not valid (not starting at 0, decreasing; the checks of :class:`~fla_ac_isolation.LayerLocalSeqlens`).
+        ValueError: nothing to isolate (the message lists the classes and arguments looked for, and the
+            leaking mixers found); a path of ``modules`` is not in ``model``, a module of it is not a submodule,
+            is of an unknown class without ``arg_names``, or is known to drop offsets (isolating it changes
+            nothing); empty ``modules`` or ``arg_names``; a name of ``arg_names`` is not an argument of a
+            chosen module's forward (one without ``**kwargs``). At call time: none of the hook's arguments
+            arrived but offsets-like keywords did (the message names both, and the fix); transformers' offsets
+            are not valid (not starting at 0, decreasing; the checks of :class:`~fla_ac_isolation.LayerLocalSeqlens`).
 
     Example::
 

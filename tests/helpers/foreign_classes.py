@@ -37,14 +37,15 @@ class AuditedStep:
         return [r.label for r in self.audit.divergent]
 
 
-def audited_step(model: nn.Module, framework: str, *, checkpointed: bool, lens=None) -> AuditedStep:
+def audited_step(model: nn.Module, framework: str, *, checkpointed: bool, lens=None, policy=None) -> AuditedStep:
     """One step of ``model`` on a fresh packed batch under :class:`ReplayAudit`, every decoder layer checkpointed
-    under SAC saving every ``_to_copy`` (the field's most sensitive policy on a CPU) when ``checkpointed``.
+    when ``checkpointed``, under ``policy`` (default: SAC saving every ``_to_copy``, the field's most sensitive
+    policy on a CPU).
 
     FLA's cache is cleared first, so every step starts from the same cache state.
     """
     if checkpointed:
-        checkpoint_layers(model, "selective", save_all_copies())
+        checkpoint_layers(model, "selective", policy if policy is not None else save_all_copies())
     clear_tensor_cache()
     model.zero_grad(set_to_none=True)
     batch = packed_batch(framework) if lens is None else packed_batch(framework, lens=lens)
