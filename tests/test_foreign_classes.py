@@ -15,8 +15,16 @@ import re
 
 import pytest
 import torch
-from helpers import INT_REPLAY, olmo_hybrid
-from helpers.foreign_classes import audited_step, deep_copy, fla_layer, glm5_next_kda_only, gradient_error, leak
+from helpers import (
+    INT_REPLAY,
+    audited_step,
+    deep_copy,
+    fla_layer,
+    glm5_next_kda_only,
+    gradient_error,
+    leak,
+    olmo_hybrid,
+)
 from torch import nn
 
 from fla_ac_isolation import isolate_seqlens, swap_mixers
