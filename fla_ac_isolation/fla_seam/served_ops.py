@@ -120,6 +120,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                                          cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
     return o, None
 
+
 @torch.compiler.disable
 def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
                   activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
@@ -131,6 +132,7 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     y = reference.causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens,
                                 cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
     return (y if residual is None else y + residual), None
+
 
 def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
