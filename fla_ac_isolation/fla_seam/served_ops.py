@@ -1,7 +1,7 @@
 """Reference stand-ins with the signatures of FLA's Triton entry points, for :mod:`~.serving` to put in their place.
 
-Each function below takes exactly the arguments of the FLA function of the same name (fla-core 0.6), computes
-it with pure torch and records the offsets objects it received:
+Each function below takes exactly the arguments of the FLA function of the same name (fla-core 0.6) and computes
+it with pure torch; the three kernels also record the offsets objects they received (:func:`recording`):
 
 * :func:`chunk_gated_delta_rule` and :func:`causal_conv1d`: :mod:`fla_ac_isolation.ops.reference`, which asks
   FLA's own identity-cached index helpers for the chunk schedule with the kernels' arguments, so FLA's cache
