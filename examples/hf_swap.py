@@ -8,10 +8,10 @@ every GDN layer and SAC replays saved tensors into the wrong ops (an error, or w
 the SAC step equals the no-AC step bit for bit.
 
 On CPU, transformers' GDN calls FLA's Triton kernel, which cannot run there ("0 active drivers"). This
-script then serves that one call with ``fla_ac_isolation.ops.reference.chunk_gated_delta_rule``, which asks
-FLA's own index helpers for its schedule with the kernel's arguments, so FLA's identity cache hits and
-misses as it would on a GPU; everything else is transformers' code. With ``--device cuda`` nothing is
-replaced and FLA's kernels run.
+script then serves that call with ``fla_ac_isolation.reference_kernels.reference_kernels()``, whose gated
+delta rule asks FLA's own index helpers for its schedule with the kernel's arguments, so FLA's identity cache
+hits and misses as it would on a GPU; everything else is transformers' code. With ``--device cuda`` nothing
+is replaced and FLA's kernels run.
 
 Run: ``python examples/hf_swap.py`` (a few seconds on CPU); ``--help`` lists the size flags.
 """
@@ -21,15 +21,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import warnings
-from collections.abc import Iterator
 
 import torch
 from transformers import DataCollatorWithFlattening, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
 from fla_ac_isolation import swap_mixers
-from fla_ac_isolation.ops import reference
 from fla_ac_isolation.policies import POLICIES, sac_context_fn
+from fla_ac_isolation.reference_kernels import reference_kernels
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,25 +68,9 @@ def packed_batch(args: argparse.Namespace) -> dict:
     return {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _fla_kernel_served_by_reference(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_):
-    out = reference.chunk_gated_delta_rule(
-        q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens
-    )
-    return out, None
-
-
-@contextlib.contextmanager
-def fla_call_on_cpu(device: str) -> Iterator[None]:
-    """On CPU, serve transformers' call of FLA's ``chunk_gated_delta_rule`` with the reference backend."""
-    if torch.device(device).type == "cuda":
-        yield
-        return
-    saved = modeling_qwen3_5_moe.torch_chunk_gated_delta_rule
-    modeling_qwen3_5_moe.torch_chunk_gated_delta_rule = _fla_kernel_served_by_reference
-    try:
-        yield
-    finally:
-        modeling_qwen3_5_moe.torch_chunk_gated_delta_rule = saved
+def fla_call_on_cpu(device: str):
+    """On CPU, FLA's kernels served by pure-torch stand-ins (``reference_kernels``); on CUDA, FLA's own."""
+    return contextlib.nullcontext() if torch.device(device).type == "cuda" else reference_kernels()
 
 
 def set_checkpointing(model, policy) -> None:
@@ -151,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"cu_seq_lens_q {batch['cu_seq_lens_q'].dtype}); SAC policy {args.policy}"
     )
     if torch.device(args.device).type != "cuda":
-        print("(CPU: transformers' call of FLA's GDN kernel is served by fla_ac_isolation.ops.reference, "
+        print("(CPU: transformers' call of FLA's GDN kernel is served by fla_ac_isolation.reference_kernels, "
               "which uses FLA's own index helpers and cache)")
 
     with fla_call_on_cpu(args.device):

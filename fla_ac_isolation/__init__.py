@@ -10,7 +10,7 @@ Public names:
 Further names are imported lazily (on first access) so that ``import fla_ac_isolation`` stays light; they
 are listed by ``dir(fla_ac_isolation)`` and ``__all__``: ``ReplayAudit`` and ``ReplayDivergenceError``
 (``audit``), ``CPConfig`` (``parallel``), ``swap_mixers`` / ``restore_mixers`` (``swap``),
-``isolate_seqlens`` / ``IsolationHandle`` (``isolate``) and the drop-in mixers (``mixers``).
+``isolate_seqlens`` / ``IsolationHandle`` / ``LeakingMixerWarning`` (``isolate``) and the drop-in mixers (``mixers``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ _LAZY = {
     "restore_mixers": "fla_ac_isolation.swap",
     "isolate_seqlens": "fla_ac_isolation.isolate",
     "IsolationHandle": "fla_ac_isolation.isolate",
+    "LeakingMixerWarning": "fla_ac_isolation.isolate",
     "Qwen3_5MoeGatedDeltaNet": "fla_ac_isolation.mixers",
     "Qwen3_8FlashNextGatedDeltaNet": "fla_ac_isolation.mixers",
     "NemotronHMamba2Mixer": "fla_ac_isolation.mixers",

@@ -8,6 +8,8 @@ by the benchmarks (their JSON files). Nothing here renders; everything returns p
 * :func:`torch_features` - what each known feature needs from torch, and whether this torch has it.
 * :func:`sac_replay_semantics` - ``"(op, index)"`` (torch >= 2.13) or ``"per-op FIFO"`` (2.11/2.12).
 * :func:`environment_report` - all of the above, with the device and FLA's cache state, as ``{label: text}``.
+* :func:`fla_backed_classes` - every FLA-backed class of other libraries this package knows
+  (:mod:`fla_ac_isolation.families`), whether its library is installed, and its status here.
 * :func:`resolve_device` - what ``device="auto"`` means in every command and spec: ``cuda`` when enough GPUs
   are visible for the ranks, else ``cpu``; and the check that a ``cuda`` run has its GPUs.
 """
@@ -16,18 +18,29 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import platform
 from dataclasses import dataclass
 
 import torch
 
+from fla_ac_isolation.families import (
+    FLA_BACKED_MIXERS,
+    LEAKING_MIXERS,
+    LeakingMixer,
+    UpstreamMixer,
+    drop_in_for,
+    fla_layer_mixer,
+)
 from fla_ac_isolation.fla_seam import cache
 from fla_ac_isolation.fla_seam import versions as fla_versions
 
 __all__ = [
     "DISTRIBUTIONS",
+    "ForeignClassStatus",
     "TorchFeature",
     "environment_report",
+    "fla_backed_classes",
     "missing_torch_features",
     "resolve_device",
     "sac_replay_semantics",
@@ -178,3 +191,57 @@ def environment_report() -> dict[str, str]:
     except ImportError as e:  # fla missing or broken
         shown["FLA tensor cache"] = f"unavailable ({e})"
     return shown
+
+
+@dataclass(frozen=True)
+class ForeignClassStatus:
+    """One FLA-backed class (or group of classes) of another library, as ``doctor`` lists it.
+
+    Attributes:
+        framework: its library in prose (``transformers``, ``flash-linear-attention``, ...).
+        name: the class name (or, for FLA's rule, how many classes).
+        installed: its module can be found in this environment.
+        status: ``"isolate_seqlens"`` (hooked by the one call; ``swap_mixers`` too where a drop-in exists) or
+            ``"leaking"`` (drops packed offsets), with what to do.
+    """
+
+    framework: str
+    name: str
+    installed: bool
+    status: str
+
+
+def _installed(module: str) -> bool:
+    package = module.rpartition(".")[0] if module.startswith("transformers.models.") else module.split(".")[0]
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _status(entry: UpstreamMixer | LeakingMixer) -> str:
+    if isinstance(entry, LeakingMixer):
+        return f"leaking (documents are not kept apart): {entry.remedy()}"
+    swap = "; swap_mixers has a drop-in" if drop_in_for(entry) else ""
+    return f"covered by isolate_seqlens ({', '.join(entry.offsets)}){swap}"
+
+
+def fla_backed_classes() -> list[ForeignClassStatus]:
+    """Every FLA-backed class of :mod:`fla_ac_isolation.families` (named ones first, then FLA's own layers as
+    counted by the FLA rule when flash-linear-attention is installed), with whether it is installed here."""
+    out = [ForeignClassStatus(e.framework, e.name, _installed(e.module), _status(e))
+           for e in (*FLA_BACKED_MIXERS, *LEAKING_MIXERS)]
+    try:
+        from fla_ac_isolation.fla_seam.models import fla_layer_and_model_classes
+
+        classes = fla_layer_and_model_classes()
+    except ImportError:
+        return [*out, ForeignClassStatus("flash-linear-attention", "fla.layers / fla.models", False, "not installed")]
+    sources: dict = {}
+    verdicts = [fla_layer_mixer(c, sources) for c in classes]
+    takes = [v for v in verdicts if isinstance(v, UpstreamMixer)]
+    leaking = {v.name: v for v in verdicts if isinstance(v, LeakingMixer)}
+    out.append(ForeignClassStatus("flash-linear-attention", f"{len(takes)} classes of fla.layers / fla.models", True,
+                                  "covered by isolate_seqlens (cu_seqlens; found by the FLA rule)"))
+    return out + [ForeignClassStatus("flash-linear-attention", name, True, _status(v))
+                  for name, v in sorted(leaking.items())]

@@ -1,12 +1,14 @@
 """The model families this package covers, once: our mixer, the upstream classes it replaces, their configs,
-and the FLA-backed mixers of other libraries that :func:`~fla_ac_isolation.isolate_seqlens` hooks.
+and what is known of every FLA-backed mixer of other libraries (which :func:`~fla_ac_isolation.isolate_seqlens`
+hooks, which drop packed offsets).
 
 Every part that lists families or upstream classes, or needs a fact about one, reads this registry:
 :func:`~fla_ac_isolation.swap_mixers` (which upstream classes it replaces, and by what),
-:func:`~fla_ac_isolation.isolate_seqlens` (which classes call FLA with packed offsets, through which arguments),
-the regression and the audit (``--model`` choices; :mod:`fla_ac_isolation.regression.model` builds each
-family's tiny decoder from :attr:`Family.tiny`; :attr:`Family.fla_cp` says whether its mixers run FLA's CP
-kernels), the benchmarks (a mixer's config fields at a model width, :func:`layer_fields`) and the tests.
+:func:`~fla_ac_isolation.isolate_seqlens` (which classes call FLA with packed offsets, through which arguments;
+which leak), ``fla-ac-isolation check`` and ``doctor``, the audit's fix line, the regression and the audit
+(``--model`` choices; :mod:`fla_ac_isolation.regression.model` builds each family's tiny decoder from
+:attr:`Family.tiny`; :attr:`Family.fla_cp` says whether its mixers run FLA's CP kernels), the benchmarks (a
+mixer's config fields at a model width, :func:`layer_fields`) and the tests.
 
 * ``qwen3_5_moe`` (Qwen3.5-MoE): ``Qwen3_5MoeGatedDeltaNet`` replaces transformers'
   ``Qwen3_5MoeGatedDeltaNet`` and the dense ``Qwen3_5GatedDeltaNet``;
@@ -15,17 +17,29 @@ kernels), the benchmarks (a mixer's config fields at a model width, :func:`layer
   ``OlmoNemotronMamba2Mixer`` (the same mixer behind OLMo-core's interface) replaces OLMo-core's
   ``NemotronMamba2Mixer``.
 
-:data:`FLA_BACKED_MIXERS` lists every upstream class that hands packed offsets to FLA: the three
-transformers GDN classes above, torchtitan's Qwen3.5 ``GatedDeltaNet``, OLMo-core's ``GatedDeltaNet`` and
-``KimiDeltaAttention`` (the last three have no drop-in here; their own code is kept and isolated).
+Foreign FLA-backed mixers (:func:`foreign_mixer` answers for any module):
 
-Nothing here imports transformers, OLMo-core, torchtitan or the mixers; :meth:`Family.mixer_class`,
-:meth:`Family.config_class` and :meth:`UpstreamMixer.resolve` import on demand.
+* :data:`FLA_BACKED_MIXERS`: the classes that hand packed offsets to FLA, named one by one: transformers
+  5.24's six Gated DeltaNet classes (``qwen3_5``, ``qwen3_5_moe``, ``qwen4_exp``, ``qwen3_next``,
+  ``olmo_hybrid``, ``lara_mini``), torchtitan 0.3's Qwen3.5 ``GatedDeltaNet``, OLMo-core 3.0's
+  ``GatedDeltaNet`` and ``KimiDeltaAttention``;
+* flash-linear-attention's own layers and models (``fla.layers``, ``fla.models``: about 45 classes, some not
+  exported) by a rule over the class instead (:func:`fla_layer_mixer`);
+* :data:`LEAKING_MIXERS`: classes known to drop the offsets (packed documents leak into each other; isolation
+  cannot fix that): transformers' three KDA classes and Nemotron-H's Mamba2, OLMo-core's
+  ``NemotronMamba2Mixer``; FLA's own (``Based``, ``ReBased``, ``Mamba``, ``Mamba2``, ``LogLinearMamba2``) by
+  the same rule.
+
+Nothing here imports transformers, OLMo-core, torchtitan, FLA or the mixers; :meth:`Family.mixer_class`,
+:meth:`Family.config_class` and :meth:`ForeignClass.resolve` import on demand, and the FLA rule reads a class
+it is given.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +49,18 @@ __all__ = [
     "FAMILIES",
     "FAMILY_NAMES",
     "FLA_BACKED_MIXERS",
+    "FLA_LAYER_MODULES",
     "LAYERS",
+    "LEAKING_MIXERS",
     "Family",
+    "ForeignClass",
+    "LeakingMixer",
     "TinyRecipe",
     "UpstreamMixer",
+    "drop_in_for",
     "family_for_layer",
+    "fla_layer_mixer",
+    "foreign_mixer",
     "layer_fields",
     "upstream_mixers",
 ]
@@ -87,35 +108,31 @@ def layer_fields(layer: str, hidden: int) -> dict[str, int]:
     )
 
 
+_FRAMEWORKS = (("transformers.", "transformers"), ("torchtitan.", "torchtitan"), ("olmo_core.", "OLMo-core"),
+               ("fla.", "flash-linear-attention"))
+
+
 @dataclass(frozen=True)
-class UpstreamMixer:
-    """A mixer class of another library: one of our mixers replaces it, or it is isolated in place.
+class ForeignClass:
+    """A class of another library, named by its module and class name (never imported to be matched).
 
     Attributes:
         module: the module defining the class (``transformers.models.qwen3_5_moe.modeling_qwen3_5_moe``).
         name: the class name there (``Qwen3_5MoeGatedDeltaNet``).
-        config: the config class its model is built from, ``"module.Class"``; ``None`` when the module
-            carries its own configuration as attributes (OLMo-core), which the replacement reads.
-        offsets: the arguments of its ``forward`` (keyword or positional) that carry packed offsets to FLA:
-            integer ``[N + 1]`` tensors, or NamedTuples holding them (torchtitan's ``VarlenMetadata``).
-            Empty when the class never calls FLA with offsets (nothing for ``isolate_seqlens`` to do).
-        fla_keywords: FLA keywords (``cu_seqlens_cpu``, ``chunk_indices``) that its ``forward`` hands on to
-            FLA's kernel unchanged when passed as keywords, so ``isolate_seqlens`` may add them.
-        replacement: our class replacing it (in :mod:`fla_ac_isolation.mixers`) when it is not the
-            family's own mixer (another interface around the same maths); ``None``: the family's mixer.
     """
 
     module: str
     name: str
-    config: str | None
-    offsets: tuple[str, ...] = ()
-    fla_keywords: tuple[str, ...] = ()
-    replacement: str | None = None
 
     @property
     def qualified(self) -> str:
         """``"module.Class"``."""
         return f"{self.module}.{self.name}"
+
+    @property
+    def framework(self) -> str:
+        """The library in prose: ``transformers``, ``torchtitan``, ``OLMo-core`` or ``flash-linear-attention``."""
+        return next((name for prefix, name in _FRAMEWORKS if self.module.startswith(prefix)), self.module)
 
     def matches(self, module: nn.Module) -> bool:
         """``module`` is exactly this class (a subclass is not: it may change ``forward``)."""
@@ -141,6 +158,28 @@ class UpstreamMixer:
         """
         return getattr(importlib.import_module(self.module), self.name)
 
+
+@dataclass(frozen=True)
+class UpstreamMixer(ForeignClass):
+    """A mixer class of another library: one of our mixers replaces it, or it is isolated in place.
+
+    Attributes:
+        config: the config class its model is built from, ``"module.Class"``; ``None`` when the module
+            carries its own configuration as attributes (OLMo-core), which the replacement reads.
+        offsets: the arguments of its ``forward`` (keyword or positional) that carry packed offsets to FLA:
+            integer ``[N + 1]`` tensors, or NamedTuples holding them (torchtitan's ``VarlenMetadata``).
+            Empty when the class never calls FLA with offsets (nothing for ``isolate_seqlens`` to do).
+        fla_keywords: FLA keywords (``cu_seqlens_cpu``, ``chunk_indices``) that its ``forward`` hands on to
+            FLA's kernel unchanged when passed as keywords, so ``isolate_seqlens`` may add them.
+        replacement: our class replacing it (in :mod:`fla_ac_isolation.mixers`) when it is not the
+            family's own mixer (another interface around the same maths); ``None``: the family's mixer.
+    """
+
+    config: str | None = None
+    offsets: tuple[str, ...] = ()
+    fla_keywords: tuple[str, ...] = ()
+    replacement: str | None = None
+
     def config_class(self) -> type:
         """Import and return the config class.
 
@@ -151,6 +190,32 @@ class UpstreamMixer:
             raise ValueError(f"{self.qualified} is configured by its own attributes, not by a config class")
         module, _, name = self.config.rpartition(".")
         return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class LeakingMixer(ForeignClass):
+    """A mixer class of another library that drops packed offsets: its packed documents leak into each other.
+
+    No isolation can fix that (the offsets never reach the kernel); :func:`~fla_ac_isolation.swap_mixers`
+    does where this package has a drop-in (:func:`drop_in_for`).
+
+    Attributes:
+        why: how the offsets are lost, in a clause (``"transformers' kernel wrapper drops cu_seq_lens_q
+            before chunk_kda"``).
+        otherwise: what to do where ``swap_mixers`` has no drop-in for it.
+    """
+
+    why: str = ""
+    otherwise: str = "train it on unpacked batches (one document per row)"
+
+    def remedy(self) -> str:
+        """What to do, in a clause: ``swap_mixers(model)`` naming the drop-in where :func:`drop_in_for` has one,
+        else :attr:`otherwise`."""
+        found = drop_in_for(self)
+        if found is None:
+            return f"no drop-in here: {self.otherwise}"
+        upstream, family = found
+        return f"use swap_mixers(model) (drop-in fla_ac_isolation.mixers.{upstream.replacement or family.mixer})"
 
 
 @dataclass(frozen=True)
@@ -289,10 +354,20 @@ FAMILIES: dict[str, Family] = {
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
 
+def _hf_gdn(folder: str, name: str, config: str) -> UpstreamMixer:
+    """A transformers 5.24 Gated DeltaNet: ``cu_seqlens=kwargs.pop("cu_seq_lens_q")`` to FLA, the rest of its
+    ``**kwargs`` through transformers' kernel wrapper (so host offsets and the chunk schedule reach FLA too)."""
+    return UpstreamMixer(f"{_HF}.{folder}.modeling_{folder}", name, f"{_HF}.{folder}.configuration_{folder}.{config}",
+                         _HF_OFFSETS, _HF_FLA_KEYWORDS)
+
+
 FLA_BACKED_MIXERS: tuple[UpstreamMixer, ...] = (
     _QWEN3_5_MOE_GDN,
     _QWEN3_5_GDN,
     _QWEN3_8_GDN,
+    _hf_gdn("qwen3_next", "Qwen3NextGatedDeltaNet", "Qwen3NextConfig"),
+    _hf_gdn("olmo_hybrid", "OlmoHybridGatedDeltaNet", "OlmoHybridConfig"),
+    _hf_gdn("lara_mini", "LaraMiniGatedDeltaNet", "LaraMiniConfig"),
     # torchtitan 0.3: the block passes one VarlenMetadata (cu_seq_q, cu_seq_k, ...) positionally; the mixer
     # builds its host offsets itself and takes no chunk schedule
     UpstreamMixer("torchtitan.models.qwen3_5.model", "GatedDeltaNet", None, ("attention_masks",)),
@@ -301,7 +376,105 @@ FLA_BACKED_MIXERS: tuple[UpstreamMixer, ...] = (
     UpstreamMixer("olmo_core.nn.attention.recurrent", "GatedDeltaNet", None, ("cu_doc_lens",)),
     UpstreamMixer("olmo_core.nn.attention.kda", "KimiDeltaAttention", None, ("cu_doc_lens",)),
 )
-"""Every upstream class that hands packed offsets to FLA: what :func:`~fla_ac_isolation.isolate_seqlens` hooks."""
+"""The upstream classes, named one by one, that hand packed offsets to FLA: what
+:func:`~fla_ac_isolation.isolate_seqlens` hooks besides FLA's own layers (:func:`fla_layer_mixer`)."""
+
+_HF_KDA_WHY = ("calls FLA's chunk_kda through transformers' kernel wrapper, which keeps only chunk_kda's own "
+               "parameter names, so cu_seq_lens_q never reaches the kernel; its conv (transformers' torch "
+               "fallback) refuses cu_seqlens")
+_HF_KDA_OTHERWISE = "train it on unpacked batches (one document per row) until a drop-in exists"
+
+LEAKING_MIXERS: tuple[LeakingMixer, ...] = (
+    LeakingMixer(f"{_HF}.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention", _HF_KDA_WHY, _HF_KDA_OTHERWISE),
+    LeakingMixer(f"{_HF}.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention", _HF_KDA_WHY,
+                 _HF_KDA_OTHERWISE),
+    LeakingMixer(f"{_HF}.glm5_next.modeling_glm5_next", "Glm5NextTextLinearAttention", _HF_KDA_WHY,
+                 _HF_KDA_OTHERWISE),
+    LeakingMixer(f"{_HF}.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
+                 "runs its Mamba2 (torch path, or mamba_ssm) over the packed row without document bounds"),
+    LeakingMixer("olmo_core.nn.attention.recurrent", "NemotronMamba2Mixer",
+                 "deletes its **kwargs, cu_doc_lens included, and runs a pure-torch SSD over the packed row"),
+)
+"""Upstream classes, named one by one, known to drop packed offsets (FLA's own: :func:`fla_layer_mixer`)."""
+
+FLA_LAYER_MODULES: tuple[str, ...] = ("fla.layers.", "fla.models.")
+"""Where flash-linear-attention 0.6 defines its layers and models: the modules the FLA rule reads."""
+
+_READS_CU_SEQLENS = re.compile(r"""kwargs\s*(?:\.get\(|\.pop\(|\[)\s*['"]cu_seqlens['"]""")
+_FLA_DROPS_WHY = "takes **kwargs but its forward never reads cu_seqlens (no varlen path)"
+_FLA_DROPS_OTHERWISE = "train it on unpacked batches (one document per row), or use an FLA layer that reads cu_seqlens"
+
+
+def fla_layer_mixer(cls: type, sources: dict | None = None) -> UpstreamMixer | LeakingMixer | None:
+    """The FLA rule: what a class of flash-linear-attention's ``fla.layers`` / ``fla.models`` does with offsets.
+
+    FLA's models hand one ``cu_seqlens`` (``[N + 1]`` int32/int64) through ``**kwargs`` to every block and
+    layer; a layer reads it from ``**kwargs`` (``kwargs.get('cu_seqlens')``) or takes it as a parameter.
+    The rule, over the first class of ``cls``'s hierarchy defined under :data:`FLA_LAYER_MODULES` (so
+    FSDP2's renamed classes and subclasses are judged by FLA's class), skipping ``PreTrainedModel`` classes (the
+    model wrappers, which hand it on):
+
+    * its ``forward`` names a ``cu_seqlens`` parameter, or takes ``**kwargs`` and its source reads
+      ``cu_seqlens`` out of them: an :class:`UpstreamMixer` whose offsets are ``("cu_seqlens",)`` (40 of the
+      45 classes ``fla.layers`` exports in 0.6, ``SimpleGatedLinearAttention`` which it does not export,
+      RWKV6/7's nested helpers, feed-forwards and blocks);
+    * a class of ``fla.layers`` whose ``forward`` takes ``**kwargs`` and never reads ``cu_seqlens``: a
+      :class:`LeakingMixer` (``BasedLinearAttention``, ``ReBasedLinearAttention``, ``Mamba``, ``Mamba2``,
+      ``LogLinearMamba2`` in 0.6);
+    * anything else: ``None``.
+
+    Args:
+        cls: the class to judge (``type(module)``).
+        sources: a dict to memoise ``forward`` sources in, across calls of one caller (optional).
+    """
+    target = next((c for c in cls.__mro__ if c.__module__.startswith(FLA_LAYER_MODULES)), None)
+    if target is None or not issubclass(target, nn.Module) or any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in target.__mro__
+    ):
+        return None
+    forward = target.forward
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.name == "cu_seqlens" for p in params):
+        return UpstreamMixer(target.__module__, target.__qualname__, None, ("cu_seqlens",))
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    memo = sources if sources is not None else {}
+    if forward not in memo:
+        try:
+            memo[forward] = inspect.getsource(forward)
+        except (OSError, TypeError):
+            memo[forward] = ""
+    if _READS_CU_SEQLENS.search(memo[forward]):
+        return UpstreamMixer(target.__module__, target.__qualname__, None, ("cu_seqlens",))
+    if target.__module__.startswith("fla.layers."):
+        return LeakingMixer(target.__module__, target.__qualname__, _FLA_DROPS_WHY, _FLA_DROPS_OTHERWISE)
+    return None
+
+
+def foreign_mixer(module: nn.Module, sources: dict | None = None) -> tuple[UpstreamMixer | LeakingMixer, type] | None:
+    """What this registry knows of ``module``'s class, and the class of its hierarchy that matched.
+
+    Named classes first (:data:`FLA_BACKED_MIXERS`, then :data:`LEAKING_MIXERS`, matched along the class
+    hierarchy), then the FLA rule (:func:`fla_layer_mixer`; ``sources`` as there). ``None``: not an
+    FLA-backed mixer this package knows (our own drop-ins included: they isolate themselves).
+    """
+    for entry in (*FLA_BACKED_MIXERS, *LEAKING_MIXERS):
+        cls = entry.in_hierarchy(module)
+        if cls is not None:
+            return entry, cls
+    entry = fla_layer_mixer(type(module), sources)
+    if entry is None:
+        return None
+    return entry, next(c for c in type(module).__mro__ if c.__module__ == entry.module and c.__qualname__ == entry.name)
+
+
+def drop_in_for(entry: ForeignClass) -> tuple[UpstreamMixer, Family] | None:
+    """The family whose drop-in :func:`~fla_ac_isolation.swap_mixers` puts in place of ``entry``'s class
+    (with the registry's :class:`UpstreamMixer` for it), or ``None``."""
+    return next(((u, f) for u, f in upstream_mixers() if u.qualified == entry.qualified), None)
 
 
 def upstream_mixers() -> list[tuple[UpstreamMixer, Family]]:

@@ -10,10 +10,16 @@ mixer's call, so inside whatever region checkpoints it (the block, or the mixer 
 again in the recompute; the copy (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`) is invisible to
 dispatch modes (SAC, the audit) and to ``torch.compile``. The model keeps its modules, weights and kernels.
 
-Which mixers and arguments: :data:`~fla_ac_isolation.families.FLA_BACKED_MIXERS` (matched by module and
-class name along the class hierarchy, so FSDP2's renamed ``FSDP<Name>`` classes are found), or the modules a
-caller names with the arguments it names. Where the foreign forward hands FLA's own keywords on to the
-kernel (transformers), the hook also adds the host offsets (``cu_seqlens_cpu``) and FLA's precomputed chunk
+Which mixers and arguments: what :func:`~fla_ac_isolation.families.foreign_mixer` knows (the classes
+named in :data:`~fla_ac_isolation.families.FLA_BACKED_MIXERS`, matched by module and class name along the
+class hierarchy, so FSDP2's renamed ``FSDP<Name>`` classes are found, and flash-linear-attention's own layers
+by a rule over their ``forward``), or the modules a caller names with the arguments it names. Mixers known to
+drop the offsets (:data:`~fla_ac_isolation.families.LEAKING_MIXERS`, FLA's ``Mamba2``, ...) are named in a
+:class:`LeakingMixerWarning`: their packed documents leak into each other, which no isolation fixes. A hook
+(:class:`~fla_ac_isolation.offsets_hook.OffsetsHook`) that receives none of its offsets arguments while the
+call carries offsets-like keywords (``cu_seq_lens_q``: the names are wrong) raises at that call; a call
+without any (an unpacked batch) passes untouched. Where the foreign forward hands FLA's own keywords on to
+the kernel (transformers), the hook also adds the host offsets (``cu_seqlens_cpu``) and FLA's precomputed chunk
 schedule (``chunk_indices``), computed once per offsets object from a validated
 :class:`~fla_ac_isolation.LayerLocalSeqlens`.
 
@@ -31,26 +37,34 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
-from fla_ac_isolation.families import FLA_BACKED_MIXERS, UpstreamMixer, upstream_mixers
-from fla_ac_isolation.local_seqlens import fresh_copy
-from fla_ac_isolation.seqlens import LayerLocalSeqlens
+from fla_ac_isolation.families import (
+    FLA_BACKED_MIXERS,
+    FLA_LAYER_MODULES,
+    LeakingMixer,
+    UpstreamMixer,
+    foreign_mixer,
+    upstream_mixers,
+)
+from fla_ac_isolation.offsets_hook import CallCounter, HostOffsets, OffsetsHook
 
-__all__ = ["IsolationHandle", "PartialIsolationWarning", "isolate_seqlens"]
+__all__ = ["IsolationHandle", "LeakingMixerWarning", "PartialIsolationWarning", "is_isolated", "isolate_seqlens"]
 
 _MARK = "_fla_ac_isolation_hook"  # in a hooked module's __dict__: the RemovableHandle of its hook
-_CACHE_LIMIT = 8  # offsets objects whose host offsets and schedule are kept (one per live batch)
 
 
 class PartialIsolationWarning(UserWarning):
     """``modules=`` left FLA-backed mixers of the model unhooked: the fault moves to the next such layer."""
 
 
+class LeakingMixerWarning(UserWarning):
+    """The model holds mixers known to drop packed offsets: their documents are not kept apart (a correctness
+    bug of the upstream class that no isolation fixes; the message names the class and what to do)."""
+
+
 class IsolationHandle:
-    """What :func:`isolate_seqlens` returns: the hooked module paths, and :meth:`remove`.
+    """What :func:`isolate_seqlens` returns: the hooked module paths, the calls rewritten, and :meth:`remove`.
 
     Also a context manager: ``with isolate_seqlens(model): ...`` removes the hooks on exit.
 
@@ -61,6 +75,13 @@ class IsolationHandle:
     def __init__(self) -> None:
         self.paths: list[str] = []
         self._hooks: list[tuple[weakref.ref, Any]] = []
+        self._counter = CallCounter()
+
+    @property
+    def rewritten(self) -> int:
+        """Mixer calls whose offsets this handle's hooks replaced by fresh copies (a checkpointed mixer counts
+        once in its forward and once in its recompute; an unpacked call, without offsets, does not count)."""
+        return self._counter.rewritten
 
     def remove(self) -> None:
         """Remove this call's hooks (the modules receive the model's shared offsets again). Idempotent."""
@@ -79,130 +100,28 @@ class IsolationHandle:
 
     def __repr__(self) -> str:
         shown = ", ".join(self.paths[:3]) + (", ..." if len(self.paths) > 3 else "")
-        return f"IsolationHandle({len(self._hooks)} hooked: {shown})"
+        return f"IsolationHandle({len(self._hooks)} hooked, {self.rewritten} calls rewritten: {shown})"
 
 
-# ------------------------------------------------------------------------------------------ fresh copies
-def _is_offsets(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point() \
-        and not value.is_complex() and value.dtype != torch.bool
-
-
-def _fresh_offsets(t: torch.Tensor) -> torch.Tensor:
-    """``fresh_copy(t)``, keeping ``torch.compile``'s dynamic-shape marking (OLMo-core marks ``cu_doc_lens``)."""
-    fresh = fresh_copy(t)
-    dynamic = getattr(t, "_dynamo_dynamic_indices", None)
-    if dynamic:
-        fresh._dynamo_dynamic_indices = set(dynamic)
-    return fresh
-
-
-def _refresh(value: Any, name: str, where: str, memo: dict[int, torch.Tensor]) -> Any:
-    """A fresh object for an offsets tensor, or a NamedTuple whose offsets tensors are fresh.
-
-    ``memo`` keeps aliasing inside one call: an object passed twice (``cu_seq_q`` is ``cu_seq_k``) gets one
-    copy. ``None`` passes through (an unpacked batch).
-
-    Raises:
-        TypeError: ``value`` is neither (e.g. a float tensor named by ``arg_names``).
-    """
-    if value is None:
-        return None
-    if _is_offsets(value):
-        if id(value) not in memo:
-            memo[id(value)] = _fresh_offsets(value)
-        return memo[id(value)]
-    if isinstance(value, tuple) and hasattr(value, "_fields") and hasattr(value, "_replace"):
-        changes = {
-            field: _refresh(getattr(value, field), name, where, memo)
-            for field in value._fields
-            if _is_offsets(getattr(value, field))
-        }
-        if changes:
-            return value._replace(**changes)
-    kind = f"{value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
-        else type(value).__name__
-    raise TypeError(
-        f"isolate_seqlens: argument {name!r} of {where} is a {kind}; the arguments to isolate must be 1-D "
-        "integer offsets tensors (cu_seqlens) or NamedTuples holding them"
-    )
-
-
-# ------------------------------------------------------------------------------------------ host offsets
-class _HostOffsets:
-    """Per handle: a validated :class:`LayerLocalSeqlens` per offsets object, built once (one host read).
-
-    Keyed by the identity of the model-level offsets object (weakly, so a finished batch's entry goes
-    away), so a layer's recompute, which receives the same object, finds the entry its forward built.
-    """
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, tuple[weakref.ref, LayerLocalSeqlens]] = {}
-
-    @torch.compiler.disable
-    def local(self, offsets: torch.Tensor, name: str, where: str):
-        entry = self._by_id.get(id(offsets))
-        if entry is None or entry[0]() is not offsets:
-            # invisible to SAC and the audit: the recompute finds the entry and runs none of these ops
-            with _disable_current_modes(), torch.no_grad():
-                try:
-                    seqlens = LayerLocalSeqlens(offsets)
-                except (TypeError, ValueError) as err:
-                    raise type(err)(f"isolate_seqlens: {name} passed to {where} is not valid offsets: {err}") from err
-            live = {k: v for k, v in self._by_id.items() if v[0]() is not None}
-            self._by_id = dict(list(live.items())[-(_CACHE_LIMIT - 1):])
-            entry = (weakref.ref(offsets), seqlens)
-            self._by_id[id(offsets)] = entry
-        return entry[1].local()
-
-
-# ------------------------------------------------------------------------------------------------ hook
-class _OffsetsHook:
-    """The forward pre-hook of one mixer: fresh offsets in, FLA's extra keywords added where accepted."""
-
-    def __init__(self, where: str, module: nn.Module, names: tuple[str, ...], fla_keywords: tuple[str, ...],
-                 host: _HostOffsets) -> None:
-        self.where = where
-        self.names = names
-        self.fla_keywords = fla_keywords
-        self.host = host
-        try:
-            params = list(inspect.signature(module.forward).parameters.values())
-        except (TypeError, ValueError):  # a forward without a signature: keywords only
-            params = []
-        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self.positions = {n: positional.index(n) for n in names if n in positional}  # args exclude self
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        memo: dict[int, torch.Tensor] = {}
-        first = self.names[0]
-        if self.fla_keywords and _is_offsets(kwargs.get(first)):
-            local = self.host.local(kwargs[first], first, self.where)
-            memo[id(kwargs[first])] = local.cu_seqlens
-            extras = {"cu_seqlens_cpu": local.cu_seqlens_cpu, "chunk_indices": local.chunk_indices}
-            for key in self.fla_keywords:
-                if kwargs.get(key) is None and extras[key] is not None:
-                    kwargs[key] = extras[key]
-        for name in self.names:
-            if name in kwargs:
-                kwargs[name] = _refresh(kwargs[name], name, self.where, memo)
-            elif name in self.positions and self.positions[name] < len(args):
-                i = self.positions[name]
-                args = (*args[:i], _refresh(args[i], name, self.where, memo), *args[i + 1:])
-        return args, kwargs
+def is_isolated(module: nn.Module) -> bool:
+    """``module`` carries a hook of :func:`isolate_seqlens` (not removed)."""
+    return _MARK in vars(module)
 
 
 # ------------------------------------------------------------------------------------------------- API
-def _known(module: nn.Module) -> tuple[UpstreamMixer, type] | None:
-    for upstream in FLA_BACKED_MIXERS:
-        cls = upstream.in_hierarchy(module)
-        if cls is not None:
-            return upstream, cls
-    return None
+def _hookable(module: nn.Module, sources: dict) -> tuple[UpstreamMixer, type] | None:
+    found = foreign_mixer(module, sources)
+    return found if found is not None and isinstance(found[0], UpstreamMixer) and found[0].offsets else None
+
+
+def _leaking(module: nn.Module, sources: dict) -> tuple[LeakingMixer, type] | None:
+    found = foreign_mixer(module, sources)
+    return found if found is not None and isinstance(found[0], LeakingMixer) else None
 
 
 def _looked_for() -> str:
-    return "; ".join(f"{u.qualified}({', '.join(u.offsets)})" for u in FLA_BACKED_MIXERS)
+    named = "; ".join(f"{u.qualified}({', '.join(u.offsets)})" for u in FLA_BACKED_MIXERS)
+    return f"{named}; and flash-linear-attention's layers ({', '.join(FLA_LAYER_MODULES)}) reading cu_seqlens"
 
 
 def _check_arguments(model: Any, modules: Any, arg_names: Any) -> tuple[list | None, tuple[str, ...] | None]:
@@ -244,16 +163,22 @@ def _resolve(model: nn.Module, chosen: list) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _plan(model: nn.Module, chosen: list | None, arg_names: tuple[str, ...] | None):
+def _plan(model: nn.Module, chosen: list | None, arg_names: tuple[str, ...] | None, sources: dict):
     """``[(path, module, names, fla_keywords, matched upstream class or None)]`` to hook."""
     if chosen is None:
-        found = [(p, m, k) for p, m in model.named_modules() if (k := _known(m)) is not None]
+        found = [(p, m, k) for p, m in model.named_modules() if (k := _hookable(m, sources)) is not None]
         for p, m, _ in found if arg_names is not None else ():
             _check_accepted(p, m, arg_names)
         return [(p, m, arg_names or k[0].offsets, () if arg_names else k[0].fla_keywords, k) for p, m, k in found]
     plan = []
     for path, module in _resolve(model, chosen):
-        known = _known(module)
+        leaking = _leaking(module, sources)
+        if leaking is not None:
+            raise ValueError(
+                f"isolate_seqlens: {path!r} ({type(module).__name__}) {leaking[0].why}: documents are not kept "
+                f"apart, and isolating its arguments cannot change that; {leaking[0].remedy()}"
+            )
+        known = _hookable(module, sources)
         if arg_names is None and known is None:
             raise ValueError(
                 f"isolate_seqlens: {path!r} ({type(module).__name__}) is not a known FLA-backed mixer; pass "
@@ -264,6 +189,24 @@ def _plan(model: nn.Module, chosen: list | None, arg_names: tuple[str, ...] | No
         names = arg_names or known[0].offsets
         plan.append((path, module, names, () if arg_names else known[0].fla_keywords, known))
     return plan
+
+
+def _warn_leaking(model: nn.Module, sources: dict) -> list[str]:
+    """One :class:`LeakingMixerWarning` per class of ``model`` known to drop offsets; their paths."""
+    by_class: dict[str, tuple[LeakingMixer, list[str]]] = {}
+    for path, module in model.named_modules():
+        found = _leaking(module, sources)
+        if found is not None:
+            by_class.setdefault(found[0].qualified, (found[0], []))[1].append(path)
+    for entry, paths in by_class.values():
+        shown = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+        warnings.warn(
+            f"isolate_seqlens: {entry.name} ({entry.framework}; {len(paths)} in the model: {shown}) {entry.why}: "
+            f"documents are not kept apart: {entry.remedy()}",
+            LeakingMixerWarning,
+            stacklevel=3,
+        )
+    return [p for _, paths in by_class.values() for p in paths]
 
 
 def _check_accepted(path: str, module: nn.Module, arg_names: tuple[str, ...]) -> None:
@@ -299,7 +242,7 @@ def _warn_if_forward_overridden(path: str, module: nn.Module, known: tuple[Upstr
         )
 
 
-def _nothing_found(model: nn.Module) -> None:
+def _nothing_found(model: nn.Module, leaking: list[str]) -> None:
     """Raise (nothing to isolate) or warn (everything is isolated already)."""
     already = [p for p, m in model.named_modules() if _MARK in vars(m)]
     if already:
@@ -313,6 +256,9 @@ def _nothing_found(model: nn.Module) -> None:
     own = [p for p, m in model.named_modules() if isinstance(m, ours)]
     hint = (f"; its {len(own)} fla_ac_isolation mixer(s) ({own[0]!r}, ...) take fresh offsets themselves"
             if own else "")
+    if leaking:
+        hint += (f"; its {len(leaking)} mixer(s) that drop the offsets ({leaking[0]!r}, ...: see the "
+                 "LeakingMixerWarning) have nothing to isolate")
     raise ValueError(
         f"isolate_seqlens found no FLA-backed mixer in {type(model).__name__}{hint}; looked for {_looked_for()}; "
         "pass modules=[...] and arg_names=[...] for other FLA-backed modules"
@@ -335,21 +281,37 @@ def isolate_seqlens(
     sees (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`), so a layer's forward and its recompute both
     start with an FLA cache miss.
 
-    Known mixers (:data:`~fla_ac_isolation.families.FLA_BACKED_MIXERS`, matched along the class hierarchy)
-    and the arguments refreshed:
+    Known mixers (:func:`~fla_ac_isolation.families.foreign_mixer`, matched along the class hierarchy) and
+    the arguments refreshed:
 
-    * transformers' ``Qwen3_5MoeGatedDeltaNet``, ``Qwen3_5GatedDeltaNet`` and ``Qwen4ExpTextGatedDeltaNet``
-      (Qwen3.8-Flash-Next): ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (keywords, ``[N + 1]`` int32); the hook
+    * transformers 5.24's Gated DeltaNets: ``Qwen3_5MoeGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``,
+      ``Qwen4ExpTextGatedDeltaNet`` (Qwen3.8-Flash-Next), ``Qwen3NextGatedDeltaNet``, ``OlmoHybridGatedDeltaNet``,
+      ``LaraMiniGatedDeltaNet``: ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (keywords, ``[N + 1]`` int32); the hook
       also adds ``cu_seqlens_cpu`` (``[N + 1]`` on the host) and ``chunk_indices`` (``[NT, 2]``, FLA's
       64-token chunk schedule), which transformers hands on to FLA's ``chunk_gated_delta_rule``;
+    * flash-linear-attention 0.6's own layers and models (``fla.layers``, ``fla.models``: ``GatedDeltaNet``,
+      ``KimiDeltaAttention``, ``GatedLinearAttention``, RWKV7's blocks and feed-forwards, ...), found by a rule
+      over the class (:func:`~fla_ac_isolation.families.fla_layer_mixer`): ``cu_seqlens``;
     * torchtitan's ``models.qwen3_5.model.GatedDeltaNet``: ``attention_masks`` (positional), a
       ``VarlenMetadata`` whose ``cu_seq_q``/``cu_seq_k`` are replaced (``_replace``);
     * OLMo-core's ``nn.attention.recurrent.GatedDeltaNet`` and ``nn.attention.kda.KimiDeltaAttention``:
       ``cu_doc_lens`` (``[N + 1]`` int32, keyword or positional).
 
     Host offsets and FLA's chunk schedule are handed on only where the foreign forward passes FLA's own
-    keywords through to the kernel (transformers); OLMo-core's dispatch functions and torchtitan's mixer take
-    neither, so there FLA computes them itself on each (fresh) call.
+    keywords through to the kernel (transformers); the others take neither, so there FLA computes them itself
+    on each (fresh) call.
+
+    Mixers known to drop the offsets (:data:`~fla_ac_isolation.families.LEAKING_MIXERS`: transformers'
+    ``KimiLinearDeltaAttention``, ``BailingHybridDeltaAttention``, ``Glm5NextTextLinearAttention`` and
+    ``NemotronHMamba2Mixer``, OLMo-core's ``NemotronMamba2Mixer``; FLA's ``BasedLinearAttention``,
+    ``ReBasedLinearAttention``, ``Mamba``, ``Mamba2``, ``LogLinearMamba2``) are not hooked: a
+    :class:`LeakingMixerWarning` per class names them, why, and what to do (``swap_mixers`` where this package
+    has a drop-in).
+
+    A hook never passes a packed call silently: when none of its arguments arrives but the call carries
+    offsets-like keywords (a 1-D integer tensor under a name starting with ``cu_``, e.g. ``cu_seq_lens_q``),
+    the shared offsets would reach FLA untouched, so the call raises. A call without any (an unpacked batch)
+    passes untouched.
 
     Args:
         model: the model (any ``nn.Module``); it is changed in place (hooks only).
@@ -362,18 +324,21 @@ def isolate_seqlens(
             modules of unknown classes; overrides the registry's names (and adds no FLA keywords) otherwise.
 
     Returns:
-        An :class:`IsolationHandle` (``.paths``, ``.remove()``, a context manager). A module hooked by an
-        earlier call is skipped (idempotent): a second call returns an empty handle and warns.
+        An :class:`IsolationHandle` (``.paths``, ``.rewritten``: calls whose offsets were replaced, ``.remove()``,
+        a context manager). A module hooked by an earlier call is skipped (idempotent): a second call returns an
+        empty handle and warns.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``modules`` is not a list of modules/paths;
             ``arg_names`` is not a list of strings. At call time (from the mixer's forward): a named argument
             holds neither an integer offsets tensor nor a NamedTuple holding one.
-        ValueError: nothing to isolate (the message lists the classes and arguments looked for); a path of
-            ``modules`` is not in ``model``, a module of it is not a submodule, or it is of an unknown class
-            without ``arg_names``; empty ``modules`` or ``arg_names``; a name of ``arg_names`` is not an
-            argument of a chosen module's forward (one without ``**kwargs``). At call time: transformers' offsets are
-            not valid (not starting at 0, decreasing; the checks of :class:`~fla_ac_isolation.LayerLocalSeqlens`).
+        ValueError: nothing to isolate (the message lists the classes and arguments looked for, and the
+            leaking mixers found); a path of ``modules`` is not in ``model``, a module of it is not a submodule,
+            is of an unknown class without ``arg_names``, or is known to drop offsets (isolating it changes
+            nothing); empty ``modules`` or ``arg_names``; a name of ``arg_names`` is not an argument of a
+            chosen module's forward (one without ``**kwargs``). At call time: none of the hook's arguments
+            arrived but offsets-like keywords did (the message names both, and the fix); transformers' offsets
+            are not valid (not starting at 0, decreasing; the checks of :class:`~fla_ac_isolation.LayerLocalSeqlens`).
 
     Example::
 
@@ -382,24 +347,28 @@ def isolate_seqlens(
         handle = isolate_seqlens(model)   # handle.paths == ['blocks.0._checkpoint_wrapped_module.attention', ...]
     """
     chosen, names = _check_arguments(model, modules, arg_names)
-    plan = _plan(model, chosen, names)
+    sources: dict = {}  # FLA forward sources read by the FLA rule, once per call
+    plan = _plan(model, chosen, names, sources)
+    leaking = _warn_leaking(model, sources)
     handle = IsolationHandle()
-    host = _HostOffsets()
+    host = HostOffsets()
     for path, module, offsets, fla_keywords, known in plan:
         if _MARK in vars(module):  # hooked already, by this call (a module listed twice) or an earlier one
             continue
         _warn_if_forward_overridden(path, module, known)
+        registry = known[0].offsets if known is not None and tuple(offsets) != known[0].offsets else ()
         hook = module.register_forward_pre_hook(
-            _OffsetsHook(path or type(module).__name__, module, tuple(offsets), tuple(fla_keywords), host),
+            OffsetsHook(path or type(module).__name__, module, tuple(offsets), tuple(fla_keywords), host,
+                        handle._counter, registry),
             with_kwargs=True,
         )
         vars(module)[_MARK] = hook
         handle.paths.append(path)
         handle._hooks.append((weakref.ref(module), hook))
     if not handle.paths:
-        _nothing_found(model)
+        _nothing_found(model, leaking)
     elif chosen is not None:
-        missed = [p for p, m in model.named_modules() if _known(m) is not None and _MARK not in vars(m)]
+        missed = [p for p, m in model.named_modules() if _hookable(m, sources) is not None and _MARK not in vars(m)]
         if missed:
             warnings.warn(
                 f"isolate_seqlens: modules= left {len(missed)} FLA-backed mixer(s) of the model unhooked "

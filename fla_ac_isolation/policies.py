@@ -303,7 +303,7 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 def _find_layers(layers_or_model: nn.Module) -> nn.Module:
     if isinstance(layers_or_model, _CONTAINERS):
         return layers_or_model
-    for path in ("layers", "model.layers", "backbone.layers", "model.language_model.layers"):
+    for path in ("layers", "model.layers", "backbone.layers", "model.language_model.layers", "blocks"):
         obj: Any = layers_or_model
         for part in path.split("."):
             obj = getattr(obj, part, None)
@@ -335,7 +335,8 @@ def checkpoint_layers(
     Args:
         layers_or_model: an ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` of layers (torchtitan
             keeps its blocks in a ModuleDict; its insertion order counts), or a model holding one
-            (``model.layers``, ``model.model.layers``, ``backbone.layers`` or the first ModuleList).
+            (``model.layers``, ``model.model.layers``, ``backbone.layers``, OLMo-core's ``blocks`` or the first
+            ModuleList).
         mode: ``"full"`` recomputes everything; ``"selective"`` saves what ``policy`` says.
         policy: SAC policy (required for ``"selective"``, forbidden for ``"full"``).
         freq: checkpoint one layer in ``freq`` (1 = all; torchtitan's ``selective_ac_option`` ints).

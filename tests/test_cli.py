@@ -1,11 +1,12 @@
-"""The ``fla-ac-isolation`` command: its help says what each subcommand does; ``doctor`` lists the versions."""
+"""The ``fla-ac-isolation`` command: its help says what each subcommand does; ``doctor`` lists the versions and
+the FLA-backed classes of the installed libraries."""
 
 import importlib.metadata
 
 import pytest
 
-from fla_ac_isolation.cli import audit, doctor, main, regress
-from fla_ac_isolation.environment import environment_report, missing_torch_features, torch_features
+from fla_ac_isolation.cli import audit, check, doctor, main, regress
+from fla_ac_isolation.environment import environment_report, fla_backed_classes, missing_torch_features, torch_features
 
 
 def test_top_level_help_gives_each_subcommand_its_line(capsys):
@@ -13,7 +14,7 @@ def test_top_level_help_gives_each_subcommand_its_line(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for name, module in (("doctor", doctor), ("regress", regress), ("audit", audit)):
+    for name, module in (("doctor", doctor), ("regress", regress), ("audit", audit), ("check", check)):
         assert f"{name} {module.HELP}" in text
 
 
@@ -22,6 +23,24 @@ def test_doctor_reports_every_library_the_checks_run_on():
     assert report["OLMo-core (ai2-olmo-core)"] == importlib.metadata.version("ai2-olmo-core")
     assert report["torchtitan"] == importlib.metadata.version("torchtitan")
     assert report["fla (fla-core)"] == f"{importlib.metadata.version('fla-core')} (tested: <0.7,>=0.6)"
+
+
+def test_doctor_lists_each_installed_fla_backed_class_with_its_status(capsys):
+    rows = {(r.framework, r.name): r for r in fla_backed_classes()}
+
+    assert all(r.installed for r in rows.values())  # CI installs every library with FLA-backed classes
+    assert rows[("transformers", "Qwen3NextGatedDeltaNet")].status == (
+        "covered by isolate_seqlens (cu_seq_lens_q, cu_seq_lens_k)")
+    assert rows[("transformers", "Qwen3_5MoeGatedDeltaNet")].status.endswith("; swap_mixers has a drop-in")
+    assert rows[("OLMo-core", "NemotronMamba2Mixer")].status == (
+        "leaking (documents are not kept apart): use swap_mixers(model) (drop-in "
+        "fla_ac_isolation.mixers.OlmoNemotronMamba2Mixer)")
+    assert rows[("flash-linear-attention", "48 classes of fla.layers / fla.models")].status == (
+        "covered by isolate_seqlens (cu_seqlens; found by the FLA rule)")
+    assert {n for f, n in rows if f == "flash-linear-attention"} >= {"Mamba2", "BasedLinearAttention"}
+    assert main(["doctor"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "FLA-backed classes of the installed libraries" in text and "not installed" not in text
 
 
 def test_tested_fla_range_is_the_install_requirement():

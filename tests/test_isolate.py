@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fla_ac_isolation import isolate_seqlens, swap_mixers
 from fla_ac_isolation.fla_seam.layout import chunk_indices_for
 from fla_ac_isolation.isolate import PartialIsolationWarning
-from fla_ac_isolation.testing.reference_kernels import reference_kernels
+from fla_ac_isolation.reference_kernels import reference_kernels
 
 GDN_PATHS = [f"model.layers.{i}.linear_attn" for i in range(3)]
 
@@ -160,6 +160,80 @@ def test_transformers_offsets_that_are_not_offsets_raise_at_the_call(qwen):
                                           cu_seq_lens_q=torch.tensor([3, 5, 22], dtype=torch.int32))
 
 
+# ------------------------------------------------------------------------------------------ never silent
+class KwargsRecorder(nn.Module):
+    """A mixer taking ``**kwargs``, as transformers' do: the name check at hook time cannot tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def forward(self, x, **kwargs):
+        self.seen.append(kwargs)
+        return x
+
+
+def test_a_hook_whose_names_never_arrive_raises_at_the_call_naming_what_arrived_but_unpacked_calls_pass():
+    model = _holder(KwargsRecorder())
+    handle = isolate_seqlens(model, modules=["mixer"], arg_names=["cu_seqlens"])
+    x, cu = torch.zeros(1, 22, 4), _offsets()
+    model["mixer"](x, position_ids=torch.arange(22)[None])  # unpacked: nothing offsets-like, nothing to do
+    model["mixer"](x, cu_seqlens=cu)
+    with pytest.raises(ValueError) as err:
+        model["mixer"](x, cu_doc_lens=cu, max_doc_len=17)
+
+    assert str(err.value) == (
+        "isolate_seqlens: mixer (KwargsRecorder) is hooked to refresh ['cu_seqlens'], but this call passed none of "
+        "them and passed the offsets-like keyword(s) ['cu_doc_lens']: the shared offsets would reach FLA unchanged "
+        "(the fault stays); pass arg_names=['cu_doc_lens'] (the names this call carries) for KwargsRecorder"
+    )
+    assert len(model["mixer"].seen) == 2 and handle.rewritten == 1
+    assert repr(handle) == "IsolationHandle(1 hooked, 1 calls rewritten: mixer)"
+
+
+@pytest.fixture(scope="module")
+def qwen3_next():
+    """transformers' Qwen3-Next, tiny (3 GDN mixers + 1 attention layer), and its packed batch."""
+    from fla_ac_isolation.foreign_models import build_tiny
+
+    model, batch, _ = build_tiny("qwen3_next")
+    return model, batch
+
+
+def test_the_faqs_old_recipe_on_qwen3_next_fails_at_the_first_call_instead_of_doing_nothing(qwen3_next):
+    """transformers' mixers take **kwargs: ``arg_names=["cu_seqlens"]`` is accepted, and was a silent no-op (the
+    fault stayed). It now raises at the first packed call, pointing at the names that work."""
+    model, batch = _copy(qwen3_next[0]), qwen3_next[1]
+    paths = [p for p, m in model.named_modules() if type(m).__name__ == "Qwen3NextGatedDeltaNet"]
+    handle = isolate_seqlens(model, modules=paths, arg_names=["cu_seqlens"])
+    assert handle.paths == paths == GDN_PATHS
+    with reference_kernels(), pytest.raises(ValueError) as err:
+        model(**batch)
+
+    assert str(err.value) == (
+        "isolate_seqlens: model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) is hooked to refresh ['cu_seqlens'], "
+        "but this call passed none of them and passed the offsets-like keyword(s) ['cu_seq_lens_k', "
+        "'cu_seq_lens_q']: the shared offsets would reach FLA unchanged (the fault stays); call "
+        "isolate_seqlens(model) without arg_names: the registry knows Qwen3NextGatedDeltaNet and refreshes "
+        "['cu_seq_lens_q', 'cu_seq_lens_k']"
+    )
+    with reference_kernels():  # an unpacked batch carries no offsets: it runs
+        model(input_ids=batch["input_ids"], use_cache=False)
+    assert handle.rewritten == 0
+
+
+def test_the_right_recipe_on_qwen3_next_rewrites_every_call(qwen3_next):
+    model, batch = _copy(qwen3_next[0]), qwen3_next[1]
+    handle = isolate_seqlens(model)
+    with reference_kernels() as served:
+        model(**batch)
+
+    calls = [c for c in served.calls if c.kernel == "chunk_gated_delta_rule"]
+    assert handle.paths == GDN_PATHS and handle.rewritten == 3
+    assert all(c.cu_seqlens is not batch["cu_seq_lens_q"] for c in calls) and len(calls) == 3
+    assert all(c.cu_seqlens_cpu is not None and c.chunk_indices is not None for c in calls)
+
+
 # ------------------------------------------------------------------------------------- which modules
 def test_known_mixers_are_found_through_fsdp2s_renamed_classes(qwen):
     model = _copy(qwen)
@@ -219,7 +293,9 @@ def test_a_model_without_fla_backed_mixers_is_refused_listing_what_was_looked_fo
     message = str(err.value)
     assert message.startswith("isolate_seqlens found no FLA-backed mixer in Sequential; looked for ")
     for looked in ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet(cu_seq_lens_q, "
-                   "cu_seq_lens_k)", "Qwen3_5GatedDeltaNet", "Qwen4ExpTextGatedDeltaNet",
+                   "cu_seq_lens_k)", "Qwen3_5GatedDeltaNet", "Qwen4ExpTextGatedDeltaNet", "Qwen3NextGatedDeltaNet",
+                   "OlmoHybridGatedDeltaNet", "LaraMiniGatedDeltaNet",
+                   "flash-linear-attention's layers (fla.layers., fla.models.) reading cu_seqlens",
                    "torchtitan.models.qwen3_5.model.GatedDeltaNet(attention_masks)",
                    "olmo_core.nn.attention.recurrent.GatedDeltaNet(cu_doc_lens)",
                    "olmo_core.nn.attention.kda.KimiDeltaAttention(cu_doc_lens)"):

@@ -1,7 +1,10 @@
 """The text of a divergence: what differed, why (FLA's cache, or other state), and the fix.
 
 :func:`explain` names the region, the op index, the innermost module running there, both ops, the FLA
-helpers whose cache state differed (when FLA is involved) and what to do. A divergence that no FLA helper
+helpers whose cache state differed (when FLA is involved) and what to do: for a known FLA-backed class of
+another library running there (:func:`foreign_fix`, from :mod:`fla_ac_isolation.families`), the one call that
+fixes code the user does not own (``isolate_seqlens(model)``, or ``swap_mixers(model)`` where a drop-in
+exists); for their own code, ``LayerLocalSeqlens`` or the global disable. A divergence that no FLA helper
 explains is described as state that changed between forward and backward, without naming FLA: the
 callers pass only differences that implicate FLA's cache
 (:func:`~fla_ac_isolation.audit.records.implicating_fla`), not helpers that ran in one pass only because
@@ -10,17 +13,39 @@ the region took another path.
 
 from __future__ import annotations
 
-from fla_ac_isolation.audit.records import CacheDifference
+from torch import nn
 
-__all__ = ["explain"]
+from fla_ac_isolation.audit.records import CacheDifference
+from fla_ac_isolation.families import LeakingMixer, UpstreamMixer, drop_in_for, foreign_mixer
+
+__all__ = ["explain", "foreign_fix"]
 
 
 VERBS = {"miss": "missed", "hit": "hit", "bypass": "bypassed the cache", "not called": "was not called"}
 
 
-def explain(label: str, where: str | None, idx: int, fwd_op: str, rec_op: str, diffs: list[CacheDifference]) -> str:
+def foreign_fix(running: list[nn.Module]) -> str | None:
+    """The fix sentence for the innermost module of ``running`` (innermost first) that is a known FLA-backed
+    class of another library (:func:`~fla_ac_isolation.families.foreign_mixer`), or ``None``."""
+    for module in running:
+        found = foreign_mixer(module)
+        if found is None:
+            continue
+        entry = found[0]
+        if isinstance(entry, LeakingMixer):
+            return f"{entry.name} ({entry.framework}) drops the packed offsets: {entry.remedy()}."
+        if isinstance(entry, UpstreamMixer) and entry.offsets:
+            swap = " (or swap_mixers(model), which replaces it with a drop-in)" if drop_in_for(entry) else ""
+            return (f"{entry.name} ({entry.framework}) is code you do not own: call isolate_seqlens(model) once after "
+                    f"building the model{swap}; it gives every {entry.name} call fresh {', '.join(entry.offsets)}.")
+    return None
+
+
+def explain(label: str, where: str | None, idx: int, fwd_op: str, rec_op: str, diffs: list[CacheDifference],
+            fix: str | None = None) -> str:
     """The message of a divergent recompute of region ``label`` at op ``idx`` (``where``: the module
-    running there); ``diffs``: the FLA cache differences that implicate FLA, empty when FLA is not the cause."""
+    running there); ``diffs``: the FLA cache differences that implicate FLA, empty when FLA is not the cause;
+    ``fix``: :func:`foreign_fix` of the modules running there (replaces the fix for code one owns)."""
     inside = f" (in {where})" if where and where != label else ""
     lines = [f"ReplayAudit: region {label}: recompute op #{idx}{inside} is {rec_op}, forward had {fwd_op}."]
     main = [d for d in diffs if "not called" not in (d.forward, d.recompute)] or diffs
@@ -43,6 +68,7 @@ def explain(label: str, where: str | None, idx: int, fwd_op: str, rec_op: str, d
                 "recompute (other calls in between filled the queue)."
             )
         lines.append(
+            f"Fix: {fix}" if fix else
             "Fix: give each layer its own cu_seqlens (build a LayerLocalSeqlens once per forward and call "
             ".local() inside each layer's forward), or disable FLA's cache (tensor_cache_disabled())."
         )

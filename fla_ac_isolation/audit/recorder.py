@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fla_ac_isolation.audit.explain import explain
+from fla_ac_isolation.audit.explain import explain, foreign_fix
+from fla_ac_isolation.audit.labels import running_modules
 from fla_ac_isolation.audit.records import (
     OpRecord,
     Pass,
@@ -156,8 +157,9 @@ class PassRecorder(TorchDispatchMode):
         self._collect_events()
         if rec is not None:
             p.where = self._session.namer.where(self._region.label)
+            p.fix = foreign_fix(running_modules())
         diffs = implicating_fla(cache_differences(self._region.forward.events, p.events, rec_complete=rec is None))
-        p.message = explain(self._region.label, p.where, i, fwd_op, rec_op, list(diffs))
+        p.message = explain(self._region.label, p.where, i, fwd_op, rec_op, list(diffs), fix=p.fix)
         mode = self._session.on_divergence
         if mode == "raise":
             raise ReplayDivergenceError(p.message)

@@ -130,6 +130,7 @@ class Pass:
     error: str | None = None
     first_diff: int | None = None  # recompute only
     where: str | None = None  # innermost module running at the first divergent op
+    fix: str | None = None  # the fix for a known foreign FLA-backed mixer running there (explain.foreign_fix)
     message: str | None = None
 
 

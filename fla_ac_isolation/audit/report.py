@@ -86,7 +86,7 @@ def region_report(region: Region) -> RegionReport:
         rec_op = format_op(rec.ops[i] if i < len(rec.ops) else None, f"<end of recompute after {i} ops>")
         if rec.done:  # rebuilt with every helper call of the pass (raise/warn saw those up to the op)
             message = explain(region.label or f"region #{region.index}", rec.where, i, fwd_op, rec_op,
-                               list(diffs))
+                              list(diffs), fix=rec.fix)
     return RegionReport(
         index=region.index,
         label=region.label or f"region #{region.index}",

@@ -1,10 +1,12 @@
-"""The ``fla-ac-isolation`` command: ``doctor | regress | audit``, each subcommand in its own module.
+"""The ``fla-ac-isolation`` command: ``doctor | regress | audit | check``, each subcommand in its own module.
 
 * :mod:`~fla_ac_isolation.cli.doctor` - versions, device, FLA cache state, SAC replay semantics;
 * :mod:`~fla_ac_isolation.cli.regress` - the EP regression (:mod:`fla_ac_isolation.regression`), rendered by
   :mod:`~fla_ac_isolation.cli.regress_render`;
 * :mod:`~fla_ac_isolation.cli.audit` - one step of a tiny model under :class:`~fla_ac_isolation.ReplayAudit`
   (:mod:`fla_ac_isolation.audit_runner`);
+* :mod:`~fla_ac_isolation.cli.check` - one step of the user's own model (or a tiny transformers / FLA one) under
+  the audit, its FLA-backed classes and the fix (:mod:`fla_ac_isolation.check_runner`);
 * :mod:`~fla_ac_isolation.cli.console` - what they share: the console, the policy flags, foreign-text escaping.
 
 Each subcommand module has ``HELP`` (its line in ``--help``), ``add_arguments(parser)`` and
@@ -22,12 +24,12 @@ import sys
 from collections.abc import Sequence
 
 from fla_ac_isolation import __version__
-from fla_ac_isolation.cli import audit, doctor, regress
+from fla_ac_isolation.cli import audit, check, doctor, regress
 from fla_ac_isolation.extras import MissingExtraError
 
 __all__ = ["main"]
 
-_SUBCOMMANDS = {"doctor": doctor, "regress": regress, "audit": audit}
+_SUBCOMMANDS = {"doctor": doctor, "regress": regress, "audit": audit, "check": check}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,10 +6,9 @@ support but a backend of the seam (:mod:`fla_ac_isolation.fla_seam.interpreter`)
 
 * :mod:`~fla_ac_isolation.testing.gpu` - GPU-harness switches, e.g. lifting FLA's Hopper/Triton guard
   for a test run, announced on stdout; host-sync recording.
-* :mod:`~fla_ac_isolation.testing.reference_kernels` - FLA's kernels served by reference ops to foreign code
-  (OLMo-core, transformers, torchtitan) wherever it looks them up, restored on exit.
 * :mod:`~fla_ac_isolation.testing.olmo_core` - OLMo-core on a CPU: packed documents on its torch attention
-  backend, and ``cpu_stand_ins()`` (that plus the reference kernels).
+  backend, and ``cpu_stand_ins()`` (that plus :func:`fla_ac_isolation.reference_kernels.reference_kernels`, the
+  library's FLA kernels on a CPU).
 
 Submodules are imported explicitly (``from fla_ac_isolation.testing.gpu import ...``) so that importing this
 package touches neither Triton nor FLA.

@@ -6,7 +6,7 @@ backends (flash-attn 2/3/4, Transformer Engine). Its one portable backend, ``tor
 intra-document masking"). :func:`packed_attention_on_torch_backend` lets it take ``cu_doc_lens`` for the
 duration of a block: scaled dot-product attention with a causal mask that is also block-diagonal over
 documents, which is what the flash backends compute. :func:`cpu_stand_ins` adds
-:func:`~fla_ac_isolation.testing.reference_kernels.reference_kernels` (FLA's kernels on reference ops), so an
+:func:`~fla_ac_isolation.reference_kernels.reference_kernels` (FLA's kernels on reference ops), so an
 OLMo-core hybrid model (GDN, KDA, attention blocks) trains on a CPU.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from fla_ac_isolation.testing.reference_kernels import ServedKernels, reference_kernels
+from fla_ac_isolation.reference_kernels import ServedKernels, reference_kernels
 
 __all__ = ["cpu_stand_ins", "document_causal_mask", "packed_attention_on_torch_backend"]
 
@@ -74,7 +74,7 @@ def packed_attention_on_torch_backend() -> Iterator[None]:
 
 @contextlib.contextmanager
 def cpu_stand_ins() -> Iterator[ServedKernels]:
-    """:func:`~fla_ac_isolation.testing.reference_kernels.reference_kernels` plus
+    """:func:`~fla_ac_isolation.reference_kernels.reference_kernels` plus
     :func:`packed_attention_on_torch_backend`: an OLMo-core hybrid model on packed batches, on a CPU.
 
     Yields what ``reference_kernels`` yields (the places patched, the kernel calls).

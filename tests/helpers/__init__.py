@@ -10,6 +10,7 @@ test file); ``conftest.py`` only holds fixtures. Family facts come from the libr
 * :mod:`helpers.faults` - how the unsafe shared path must end (``SharedOutcome``), the fault matrix;
 * :mod:`helpers.saveable` - the saveable ops under SAC: recorded operators and what a policy saved;
 * :mod:`helpers.foreign` - OLMo-core's and torchtitan's own models;
+* :mod:`helpers.foreign_classes` - every FLA-backed class of other libraries on a CPU: audited steps, leaks;
 * :mod:`helpers.scripts` - examples loaded by path, interpreter cases in a subprocess.
 """
 
@@ -35,6 +36,17 @@ from helpers.foreign import (
     skip_unless_torchtitan_qwen3_5,
     torchtitan_gdn_forward_without_clone,
     torchtitan_qwen3_5,
+)
+from helpers.foreign_classes import (
+    LEAK_LENS,
+    AuditedStep,
+    audited_step,
+    deep_copy,
+    documents_of,
+    fla_layer,
+    glm5_next_kda_only,
+    gradient_error,
+    leak,
 )
 from helpers.hf_models import (
     ALL_MODEL_FAMILIES,
@@ -116,6 +128,7 @@ __all__ = [
     "KDA_DOC_LENS",
     "KDA_MODELS",
     "LAYER_FIELDS",
+    "LEAK_LENS",
     "MATRIX",
     "MODEL_FAMILIES",
     "OLMO_AC_MODES",
@@ -127,6 +140,7 @@ __all__ = [
     "TITAN_QWEN3_5_NEEDS",
     "UNSWAPPED_QWEN_UNDER_SAC",
     "VOCAB",
+    "AuditedStep",
     "Block",
     "KDAModel",
     "MixerFamily",
@@ -137,17 +151,24 @@ __all__ = [
     "SharedOutcome",
     "Step",
     "assert_bit_equal",
+    "audited_step",
     "bailing_hybrid_config",
+    "deep_copy",
     "divergent",
     "documents",
+    "documents_of",
     "expected_shared_outcome",
+    "fla_layer",
     "glm5_next_config",
+    "glm5_next_kda_only",
+    "gradient_error",
     "hf_fla_kernel_on_cpu",
     "hf_torch_fallback",
     "kda_loss",
     "kda_output",
     "kda_packed_batch",
     "kimi_linear_config",
+    "leak",
     "load_script",
     "logits_of",
     "loss_and_grads",
