@@ -24,14 +24,15 @@ from fla_ac_isolation.regression.spec import ModeResult
 
 __all__ = ["PP_RTOL_MEASURED", "default_pp_rtol", "pp1_deviation"]
 
-PP_RTOL_MEASURED = 2.0e-5
-"""The largest deviation of ``no-ac`` under PP from the run without PP measured on CPU in float32 (every schedule,
-2 to 8 microbatches, the three families, 1 to 4 intra-op threads: ``docs/pipeline-parallel.md``)."""
+PP_RTOL_MEASURED = 3.2e-5
+"""The largest deviation of ``no-ac`` under PP from the run without PP measured on CPU in float32 (3.14e-5: the tiny
+Qwen3.5-MoE with oneDNN off; GPipe, 1F1B and interleaved 1F1B at 2 to 8 microbatches, the three families, 1 to 4
+intra-op threads, torch's default and AVX2 kernels, with and without EP: ``docs/pipeline-parallel.md``)."""
 
 
 def default_pp_rtol(device: str, dtype: str) -> float:
-    """1e-4 for float32 on CPU (5x the largest measured deviation, :data:`PP_RTOL_MEASURED`), 2e-2 otherwise."""
-    return 1e-4 if device == "cpu" and dtype == "float32" else 2e-2
+    """2e-4 for float32 on CPU (6x the largest measured deviation, :data:`PP_RTOL_MEASURED`), 2e-2 otherwise."""
+    return 2e-4 if device == "cpu" and dtype == "float32" else 2e-2
 
 
 def pp1_deviation(mode: ModeResult, pp1: ModeResult) -> tuple[float, str]:
