@@ -4,6 +4,10 @@ A region is named by the module path of the checkpointed module (or, when the ch
 a module, of the module calling checkpoint), inside the audited ``model`` or, without one, inside the
 outermost module running when the region starts; ``_checkpoint_wrapped_module`` and ``_orig_mod`` are
 dropped from paths. Otherwise ``region #i (ClassName)`` or ``region #i``.
+
+With a region tag (``ReplayAudit(region_tag=...)``: a callable asked when a region's forward starts, e.g.
+:class:`~fla_ac_isolation.parallel.StageRegionTags` under a pipeline schedule) the label is ``"<tag>: <path>"``
+(``stage 1 / mb 0: layers.2``); the module named at a divergent op stays a plain path.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -52,11 +57,29 @@ def clean_path(path: str) -> str:
 
 
 class RegionNamer:
-    """Module paths inside a root module, cached per root (a weak reference to the audited ``model``)."""
+    """Module paths inside a root module, cached per root (a weak reference to the audited ``model``), and the
+    region tag (``tag``: called when a region starts, returns a string or ``None``)."""
 
-    def __init__(self, model: nn.Module | None) -> None:
+    def __init__(self, model: nn.Module | None, tag: Callable[[], str | None] | None = None) -> None:
         self._model_ref = weakref.ref(model) if model is not None else None
         self._paths: dict[int, tuple[weakref.ref, dict[int, str]]] = {}
+        self._tag = tag
+        self._untagged: dict[str, str] = {}  # tagged label -> the label without its tag
+
+    def tagged(self, label: str) -> str:
+        """``label`` with the current region tag in front (``"<tag>: <label>"``), or ``label`` without a tag.
+
+        Raises:
+            TypeError: the tag callable returned something other than a string or ``None``.
+        """
+        tag = self._tag() if self._tag is not None else None
+        if tag is None:
+            return label
+        if not isinstance(tag, str):
+            raise TypeError(f"region_tag must return a str or None, got {type(tag).__name__}")
+        full = f"{tag}: {label}"
+        self._untagged[full] = label
+        return full
 
     def label_for(self, fn: Any, index: int) -> str:
         """Module path of the checkpointed module (or, when ``fn`` names none, of the module calling
@@ -85,6 +108,7 @@ class RegionNamer:
             if path:
                 return path
         sub = self._path_in(running[-1], running[0])  # inside the region's own module
+        label = self._untagged.get(label, label)  # the module path, without the region tag
         return f"{label}.{sub}" if sub else label
 
     def _path_in(self, root: nn.Module, module: nn.Module) -> str | None:

@@ -45,10 +45,15 @@ class ReplayAudit:
             inside the outermost module running when the region starts.
         on_divergence: ``"raise"`` (default), ``"warn"`` or ``"record"``; see the module docstring.
         probe_fla: run FLA's cache probe while active (per-region hit/miss telemetry and attribution).
+        region_tag: optional callable asked when each region's forward starts; a string it returns goes in front
+            of the region's label (``"stage 1 / mb 0: layers.2"``), ``None`` leaves the label as it is. Under a
+            pipeline schedule pass :class:`~fla_ac_isolation.parallel.StageRegionTags` (stage, microbatch and
+            the shape-inference pass).
 
     Raises:
         ValueError: unknown ``on_divergence``.
-        TypeError: ``model`` is not an ``nn.Module``.
+        TypeError: ``model`` is not an ``nn.Module``; ``region_tag`` is not callable (or, when a region starts,
+            returns something other than a string or ``None``).
         ReplayDivergenceError: (``"raise"``) at the first divergent op of a recompute, from backward.
 
     Overhead: ~8-13 us per recorded op, ~1.05x on a realistic step (measured: see the module docstring).
@@ -60,12 +65,15 @@ class ReplayAudit:
         *,
         on_divergence: OnDivergence = "raise",
         probe_fla: bool = True,
+        region_tag: Callable[[], str | None] | None = None,
     ) -> None:
         _check_on_divergence(on_divergence)
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
+        if region_tag is not None and not callable(region_tag):
+            raise TypeError(f"region_tag must be a callable returning a str or None, got {type(region_tag).__name__}")
         self.probe_fla = probe_fla
-        self._session = AuditSession(on_divergence, RegionNamer(model), ignored_ops())
+        self._session = AuditSession(on_divergence, RegionNamer(model, region_tag), ignored_ops())
         self._stack: contextlib.ExitStack | None = None
 
     @property
@@ -180,6 +188,13 @@ class ReplayAudit:
     def divergent(self) -> list[RegionReport]:
         """The regions whose recompute diverged from their forward."""
         return [r for r in self.regions if r.verdict == "divergent"]
+
+    @property
+    def recompute_counts(self) -> list[int]:
+        """How many times each region (in :attr:`regions` order) was recomputed: 1 per backward normally, 0 when
+        never recomputed, more when a schedule reruns a region's backward (zero-bubble schedules split it into an
+        input and a weight pass; under full AC each pass recomputes)."""
+        return [len(r.recomputes) for r in self._session.regions]
 
     @property
     def ok(self) -> bool:

@@ -42,9 +42,10 @@ class AuditSession:
         return None if self.probe is None else self.probe.events
 
     def add_region(self, region: Region, label_from: Any) -> None:
-        """Number ``region`` (its forward just started), name it if unnamed, and keep it."""
+        """Number ``region`` (its forward just started), name it if unnamed, put the region tag in front of its
+        label (:meth:`RegionNamer.tagged <fla_ac_isolation.audit.labels.RegionNamer.tagged>`), and keep it."""
         index = len(self.regions)
-        if region.label is None:
-            region.label = self.namer.label_for(label_from, index)
+        label = region.label if region.label is not None else self.namer.label_for(label_from, index)
+        region.label = self.namer.tagged(label)
         region.index = index
         self.regions.append(region)

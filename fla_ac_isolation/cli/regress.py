@@ -7,6 +7,8 @@ Example (the README's main job; about a minute on a 2-core CPU machine)::
     torchrun --nproc-per-node 2 -m fla_ac_isolation.cli regress --device cuda --ep 2   # ranks from torchrun
     fla-ac-isolation regress --cp 2                       # context parallelism (FLA's CP), experts replicated
     fla-ac-isolation regress --cp 2 --ep 2 --layout zigzag   # CP 2 x EP 2 on the same 2 ranks
+    fla-ac-isolation regress --pp 2                       # two pipeline stages, 1F1B over 4 microbatches
+    fla-ac-isolation regress --pp 2 --ep 2 --schedule gpipe --microbatches 6   # 4 ranks: EP 2 inside each stage
 
 This module parses the flags into a :class:`~fla_ac_isolation.regression.RegressionSpec` (whose fields left
 unset take the spec's own defaults), checks what only a command has (the ``--json`` / ``--plot`` paths),
@@ -33,11 +35,11 @@ from fla_ac_isolation.extras import require
 from fla_ac_isolation.families import FAMILY_NAMES
 from fla_ac_isolation.modes import ALL_MODES
 from fla_ac_isolation.ops import BACKENDS
-from fla_ac_isolation.parallel import LAYOUTS
+from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES
 
 __all__ = ["HELP", "add_arguments", "run", "spec_from_arguments"]
 
-HELP = "the EP (and CP) regression: train a tiny model in every mode and compare with no AC"
+HELP = "the EP (and CP, PP) regression: train a tiny model in every mode and compare with no AC"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -60,19 +62,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "every layer), isolated (LayerLocalSeqlens), global-disable (FLA's cache off) - and compare losses and "
         "gradients. Exit 0 when isolated and global-disable match no-ac. With --cp N: FLA's context parallelism "
         "over N ranks, a one-rank run without CP (no-ac-cp1) as a second reference, and the unsafe field mode "
-        "(each layer builds FLA's CP context from the one shared cu_seqlens)."
+        "(each layer builds FLA's CP context from the one shared cu_seqlens). With --pp N: the decoder split into "
+        "pipeline stages run by torch.distributed.pipelining over microbatches, no-ac under the same schedule, and "
+        "a one-rank run without PP (no-ac-pp1) as a second reference."
     )
     parser.formatter_class = _HelpFormatter
     parser.add_argument("--model", choices=FAMILY_NAMES, default=default["model"], help="model family")
     parser.add_argument("--ep", type=int, default=default["ep"],
-                        help="expert-parallel degree (default 2 = number of ranks; with --cp: 1, or equal to --cp)")
+                        help="expert-parallel degree (default 2 = number of ranks; with --cp: 1, or equal to --cp; "
+                             "with --pp: 1, or the data-parallel ranks of each stage)")
     parser.add_argument("--cp", type=int, default=default["cp"],
                         help="context-parallel degree = number of ranks (FLA's CP; 1 = none); adds the 'field' mode "
                              "and a one-rank run without CP as a second reference; the 128-token batch is padded "
                              "with an ignored document to a multiple of the layout's parts (N, zigzag 2N)")
     parser.add_argument("--layout", choices=LAYOUTS, default=default["cp_layout"], help="FLA's CP layout (with --cp)")
+    parser.add_argument("--pp", type=int, default=default["pp"],
+                        help="pipeline-parallel degree (stages over N ranks per data-parallel rank, torch's "
+                             "pipelining; 1 = none); ranks = pp x ep; adds a one-rank run without PP as a second "
+                             "reference")
+    parser.add_argument("--microbatches", type=int, default=default["microbatches"],
+                        help="microbatches per step with --pp (default 2 x pp; documents are not split, every "
+                             "microbatch is padded to one token count)")
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default=default["schedule"],
+                        help="pipeline schedule with --pp (the zero-bubble ones only with --ac full)")
     parser.add_argument("--steps", type=int, default=default["steps"],
-                        help="AdamW steps per mode (default 3; 2 with --cp)")
+                        help="AdamW steps per mode (default 3; 2 with --cp or --pp)")
     add_policy_arguments(parser, default)
     parser.add_argument("--backend", choices=BACKENDS, default=default["backend"],
                         help="mixer backend (auto: FLA kernels on CUDA and for --cp on a CPU, else the reference)")
@@ -136,8 +150,8 @@ def _check_paths(args: argparse.Namespace) -> None:
 def spec_from_arguments(args: argparse.Namespace):
     """The :class:`~fla_ac_isolation.regression.RegressionSpec` of parsed ``args``, validated.
 
-    Flags left unset (``--ep``, ``--steps``, ``--hidden-size``, ``--device auto``, ``--dtype auto``) stay
-    unset in the spec, which resolves them itself.
+    Flags left unset (``--ep``, ``--steps``, ``--microbatches``, ``--hidden-size``, ``--device auto``,
+    ``--dtype auto``) stay unset in the spec, which resolves them itself.
 
     Raises:
         ValueError: the spec's message for the first rule the arguments break.
@@ -145,7 +159,8 @@ def spec_from_arguments(args: argparse.Namespace):
     from fla_ac_isolation.regression.spec import RegressionSpec
 
     return RegressionSpec(
-        model=args.model, ep=args.ep, cp=args.cp, cp_layout=args.layout, steps=args.steps, ac=args.ac,
+        model=args.model, ep=args.ep, cp=args.cp, cp_layout=args.layout, pp=args.pp, microbatches=args.microbatches,
+        schedule=args.schedule, steps=args.steps, ac=args.ac,
         policy=args.policy, freq=args.freq, backend=args.backend, device=args.device, dtype=args.dtype,
         hidden_size=args.hidden_size, num_layers=args.layers, num_experts=args.experts, top_k=args.top_k,
         seed=args.seed, lr=args.lr, modes=None if args.modes is None else split_modes(args.modes),

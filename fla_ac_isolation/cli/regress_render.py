@@ -45,9 +45,11 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
     for note in result.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
     seconds = ", ".join(f"{name} {mode.seconds:.1f}" for name, mode in result.modes.items())
+    under = " (under PP: no-ac under the same schedule)" if spec.pp > 1 else ""
+    counted = " (under PP, padding and torch's shape-inference pass count as tokens)" if spec.pp > 1 else ""
     caption = (
-        "max |grad - ref|: largest gradient difference to no-ac over all ranks and parameters; idle experts: "
-        f"most experts without any token in one MoE layer (all ranks). Seconds per mode: {seconds}."
+        f"max |grad - ref|: largest gradient difference to no-ac{under} over all ranks and parameters; idle experts: "
+        f"most experts without any token in one MoE layer (all ranks){counted}. Seconds per mode: {seconds}."
     )
     table = Table(title=escape(title), title_justify="left", caption=escape(caption), caption_justify="left")
     _add_rows(table, result, found)
@@ -79,12 +81,14 @@ def _print_verdicts(result: RegressionResult, found: dict[str, Verdict], rtol: f
 
 
 def _add_rows(table, result: RegressionResult, found: dict[str, Verdict]) -> None:
-    """One column per field, one row per mode and step (under CP also the difference to the run without CP)."""
-    cp = result.spec.cp > 1
+    """One column per field, one row per mode and step (under CP or PP also the difference to the run without it)."""
+    cp, pp = result.spec.cp > 1, result.spec.pp > 1
     columns = [("mode", "left"), ("step", "right"), ("loss", "right"), ("grad norm", "right"),
                ("max |grad - ref|", "right"), ("idle experts", "right"), ("verdict", "left")]
     if cp:
         columns.insert(5, ("max |grad - CP=1|", "right"))
+    if pp:
+        columns.insert(5, ("max |grad - PP=1|", "right"))
     for col, justify in columns:
         table.add_column(col, justify=justify)
     for name, mode in result.modes.items():
@@ -105,13 +109,19 @@ def _add_rows(table, result: RegressionResult, found: dict[str, Verdict]) -> Non
             ]
             if cp:
                 cells.insert(5, _fmt(mode.cp1_grad_diffs[i], ".3e") if done and i < len(mode.cp1_grad_diffs) else "-")
+            if pp:
+                cells.insert(5, _fmt(mode.pp1_grad_diffs[i], ".3e") if done and i < len(mode.pp1_grad_diffs) else "-")
             table.add_row(*cells, end_section=i == rows - 1)
 
 
 def parallelism(spec: RegressionSpec) -> str:
-    """``EP=2``; under context parallelism ``CP=2 (zigzag) x EP=2`` or ``CP=2 (contiguous), EP=1`` (from
+    """``EP=2``; under context parallelism ``CP=2 (zigzag) x EP=2`` or ``CP=2 (contiguous), EP=1``; under pipeline
+    parallelism ``PP=2 (1f1b, 4 microbatches) x EP=2`` or ``PP=2 (gpipe, 6 microbatches), EP=1`` (from
     ``spec.mesh``)."""
     mesh = spec.mesh
+    if mesh.pp > 1:
+        pp = f"PP={mesh.pp} ({spec.schedule}, {spec.microbatches} microbatches)"
+        return f"{pp} x EP={mesh.ep}" if mesh.ep > 1 else f"{pp}, EP=1"
     if mesh.cp == 1:
         return f"EP={mesh.ep}"
     cp = f"CP={mesh.cp} ({spec.cp_layout})"

@@ -1,4 +1,4 @@
-"""Context parallelism (CP): FLA's CP layouts for packed batches, isolated per layer under AC.
+"""Context and pipeline parallelism (CP, PP): packed batches cut for them, isolated per layer under AC.
 
 Public names:
 
@@ -10,25 +10,51 @@ Public names:
   (Nemotron-H's Mamba2).
 * :class:`ParallelMesh` - a run's parallel degrees (dp, ep, cp, pp), validated once: world size, rank
   coordinates and torch's ``DeviceMesh`` come from it.
+* :func:`split_packed_microbatches` / :class:`PackedMicrobatches` - a packed batch cut into microbatches of
+  whole documents and one token count, each with its own offsets (pipeline parallelism, gradient accumulation).
+* :data:`SCHEDULES`, :func:`check_schedule`, :func:`stage_indices`, :func:`build_schedule`,
+  :func:`microbatch_seqlens` - torch's pipeline schedules as this package runs them, and the per-microbatch
+  ``LayerLocalSeqlens`` a stage builds from its offsets row; :class:`StageRegionTags` - the audit's region tags
+  (stage, microbatch, shape-inference pass).
 
 Collectives are torch's (``torch.distributed`` and its functional collectives, with autograd); CP
-kernels and metadata are FLA's (through :mod:`fla_ac_isolation.fla_seam.cp`). See ``docs/context-parallel.md``.
+kernels and metadata are FLA's (through :mod:`fla_ac_isolation.fla_seam.cp`); pipeline stages and schedules are
+``torch.distributed.pipelining``'s. See ``docs/context-parallel.md`` and ``docs/pipeline-parallel.md``.
 """
 
 from fla_ac_isolation.parallel.config import LAYOUTS, CPConfig
 from fla_ac_isolation.parallel.head_parallel import heads_to_sequence, sequence_to_heads
 from fla_ac_isolation.parallel.mesh import ParallelMesh
+from fla_ac_isolation.parallel.microbatch import PackedMicrobatches, split_packed_microbatches
+from fla_ac_isolation.parallel.pipeline import (
+    SCHEDULES,
+    PipelineSchedule,
+    build_schedule,
+    check_schedule,
+    microbatch_seqlens,
+    stage_indices,
+)
 from fla_ac_isolation.parallel.sharding import CPShard, cp_token_index, gather_unshard, shard_packed_batch, unshard
+from fla_ac_isolation.parallel.stage_tags import StageRegionTags
 
 __all__ = [
     "LAYOUTS",
+    "SCHEDULES",
     "CPConfig",
     "CPShard",
+    "PackedMicrobatches",
     "ParallelMesh",
+    "PipelineSchedule",
+    "StageRegionTags",
+    "build_schedule",
+    "check_schedule",
     "cp_token_index",
     "gather_unshard",
     "heads_to_sequence",
+    "microbatch_seqlens",
     "sequence_to_heads",
     "shard_packed_batch",
+    "split_packed_microbatches",
+    "stage_indices",
     "unshard",
 ]

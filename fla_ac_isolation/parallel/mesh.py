@@ -16,13 +16,15 @@ What follows from the degrees comes from here and nowhere else: the number of pr
 
 ``dp`` left out (``None``) is derived so that a run of ``ep`` expert-parallel ranks keeps its meaning: the
 ``ep`` ranks are data-parallel ranks (``dp = ep``) without context parallelism, and borrowed from the
-``cp`` ranks (``dp = 1``) with it. ``pp`` is validated and counted in :attr:`~ParallelMesh.world`;
-pipeline stages are not yet run by the regression.
+``cp`` ranks (``dp = 1``) with it. ``pp`` multiplies the world: each data-parallel rank's stages sit on ``pp``
+ranks (the mesh's ``"pp"`` dimension is their pipeline group), and expert parallelism stays inside a stage's
+ranks (``ParallelMesh(ep=2, pp=2)``: 4 ranks, EP over the 2 data-parallel ranks of each stage).
 
 Example::
 
     ParallelMesh(ep=2).world               # 2: two data-parallel ranks, experts sharded over both
     ParallelMesh(cp=2, ep=2).world         # 2: EP borrows the two CP ranks
+    ParallelMesh(ep=2, pp=2).world         # 4: two pipeline stages, EP over the two data-parallel ranks of each
     ParallelMesh(cp=2, ep=4)               # ValueError: ep (4) must be 1 or equal cp (2) ...
 """
 
@@ -52,7 +54,8 @@ class ParallelMesh:
         ep: expert-parallel degree: 1 (experts replicated) or ``dp * cp`` (experts sharded over every
             data- and context-parallel rank of a stage).
         cp: context-parallel degree (FLA's CP; 1 = none).
-        pp: pipeline-parallel degree (stages); counted in :attr:`world`.
+        pp: pipeline-parallel degree (ranks a data-parallel rank's stages are spread over); multiplies
+            :attr:`world`.
 
     Raises:
         ValueError: a degree that is not an int >= 1 (naming the field), or ``ep`` that is neither 1 nor

@@ -23,7 +23,15 @@ import torch
 from fla_ac_isolation.fla_seam.cp import build_cp_context
 from fla_ac_isolation.parallel.config import LAYOUTS, CPConfig
 
-__all__ = ["CPShard", "cp_token_index", "gather_unshard", "rank_token_index", "shard_packed_batch", "unshard"]
+__all__ = [
+    "CPShard",
+    "check_host_offsets",
+    "cp_token_index",
+    "gather_unshard",
+    "rank_token_index",
+    "shard_packed_batch",
+    "unshard",
+]
 
 
 def _check_cp(cp: object) -> CPConfig:
@@ -95,7 +103,17 @@ def _check_dim(dim: object) -> None:
         raise TypeError(f"dim must be an int (the token dimension), got {type(dim).__name__}")
 
 
-def _host_offsets(cu_seqlens_cpu: Sequence[int] | torch.Tensor) -> torch.Tensor:
+def check_host_offsets(cu_seqlens_cpu: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Host int64 ``[N + 1]`` offsets of a packed batch, checked: a list or host tensor of integers, 1-D,
+    starting at 0, non-decreasing (zero-length documents are legal).
+
+    The boundary check of :func:`shard_packed_batch` and
+    :func:`~fla_ac_isolation.parallel.split_packed_microbatches`.
+
+    Raises:
+        TypeError: not a list or tensor of integers (e.g. float offsets).
+        ValueError: a tensor off the host; not 1-D with at least 2 entries; not starting at 0; decreasing.
+    """
     if isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.device.type != "cpu":
         raise ValueError(f"cu_seqlens_cpu must be host offsets, got a tensor on {cu_seqlens_cpu.device}")
     if not isinstance(cu_seqlens_cpu, (torch.Tensor, Sequence)) or isinstance(cu_seqlens_cpu, (str, bytes)):
@@ -141,7 +159,7 @@ def shard_packed_batch(
         raise TypeError(f"tensors must be a mapping of names to packed tensors, e.g. {{'input_ids': ids}}, got "
                         f"{type(tensors).__name__}")
     _check_dim(dim)
-    offsets = _host_offsets(cu_seqlens_cpu)
+    offsets = check_host_offsets(cu_seqlens_cpu)
     num_tokens = int(offsets[-1])
     cp.check_num_tokens(num_tokens)
     for name, t in tensors.items():  # before the index is built: its size comes from the offsets

@@ -25,6 +25,12 @@ holds no document start) and ``[10, 0, 20, 70, 28]`` (a document over three zigz
 zigzag layout holds no document start); both have a zero-length document. Step 0 packs the one made
 for the layout (the step the run without CP is compared with gradient by gradient), step 1 the other.
 A token count that does not split is padded with a last document whose labels are all ignored.
+
+Under pipeline parallelism every data-parallel rank ``r`` trains its own batch (:func:`pp_batch`): the
+documents of :data:`PP_SCHEDULE` for the step (a zero-length document, a 70-token one, 156 to 176 tokens) and a
+last document of ``1 + 10 r`` tokens; every PP rank of ``r`` builds the same batch and cuts it into the same
+microbatches. The :data:`~.spec.PP1_REFERENCE` run trains every data-parallel rank's batch packed as one
+(:func:`pp_global_batch`). :func:`pp_microbatch_tokens` is the one token count of every microbatch of a run.
 """
 
 from __future__ import annotations
@@ -34,9 +40,21 @@ from dataclasses import dataclass
 
 import torch
 
-from fla_ac_isolation.parallel import CPConfig
+from fla_ac_isolation.parallel import CPConfig, split_packed_microbatches
 
-__all__ = ["CP_SCHEDULE", "PackedBatch", "cp_batch", "global_batch", "rank_batch"]
+__all__ = [
+    "CP_SCHEDULE",
+    "PP_MAX_MICROBATCHES",
+    "PP_SCHEDULE",
+    "PackedBatch",
+    "cp_batch",
+    "global_batch",
+    "pp_batch",
+    "pp_global_batch",
+    "pp_microbatch_note",
+    "pp_microbatch_tokens",
+    "rank_batch",
+]
 
 IGNORE_INDEX = -100
 
@@ -159,3 +177,63 @@ def cp_batch(
         docs.append(torch.zeros(pad, dtype=torch.int64))
         labels = torch.cat([labels, torch.full((pad,), IGNORE_INDEX)])
     return PackedBatch(torch.cat(docs)[None], labels[None], tuple(lens), int((labels != IGNORE_INDEX).sum()))
+
+
+PP_SCHEDULE: tuple[tuple[int, ...], ...] = (
+    (13, 0, 70, 7, 21, 5, 33, 9, 1, 17),
+    (40, 3, 0, 25, 60, 11, 2, 30),
+    (9, 48, 0, 22, 5, 31, 14, 27),
+)
+"""Document lengths of the pipeline-parallel batches per step (cycled), before each rank's last document."""
+
+PP_MAX_MICROBATCHES = min(sum(1 for n in lens if n) for lens in PP_SCHEDULE) + 1
+"""The most microbatches a PP run may ask for: the non-empty documents of the smallest batch (8)."""
+
+
+def _pp_lens(step: int, rank: int) -> list[int]:
+    return [*PP_SCHEDULE[step % len(PP_SCHEDULE)], 1 + 10 * rank]
+
+
+def pp_batch(step: int, rank: int, world: int, *, seed: int = 0, vocab_size: int = 256) -> PackedBatch:
+    """Data-parallel rank ``rank``'s (of ``world``) batch at ``step`` under pipeline parallelism."""
+    lens = _pp_lens(step, rank)
+    docs = _tokens(seed, step, rank, lens, vocab_size)
+    total = sum(_targets(_pp_lens(step, r)) for r in range(world))
+    return PackedBatch(torch.cat(docs)[None], _labels(docs)[None], tuple(lens), total)
+
+
+def pp_global_batch(step: int, world: int, *, seed: int = 0, vocab_size: int = 256) -> PackedBatch:
+    """Every data-parallel rank's :func:`pp_batch` of ``step`` packed into one (the one-rank reference's batch)."""
+    parts = [pp_batch(step, r, world, seed=seed, vocab_size=vocab_size) for r in range(world)]
+    return PackedBatch(
+        torch.cat([p.input_ids for p in parts], dim=1),
+        torch.cat([p.labels for p in parts], dim=1),
+        tuple(n for p in parts for n in p.seq_lens),
+        parts[0].num_targets_global,
+    )
+
+
+def pp_microbatch_tokens(steps: int, world: int, microbatches: int) -> int:
+    """The token count of every microbatch of a PP run: the largest microbatch of
+    :func:`~fla_ac_isolation.parallel.split_packed_microbatches` over the ``steps`` steps and ``world``
+    data-parallel ranks (torch's pipeline stages keep the activation shapes of their first step)."""
+    most = 0
+    for step in range(steps):
+        for rank in range(world):
+            lens = _pp_lens(step, rank)
+            offsets = [0, *(int(x) for x in torch.tensor(lens).cumsum(0))]
+            most = max(most, split_packed_microbatches({}, offsets, microbatches).tokens)
+    return most
+
+
+def pp_microbatch_note(steps: int, world: int, microbatches: int) -> str:
+    """What the PP run's microbatches are, as one line for the report (token count, padding)."""
+    tokens = pp_microbatch_tokens(steps, world, microbatches)
+    real = sum(sum(_pp_lens(step, rank)) for step in range(steps) for rank in range(world))
+    padded = tokens * microbatches * steps * world
+    return (
+        f"PP microbatches: each data-parallel rank's batch is cut into {microbatches} microbatches of whole documents "
+        f"(longest first, to the lightest), each padded to {tokens} tokens with one document whose labels are ignored "
+        f"({100 * (padded - real) / padded:.0f}% padding over the run); no-ac runs the same schedule, no-ac-pp1 the "
+        "whole batches on one rank"
+    )

@@ -6,7 +6,8 @@ torchtitan and transformers, so that a start costs about a second; on CUDA, or w
 environment variables (``spec.rank_env``, e.g. ``TRITON_INTERPRET=1`` for ``kernels="interpreter"``), by
 ``spawn``); gloo on CPU, NCCL on CUDA (one GPU per rank); each rank builds its
 :class:`~fla_ac_isolation.regression.train.RankContext` (the mesh's process groups). Under context
-parallelism the :data:`~.spec.CP1_REFERENCE` run comes first, on one process. One launch per mode keeps modes
+parallelism the :data:`~.spec.CP1_REFERENCE` run comes first, on one process (under pipeline parallelism the
+:data:`~.spec.PP1_REFERENCE` run). One launch per mode keeps modes
 independent: a mode that crashes, on one rank or all, is recorded as failed; its surviving ranks are killed
 within ``FAILURE_GRACE_S`` seconds (they would otherwise wait in a collective until the process-group
 timeout), and the next mode starts fresh. The ``no-ac`` workers write their per-step gradients to a temporary
@@ -38,18 +39,29 @@ import torch
 
 from fla_ac_isolation.failures import first_line
 from fla_ac_isolation.parallel import ParallelMesh
-from fla_ac_isolation.regression.spec import CP1_REFERENCE, ModeResult, RegressionResult, RegressionSpec
+from fla_ac_isolation.regression.spec import (
+    CP1_REFERENCE,
+    PP1_REFERENCE,
+    ModeResult,
+    RegressionResult,
+    RegressionSpec,
+)
 from fla_ac_isolation.regression.train import RankContext, run_mode_on_rank, setup_process
 
-__all__ = ["FAILURE_GRACE_S", "environment_variables", "free_port", "mode_mesh", "run_spawned"]
+__all__ = ["FAILURE_GRACE_S", "REFERENCES", "environment_variables", "free_port", "mode_mesh", "run_spawned"]
 
 FAILURE_GRACE_S = 3.0
 """Seconds the surviving ranks of a failed mode get before they are killed."""
 
 
+REFERENCES: tuple[str, ...] = ("no-ac", CP1_REFERENCE, PP1_REFERENCE)
+"""The modes whose gradients the other modes compare with (saved per rank and step)."""
+
+
 def mode_mesh(spec: RegressionSpec, mode: str) -> ParallelMesh:
-    """The ranks of ``mode``: ``spec.mesh``, or one rank for :data:`~.spec.CP1_REFERENCE`."""
-    return ParallelMesh() if mode == CP1_REFERENCE else spec.mesh
+    """The ranks of ``mode``: ``spec.mesh``, or one rank for :data:`~.spec.CP1_REFERENCE` and
+    :data:`~.spec.PP1_REFERENCE`."""
+    return ParallelMesh() if mode in (CP1_REFERENCE, PP1_REFERENCE) else spec.mesh
 
 
 def _worker_main(rank: int, port: int, spec: RegressionSpec, mode: str, workdir: str, events) -> None:
@@ -72,11 +84,13 @@ def _worker_main(rank: int, port: int, spec: RegressionSpec, mode: str, workdir:
             )
         ctx = RankContext.create(rank, mesh, device)
         events.put(("started", rank, os.getpid()))
-        reference = _load(workdir, "no-ac", rank) if mode not in ("no-ac", CP1_REFERENCE) else None
+        reference = _load(workdir, "no-ac", rank) if mode not in REFERENCES else None
         cp1_reference = _load(workdir, CP1_REFERENCE, 0) if spec.cp > 1 and mode != CP1_REFERENCE else None
+        pp1_reference = _load(workdir, PP1_REFERENCE, 0) if spec.pp > 1 and mode != PP1_REFERENCE else None
         on_step = (lambda step: events.put(("step", rank, step))) if rank == 0 else None
-        result, grads = run_mode_on_rank(spec, mode, ctx, reference, on_step, cp1_reference=cp1_reference)
-        if mode in ("no-ac", CP1_REFERENCE):
+        result, grads = run_mode_on_rank(spec, mode, ctx, reference, on_step, cp1_reference=cp1_reference,
+                                         pp1_reference=pp1_reference)
+        if mode in REFERENCES:
             torch.save(grads, os.path.join(workdir, f"{mode}.rank{rank}.pt"))
         events.put(("result", rank, asdict(result)))
         if mesh.world > 1:
@@ -98,7 +112,7 @@ class _Hooks:
 
 
 def _load(workdir: str, mode: str, rank: int) -> list[torch.Tensor] | None:
-    """The per-step flat gradients a reference run (``no-ac``, :data:`CP1_REFERENCE`) saved, if it completed."""
+    """The per-step gradients a reference run (:data:`REFERENCES`) saved, if it completed."""
     path = os.path.join(workdir, f"{mode}.rank{rank}.pt")
     return torch.load(path) if os.path.exists(path) else None
 

@@ -7,8 +7,10 @@ ranks and parameters). A mode *matches* when it completed every step and its dev
 0) when ``no-ac`` completed and ``isolated`` and ``global-disable`` (those of them that ran) match;
 ``shared`` is the unsafe mode and never changes the exit code: the table says whether it reproduced the
 fault (it failed or diverged). Under context parallelism the modes are also judged against the run
-without CP (:mod:`.cp_report`), and the CP-only ``field`` mode is unsafe too. Which modes are required
-and which unsafe is each mode's role (:attr:`fla_ac_isolation.modes.Mode.role`).
+without CP (:mod:`.cp_report`), and the CP-only ``field`` mode is unsafe too; under pipeline parallelism
+``no-ac`` runs the same schedule (bit for bit expected) and the modes are also judged against the run without
+PP (:mod:`.pp_report`). Which modes are required and which unsafe is each mode's role
+(:attr:`fla_ac_isolation.modes.Mode.role`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 
 from fla_ac_isolation.modes import modes_with_role
 from fla_ac_isolation.regression.cp_report import cp1_deviation, default_cp_rtol
-from fla_ac_isolation.regression.spec import CP1_REFERENCE, ModeResult, RegressionResult
+from fla_ac_isolation.regression.pp_report import default_pp_rtol, pp1_deviation
+from fla_ac_isolation.regression.spec import CP1_REFERENCE, PP1_REFERENCE, ModeResult, RegressionResult
 
 __all__ = [
     "REQUIRED",
@@ -91,14 +94,16 @@ def check_rtol(rtol: float | None, name: str = "rtol") -> None:
         raise ValueError(f"{name} must be a finite number >= 0 (relative tolerance), got {rtol!r}")
 
 
-def verdicts(result: RegressionResult, rtol: float | None = None, cp_rtol: float | None = None) -> dict[str, Verdict]:
-    """A :class:`Verdict` per mode of ``result`` (``rtol``, ``cp_rtol``: see the module docstring).
+def verdicts(result: RegressionResult, rtol: float | None = None, cp_rtol: float | None = None,
+             pp_rtol: float | None = None) -> dict[str, Verdict]:
+    """A :class:`Verdict` per mode of ``result`` (``rtol``, ``cp_rtol``, ``pp_rtol``: see the module docstring).
 
     Raises:
-        ValueError: ``rtol`` or ``cp_rtol`` is negative, infinite or NaN.
+        ValueError: ``rtol``, ``cp_rtol`` or ``pp_rtol`` is negative, infinite or NaN.
     """
     check_rtol(rtol)
     check_rtol(cp_rtol, "cp_rtol")
+    check_rtol(pp_rtol, "pp_rtol")
     spec = result.spec
     rtol = default_rtol(spec.device, spec.dtype) if rtol is None else rtol
     ref = result.modes.get("no-ac")
@@ -118,31 +123,36 @@ def verdicts(result: RegressionResult, rtol: float | None = None, cp_rtol: float
             else:
                 out[name] = Verdict(name, "diverged", f"DIVERGED by {dev:.2e} ({what})", dev)
     if spec.cp > 1:
-        _apply_cp1_verdicts(out, result, default_cp_rtol(spec.device, spec.dtype) if cp_rtol is None else cp_rtol)
+        _apply_whole_verdicts(out, result, CP1_REFERENCE, "CP", cp1_deviation,
+                              default_cp_rtol(spec.device, spec.dtype) if cp_rtol is None else cp_rtol)
+    if spec.pp > 1:
+        _apply_whole_verdicts(out, result, PP1_REFERENCE, "PP", pp1_deviation,
+                              default_pp_rtol(spec.device, spec.dtype) if pp_rtol is None else pp_rtol)
     return out
 
 
-def _apply_cp1_verdicts(found: dict[str, Verdict], result: RegressionResult, cp_rtol: float) -> None:
-    """Judge the modes that matched (or are the reference) against :data:`CP1_REFERENCE`, in place
-    (:mod:`.cp_report` says how)."""
-    cp1 = result.modes.get(CP1_REFERENCE)
-    complete = cp1 is not None and cp1.error is None and len(cp1.losses) == result.spec.steps
+def _apply_whole_verdicts(found: dict[str, Verdict], result: RegressionResult, reference: str, what: str,
+                          deviation, rtol: float) -> None:
+    """Judge the modes that matched (or are the reference) against the one-rank run without ``what`` (CP or PP,
+    :data:`CP1_REFERENCE` or :data:`PP1_REFERENCE`), in place (:mod:`.cp_report`, :mod:`.pp_report` say how)."""
+    whole = result.modes.get(reference)
+    complete = whole is not None and whole.error is None and len(whole.losses) == result.spec.steps
     for name, verdict in list(found.items()):
-        if name == CP1_REFERENCE:
-            if cp1.error is None:
-                found[name] = Verdict(name, "reference", "reference (one rank, no CP, no AC)", 0.0)
+        if name == reference:
+            if whole.error is None:
+                found[name] = Verdict(name, "reference", f"reference (one rank, no {what}, no AC)", 0.0)
             continue
         if verdict.status not in ("reference", "matches"):
             continue
         if not complete:
-            found[name] = Verdict(name, "no reference", f"no reference ({CP1_REFERENCE} failed)", None)
+            found[name] = Verdict(name, "no reference", f"no reference ({reference} failed)", None)
             continue
-        dev, what = cp1_deviation(result.modes[name], cp1)
-        if dev <= cp_rtol:
-            found[name] = Verdict(name, verdict.status, f"{verdict.text}; vs CP=1 {dev:.1e} <= {cp_rtol:g}",
+        dev, kind = deviation(result.modes[name], whole)
+        if dev <= rtol:
+            found[name] = Verdict(name, verdict.status, f"{verdict.text}; vs {what}=1 {dev:.1e} <= {rtol:g}",
                                   verdict.deviation)
         else:
-            found[name] = Verdict(name, "diverged", f"DIVERGED from CP=1 by {dev:.2e} ({what})", dev)
+            found[name] = Verdict(name, "diverged", f"DIVERGED from {what}=1 by {dev:.2e} ({kind})", dev)
 
 
 def exit_code(result: RegressionResult, rtol: float | None = None) -> int:

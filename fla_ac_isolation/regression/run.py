@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fla_ac_isolation.environment import versions
-from fla_ac_isolation.regression.data import cp_padding_note
+from fla_ac_isolation.regression.data import cp_padding_note, pp_microbatch_note
 from fla_ac_isolation.regression.launch import run_spawned
 from fla_ac_isolation.regression.spec import RegressionResult, RegressionSpec
 from fla_ac_isolation.regression.torchrun import run_under_torchrun, under_torchrun
@@ -49,4 +49,6 @@ def run_regression(
     result.environment = versions()
     if spec.cp > 1 and (note := cp_padding_note(spec.cp, spec.cp_layout)) is not None:
         result.notes.append(note)
+    if spec.pp > 1:
+        result.notes.append(pp_microbatch_note(spec.steps, spec.mesh.dp, spec.microbatches))
     return result

@@ -3,7 +3,7 @@
 
 Every default and every rule of a run lives here, once: ``fla-ac-isolation regress`` builds a spec from its
 flags and shows this module's error messages; ``run_regression(RegressionSpec(cp=2))`` from Python runs what
-``fla-ac-isolation regress --cp 2`` runs.
+``fla-ac-isolation regress --cp 2`` runs, and ``RegressionSpec(pp=2)`` what ``regress --pp 2`` runs.
 """
 
 from __future__ import annotations
@@ -21,13 +21,25 @@ from fla_ac_isolation.environment import resolve_device
 from fla_ac_isolation.families import FAMILIES
 from fla_ac_isolation.modes import ALL_MODES, CP_MODES, MODE_NAMES
 from fla_ac_isolation.ops import BACKENDS
-from fla_ac_isolation.parallel import LAYOUTS, ParallelMesh
+from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES, ParallelMesh, check_schedule
 from fla_ac_isolation.policies import POLICIES
 
-__all__ = ["CP1_REFERENCE", "DTYPES", "KERNELS", "ModeResult", "RegressionResult", "RegressionSpec"]
+__all__ = [
+    "CP1_REFERENCE",
+    "DTYPES",
+    "KERNELS",
+    "PP1_REFERENCE",
+    "ModeResult",
+    "RegressionResult",
+    "RegressionSpec",
+]
 
 CP1_REFERENCE = "no-ac-cp1"
 """Under context parallelism: the run without AC and without CP (one rank, the whole batch), first."""
+
+PP1_REFERENCE = "no-ac-pp1"
+"""Under pipeline parallelism: the run without AC, PP, EP or microbatches (one rank, the whole batch of every
+data-parallel rank), first."""
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Parameter/activation dtypes by the names a spec takes."""
@@ -44,15 +56,25 @@ class RegressionSpec:
 
     Attributes:
         model: family name, a key of :data:`fla_ac_isolation.families.FAMILIES`.
-        ep: expert-parallel degree; ``None``: 2 without context parallelism, 1 with it. Without CP the
-            ``ep`` ranks are data-parallel ranks (one process each); with CP the EP ranks are borrowed from
-            the CP ranks (as torchtitan does): ``ep`` is 1 (experts replicated) or ``cp``. The layout is
-            :attr:`mesh`.
+        ep: expert-parallel degree; ``None``: 2 without context or pipeline parallelism, 1 with either. Without CP
+            the ``ep`` ranks are data-parallel ranks (one process each; under PP, of each stage); with CP the EP
+            ranks are borrowed from the CP ranks (as torchtitan does): ``ep`` is 1 (experts replicated) or ``cp``.
+            The layout is :attr:`mesh`.
         cp: context-parallel degree (FLA's CP; 1 = none). With ``cp > 1`` the ranks train on ONE global
             batch sharded in ``cp_layout``, a :data:`CP1_REFERENCE` run (one rank, no CP, no AC) comes
             first, and the CP-only ``field`` mode runs by default.
         cp_layout: FLA's CP layout, ``"contiguous"`` or ``"zigzag"``.
-        steps: AdamW steps per mode; ``None``: 3, or 2 with ``cp > 1``.
+        pp: pipeline-parallel degree (PP ranks per data-parallel rank; 1 = none). With ``pp > 1`` the decoder is
+            split into stages run by ``torch.distributed.pipelining`` (``schedule``), every data-parallel rank's
+            batch is cut into ``microbatches`` (documents whole, one token count for every step), a
+            :data:`PP1_REFERENCE` run (one rank, no PP, no AC) comes first, and ``no-ac`` runs the same schedule.
+            Not combined with ``cp > 1``.
+        microbatches: microbatches per step under PP; ``None``: ``2 * pp`` (with ``pp = 1``: ``None``, unused).
+            At most 8 (the regression's PP batches hold 8 non-empty documents at their smallest, and documents
+            are not split).
+        schedule: the pipeline schedule, a key of :data:`fla_ac_isolation.parallel.SCHEDULES`; the zero-bubble
+            ones run only with ``ac="full"`` (:data:`fla_ac_isolation.parallel.pipeline.ZERO_BUBBLE_SAC`).
+        steps: AdamW steps per mode; ``None``: 3, or 2 with ``cp > 1`` or ``pp > 1``.
         ac: ``"full"`` or ``"selective"`` checkpointing for the AC modes.
         policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`), used with ``ac="selective"``.
         freq: checkpoint every ``freq``-th block.
@@ -97,6 +119,9 @@ class RegressionSpec:
     ep: int | None = None
     cp: int = 1
     cp_layout: str = "contiguous"
+    pp: int = 1
+    microbatches: int | None = None
+    schedule: str = "1f1b"
     steps: int | None = None
     ac: str = "selective"
     policy: str = "save-all-copies"
@@ -126,10 +151,13 @@ class RegressionSpec:
             object.__setattr__(self, name, value)
 
         cp = self.cp > 1 if isinstance(self.cp, int) else False
+        pp = self.pp > 1 if isinstance(self.pp, int) and not isinstance(self.pp, bool) else False
         if self.ep is None:
-            resolve("ep", 1 if cp else 2)
+            resolve("ep", 1 if cp or pp else 2)
         if self.steps is None:
-            resolve("steps", 2 if cp else 3)
+            resolve("steps", 2 if cp or pp else 3)
+        if self.microbatches is None and pp:
+            resolve("microbatches", 2 * self.pp)
         if self.device == "auto":
             with contextlib.suppress(ValueError):  # an invalid mesh: validate() names it
                 resolve("device", resolve_device("auto", self.mesh.world))
@@ -145,12 +173,12 @@ class RegressionSpec:
 
     @property
     def mesh(self) -> ParallelMesh:
-        """The ranks' layout: ``ParallelMesh(ep=ep, cp=cp)`` (its rules: :mod:`fla_ac_isolation.parallel.mesh`).
+        """The ranks' layout: ``ParallelMesh(ep=ep, cp=cp, pp=pp)`` (its rules: :mod:`fla_ac_isolation.parallel.mesh`).
 
         Raises:
-            ValueError: ``ep`` or ``cp`` is not an int >= 1, or ``ep`` is neither 1 nor ``cp`` under CP.
+            ValueError: ``ep``, ``cp`` or ``pp`` is not an int >= 1, or ``ep`` is neither 1 nor ``cp`` under CP.
         """
-        return ParallelMesh(ep=self.ep, cp=self.cp)
+        return ParallelMesh(ep=self.ep, cp=self.cp, pp=self.pp)
 
     @property
     def world(self) -> int:
@@ -208,6 +236,7 @@ class RegressionSpec:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         self._validate_fail_on()
         self._validate_cp()
+        self._validate_pp()
         self._validate_ranks()
         resolve_device(self.device, mesh.world)  # a CUDA run needs one GPU per rank
         return self
@@ -248,6 +277,36 @@ class RegressionSpec:
                 f"kernels, and backend={self.backend!r} on {self.device} runs the reference backend, which has none"
             )
 
+    def _validate_pp(self) -> None:
+        """Pipeline parallelism: the schedule and its microbatches (torch's rules), stages, and what PP excludes."""
+        from fla_ac_isolation.regression.data import PP_MAX_MICROBATCHES
+
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {self.schedule!r}")
+        if self.pp == 1:
+            if self.microbatches is not None:
+                raise ValueError(f"microbatches is used only with pp > 1 (pipeline parallelism), got "
+                                 f"{self.microbatches!r}")
+            return
+        if self.cp > 1:
+            raise ValueError(f"pp ({self.pp}) and cp ({self.cp}) > 1 together: the regression runs pipeline and "
+                             "context parallelism one at a time")
+        if self.data_ranks is not None:
+            raise ValueError(f"data_ranks is not used with pp > 1 (each data-parallel rank trains its own batch), got "
+                             f"{self.data_ranks!r}")
+        info = check_schedule(self.schedule, pp=self.pp, microbatches=self.microbatches,
+                              selective_ac=self.ac == "selective")
+        if self.microbatches > PP_MAX_MICROBATCHES:
+            raise ValueError(
+                f"microbatches must be <= {PP_MAX_MICROBATCHES} (the regression's PP batches hold "
+                f"{PP_MAX_MICROBATCHES} non-empty documents at their smallest, and documents are not split), got "
+                f"{self.microbatches}"
+            )
+        stages = info.num_stages(self.pp)
+        if self.num_layers < stages:
+            raise ValueError(f"num_layers ({self.num_layers}) must be >= the number of pipeline stages ({stages}: pp "
+                             f"{self.pp} x {info.stages_per_rank} per rank for schedule {self.schedule!r})")
+
     def _validate_ranks(self) -> None:
         """How the rank processes start: ``kernels``, ``rank_setup`` and ``env``."""
         if self.kernels not in KERNELS:
@@ -279,12 +338,14 @@ class RegressionSpec:
 
     @property
     def ordered_modes(self) -> tuple[str, ...]:
-        """What runs, in order: ``no-ac`` first (under CP, :data:`CP1_REFERENCE` before it), then the others."""
+        """What runs, in order: ``no-ac`` first (under CP :data:`CP1_REFERENCE`, under PP :data:`PP1_REFERENCE`
+        before it), then the others."""
         wanted = self.modes if self.modes is not None else (
             (*MODE_NAMES, *CP_MODES) if self.cp > 1 and self._fla_cp else MODE_NAMES
         )
         order = [*MODE_NAMES[1:], *CP_MODES]
-        return (*((CP1_REFERENCE,) if self.cp > 1 else ()), "no-ac", *(m for m in order if m in wanted))
+        first = (CP1_REFERENCE,) if self.cp > 1 else (PP1_REFERENCE,) if self.pp > 1 else ()
+        return (*first, "no-ac", *(m for m in order if m in wanted))
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain data (JSON): ``rank_setup`` as ``"module:function"``."""
@@ -308,6 +369,9 @@ class ModeResult:
         cp1_grad_diffs: under context parallelism, per step, max ``|grad - grad_cp1|`` over every
             parameter's full gradient (expert shards gathered) against :data:`CP1_REFERENCE`.
         cp1_ref_grad_max: per step, max ``|grad_cp1|``.
+        pp1_grad_diffs: under pipeline parallelism, per step, max ``|grad - grad_pp1|`` over every parameter's
+            full gradient (each stage's parameters, expert shards gathered) against :data:`PP1_REFERENCE`.
+        pp1_ref_grad_max: per step, max ``|grad_pp1|``.
         idle_experts: per step, the largest number of experts without any token in one MoE layer.
         cache: FLA tensor-cache events summed over ranks and steps, ``{"hit": .., "miss": .., "bypass": ..}``.
         cache_by_helper: the same per helper name.
@@ -327,6 +391,8 @@ class ModeResult:
     ref_grad_max: list[float | None] = field(default_factory=list)
     cp1_grad_diffs: list[float | None] = field(default_factory=list)
     cp1_ref_grad_max: list[float | None] = field(default_factory=list)
+    pp1_grad_diffs: list[float | None] = field(default_factory=list)
+    pp1_ref_grad_max: list[float | None] = field(default_factory=list)
     idle_experts: list[int] = field(default_factory=list)
     cache: dict[str, int] = field(default_factory=dict)
     cache_by_helper: dict[str, dict[str, int]] = field(default_factory=dict)

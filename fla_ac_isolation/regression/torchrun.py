@@ -2,8 +2,8 @@
 
 A mode that fails on every rank is recorded and the run continues; a rank that fails while another is
 still running ends the whole job with the error (torchrun then stops the other ranks), since that other
-rank waits in a collective. Under context parallelism every rank runs the one-rank
-:data:`~.spec.CP1_REFERENCE` itself, on its own.
+rank waits in a collective. Under context (pipeline) parallelism every rank runs the one-rank
+:data:`~.spec.CP1_REFERENCE` (:data:`~.spec.PP1_REFERENCE`) itself, on its own.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ import torch
 
 from fla_ac_isolation.failures import first_line
 from fla_ac_isolation.regression.launch import FAILURE_GRACE_S, mode_mesh
-from fla_ac_isolation.regression.spec import CP1_REFERENCE, ModeResult, RegressionResult, RegressionSpec
+from fla_ac_isolation.regression.spec import (
+    CP1_REFERENCE,
+    PP1_REFERENCE,
+    ModeResult,
+    RegressionResult,
+    RegressionSpec,
+)
 from fla_ac_isolation.regression.train import RankContext, all_reduce, run_mode_on_rank, setup_process
 
 __all__ = ["run_under_torchrun", "under_torchrun"]
@@ -51,8 +57,8 @@ def run_under_torchrun(spec: RegressionSpec, on_step) -> RegressionResult:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != spec.world:
         raise ValueError(
-            f"torchrun started {world} processes but the spec runs {spec.world} ranks (--ep, or --cp under context "
-            "parallelism); make them equal"
+            f"torchrun started {world} processes but the spec runs {spec.world} ranks (--ep, times --cp or --pp under "
+            "context or pipeline parallelism); make them equal"
         )
     device, shim_notes, _held = setup_process(spec, int(os.environ["LOCAL_RANK"]))
     notes.extend(n for n in shim_notes if n not in notes)
@@ -65,7 +71,7 @@ def run_under_torchrun(spec: RegressionSpec, on_step) -> RegressionResult:
         )
     store = dist.distributed_c10d._get_default_store()
     results: dict[str, ModeResult] = {}
-    reference = cp1_reference = None
+    reference = cp1_reference = pp1_reference = None
     for mode in spec.ordered_modes:
         mesh = mode_mesh(spec, mode)  # every rank runs the one-rank reference itself
         ctx = RankContext.create(0 if mesh.world == 1 else rank, mesh, device)
@@ -73,13 +79,15 @@ def run_under_torchrun(spec: RegressionSpec, on_step) -> RegressionResult:
         try:
             result, grads = run_mode_on_rank(
                 spec, mode, ctx, reference, (lambda s, m=mode: on_step(m, s)) if on_step and rank == 0 else None,
-                cp1_reference=cp1_reference,
+                cp1_reference=cp1_reference, pp1_reference=pp1_reference,
             )
             store.set(f"fla-ac-regress/{mode}/{rank}", "ok")
             if mode == "no-ac":
                 reference = grads
             elif mode == CP1_REFERENCE:
                 cp1_reference = grads
+            elif mode == PP1_REFERENCE:
+                pp1_reference = grads
         except Exception as err:
             result = ModeResult(mode, error=first_line(err), traceback=traceback.format_exc(), failed_ranks=[rank])
             store.set(f"fla-ac-regress/{mode}/{rank}", "error:" + first_line(err))

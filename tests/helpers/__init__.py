@@ -11,7 +11,9 @@ test file); ``conftest.py`` only holds fixtures. Family facts come from the libr
 * :mod:`helpers.saveable` - the saveable ops under SAC: recorded operators and what a policy saved;
 * :mod:`helpers.foreign` - OLMo-core's and torchtitan's own models;
 * :mod:`helpers.foreign_classes` - every FLA-backed class of other libraries on a CPU: audited steps, leaks;
-* :mod:`helpers.scripts` - examples loaded by path, interpreter cases in a subprocess.
+* :mod:`helpers.scripts` - examples loaded by path, interpreter cases in a subprocess;
+* :mod:`helpers.pipeline` - one pipeline stage with microbatches in flight in one process (torch's schedule
+  orders), :mod:`helpers.pipeline_ranks` - two gloo ranks for the audit inside pipeline stages (imported by module).
 """
 
 from helpers.faults import (

@@ -1,0 +1,239 @@
+"""Cut a packed batch into microbatches for pipeline parallelism (or gradient accumulation), each with its own offsets.
+
+* :func:`split_packed_microbatches` - ``M`` microbatches of whole documents (balanced by longest-processing-time
+  bin packing, the document order recorded), every one padded to the same token count with one trailing
+  padding document; documents are cut only when asked (``split_documents=True``);
+* :class:`PackedMicrobatches` - what comes back: ``[M, T_mb, ...]`` tensors and ``[M, W]`` int32 offsets, one
+  row per microbatch (on the device and on the host), optionally FLA's chunk schedule per microbatch, and
+  :meth:`PackedMicrobatches.seqlens`, one :class:`~fla_ac_isolation.LayerLocalSeqlens` per microbatch.
+
+Why one token count: ``torch.distributed.pipelining`` allocates its receive buffers from the first microbatch
+of its first step and reuses them; a shorter microbatch is received silently into the longer buffer, a longer
+one aborts the receiving process inside gloo. Why whole documents: a document cut in two is two documents to
+the model (the second part does not see the first), which changes what is trained.
+
+Why ``[M, W]`` offsets: ``schedule.step(..., cu_seqlens=offsets)`` chunks a tensor keyword on dim 0
+(``TensorChunkSpec(0)``), so every stage call receives its microbatch's ``[1, W]`` row as a new tensor, on
+every rank, with no extra send/recv; rows are padded to one width ``W`` by repeating the last offset
+(zero-length documents). See ``docs/pipeline-parallel.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fla_ac_isolation.fla_seam.layout import chunk_indices_for
+from fla_ac_isolation.parallel.sharding import check_host_offsets
+from fla_ac_isolation.seqlens import LayerLocalSeqlens
+
+__all__ = ["IGNORE_INDEX", "PackedMicrobatches", "split_packed_microbatches"]
+
+IGNORE_INDEX = -100
+"""The label of a token without a target (``torch.nn.functional.cross_entropy``'s default ``ignore_index``):
+what ``labels`` are padded with unless ``pad_values`` says otherwise."""
+
+
+@dataclass(frozen=True)
+class PackedMicrobatches:
+    """A packed batch cut into ``M`` microbatches of ``tokens`` tokens each (:func:`split_packed_microbatches`).
+
+    Attributes:
+        tensors: every given tensor as ``[M, tokens, ...]`` (microbatch ``i`` is row ``i``), padded with
+            ``pad_values``; the order of the tokens inside a row is the order of :attr:`documents`.
+        cu_seqlens: ``[M, W]`` int32 offsets on the device of the tensors (or the ``device`` asked for): row ``i``
+            holds microbatch ``i``'s documents, then ONE padding document (``tokens - num_tokens[i]`` tokens,
+            possibly none), then repeats of ``tokens`` (zero-length documents) up to the common width ``W``.
+            Every row is a valid ``cu_seqlens`` of ``tokens`` tokens.
+        cu_seqlens_cpu: the same ``[M, W]`` int32 offsets on the host.
+        seq_lens: the real document lengths of each microbatch (padding excluded).
+        documents: the index, in the given batch, of every document of each microbatch (with
+            ``split_documents=True``, a document cut at a boundary appears in both microbatches).
+        num_tokens: real tokens per microbatch.
+        tokens: the common padded length ``T_mb`` of every microbatch.
+        chunk_indices: with ``chunk_indices=True``, FLA's chunk schedule of each row (``[NT_i, 2]`` int64 host,
+            :func:`~fla_ac_isolation.fla_seam.layout.chunk_indices_for`), else ``None``.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    seq_lens: tuple[tuple[int, ...], ...]
+    documents: tuple[tuple[int, ...], ...]
+    num_tokens: tuple[int, ...]
+    tokens: int
+    chunk_indices: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def num_microbatches(self) -> int:
+        """``M``."""
+        return len(self.num_tokens)
+
+    @property
+    def padding(self) -> int:
+        """Padding tokens over all microbatches: ``M * tokens - sum(num_tokens)``."""
+        return self.num_microbatches * self.tokens - sum(self.num_tokens)
+
+    def seqlens(self, index: int, seqlens_class: type[LayerLocalSeqlens] = LayerLocalSeqlens,
+                **kwargs: Any) -> LayerLocalSeqlens:
+        """Microbatch ``index``'s own ``seqlens`` (device offsets, host copy, ``num_tokens=tokens``), e.g. for
+        gradient accumulation in one process; under a pipeline schedule each stage builds it from its row
+        (:func:`~fla_ac_isolation.parallel.microbatch_seqlens`).
+
+        Raises:
+            IndexError: ``index`` is not in ``[0, M)``.
+        """
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_microbatches:
+            raise IndexError(f"index must be an int in [0, {self.num_microbatches}), got {index!r}")
+        return seqlens_class(self.cu_seqlens[index], cu_seqlens_cpu=self.cu_seqlens_cpu[index],
+                             num_tokens=self.tokens, **kwargs)
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _balanced(lens: list[int], m: int) -> list[list[int]]:
+    """Longest-processing-time bin packing: documents by decreasing length (ties: batch order), each to the
+    microbatch holding the fewest tokens (ties: the lowest index); each microbatch keeps batch order."""
+    bins: list[list[int]] = [[] for _ in range(m)]
+    load = [0] * m
+    for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+        target = min(range(m), key=lambda b: (load[b], b))
+        bins[target].append(i)
+        load[target] += lens[i]
+    return [sorted(b) for b in bins]
+
+
+def _cut(offsets: list[int], m: int) -> list[list[tuple[int, int, int]]]:
+    """``split_documents=True``: ``m`` contiguous pieces, cut at ``p * T // m`` (every piece holds a token when
+    ``m <= T``); per piece, the ``(document, start, end)`` token intervals it holds (a document crossing a cut
+    appears in both pieces; a zero-length document goes to the piece holding its position)."""
+    total = offsets[-1]
+    pieces: list[list[tuple[int, int, int]]] = []
+    for p in range(m):
+        lo, hi = p * total // m, (p + 1) * total // m
+        last = p == m - 1
+        pieces.append([(d, max(a, lo), min(b, hi)) for d, (a, b) in enumerate(itertools.pairwise(offsets))
+                       if max(a, lo) < min(b, hi) or (a == b and (lo <= a < hi or (last and a == hi)))])
+    return pieces
+
+
+def split_packed_microbatches(
+    tensors: Mapping[str, torch.Tensor],
+    cu_seqlens_cpu: Sequence[int] | torch.Tensor,
+    num_microbatches: int,
+    *,
+    tokens: int | None = None,
+    pad_values: Mapping[str, int | float] | None = None,
+    split_documents: bool = False,
+    chunk_indices: bool = False,
+    device: torch.device | str | None = None,
+) -> PackedMicrobatches:
+    """Cut a packed ``[1, T, ...]`` batch into ``num_microbatches`` microbatches of ``tokens`` tokens each.
+
+    Documents stay whole: each goes to one microbatch, chosen by longest-processing-time bin packing (longest
+    first, to the microbatch with the fewest tokens), so the microbatches are balanced and the common length
+    (the largest microbatch) is small; :attr:`PackedMicrobatches.documents` records which documents went
+    where. Every microbatch is then padded to ``tokens`` with one trailing padding document (labels
+    ignored), because ``torch.distributed.pipelining`` fixes its activation shapes at its first step: pass the
+    same ``tokens`` at every step (e.g. from the longest microbatch you allow). With ``split_documents=True``
+    the token stream is cut instead into ``M`` contiguous pieces (at ``p * T // M``), and a document
+    crossing a cut becomes two documents (the second part no longer sees the first: that changes what the
+    model computes).
+
+    Shift labels to next-token targets *before* splitting, and normalise the loss by the target count of the
+    whole batch (microbatches hold different numbers of targets).
+
+    Args:
+        tensors: packed tensors ``[1, T, ...]`` (batch size 1, tokens on dim 1), e.g. ``input_ids [1, T]``,
+            ``labels [1, T]``, ``position_ids [1, T]``, ``hidden [1, T, D]``.
+        cu_seqlens_cpu: the batch's ``[N + 1]`` host offsets (``T = cu_seqlens_cpu[-1]``; zero-length
+            documents are legal).
+        num_microbatches: ``M``, between 1 and the number of non-empty documents (documents are not split),
+            or any ``M <= T`` with ``split_documents=True``.
+        tokens: tokens per microbatch ``T_mb``; ``None``: the largest microbatch.
+        pad_values: value per tensor name to pad with; ``None`` (or a missing name): ``labels`` with
+            :data:`IGNORE_INDEX`, everything else with 0.
+        split_documents: cut documents at microbatch boundaries (see above); off by default.
+        chunk_indices: also compute FLA's chunk schedule of every microbatch (host, ``chunk_indices_for``).
+        device: where :attr:`PackedMicrobatches.cu_seqlens` lives; ``None``: the device of the first tensor
+            (the host when there is none).
+
+    Returns:
+        :class:`PackedMicrobatches`.
+
+    Raises:
+        TypeError: ``tensors`` is not a mapping of tensors; ``num_microbatches`` or ``tokens`` is not an int;
+            ``split_documents`` or ``chunk_indices`` is not a bool; ``cu_seqlens_cpu`` is not a list or host
+            tensor of integers.
+        ValueError: malformed offsets (:func:`~fla_ac_isolation.parallel.sharding.check_host_offsets`); a tensor
+            that is not ``[1, T, ...]`` with ``T = cu_seqlens_cpu[-1]``; ``num_microbatches`` out of range;
+            ``tokens`` smaller than the largest microbatch, or more than int32 offsets can hold.
+    """
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of names to packed tensors, e.g. {{'input_ids': ids}}, got "
+                        f"{type(tensors).__name__}")
+    _check_int("num_microbatches", num_microbatches)
+    for name, flag in (("split_documents", split_documents), ("chunk_indices", chunk_indices)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    offsets = check_host_offsets(cu_seqlens_cpu).tolist()
+    total = offsets[-1]
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2 or t.shape[0] != 1 or t.shape[1] != total:
+            raise ValueError(f"tensors[{name!r}] must be packed as [1, T={total}, ...] (cu_seqlens_cpu[-1] tokens on "
+                             f"dim 1), got shape {tuple(t.shape)}")
+    lens = [b - a for a, b in itertools.pairwise(offsets)]
+    nonempty = sum(1 for n in lens if n)
+    most = total if split_documents else nonempty
+    if not 1 <= num_microbatches <= max(most, 1):
+        what = (f"the number of packed tokens ({total})" if split_documents else
+                f"the number of non-empty documents ({nonempty}): documents are not split unless "
+                "split_documents=True")
+        raise ValueError(f"num_microbatches must be between 1 and {what}, got {num_microbatches}")
+    if split_documents:
+        pieces = _cut(offsets, num_microbatches)
+    else:
+        pieces = [[(d, offsets[d], offsets[d + 1]) for d in group] for group in _balanced(lens, num_microbatches)]
+    sizes = [sum(b - a for _, a, b in piece) for piece in pieces]
+    if tokens is None:
+        tokens = max(sizes)
+    _check_int("tokens", tokens)
+    if tokens < max(sizes):
+        raise ValueError(f"tokens={tokens} is smaller than the largest microbatch ({max(sizes)} tokens"
+                         f"{'' if split_documents else ', documents are not split'})")
+    if tokens >= 2**31:
+        raise ValueError(f"tokens={tokens} does not fit int32 offsets (FLA's dtype)")
+    rows = [[0, *itertools.accumulate(b - a for _, a, b in piece), tokens] for piece in pieces]
+    width = max(len(row) for row in rows)
+    host = torch.tensor([row + [tokens] * (width - len(row)) for row in rows], dtype=torch.int32)
+    pads = dict(pad_values or {})
+    out = {}
+    for name, t in tensors.items():
+        value = pads.get(name, IGNORE_INDEX if name == "labels" else 0)
+        stacked = []
+        for piece, size in zip(pieces, sizes):
+            parts = [t[:, a:b] for _, a, b in piece]
+            parts.append(t.new_full((1, tokens - size, *t.shape[2:]), value))
+            stacked.append(torch.cat(parts, dim=1))
+        out[name] = torch.cat(stacked, dim=0)
+    if device is None:
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    return PackedMicrobatches(
+        tensors=out,
+        cu_seqlens=host.to(device),
+        cu_seqlens_cpu=host,
+        seq_lens=tuple(tuple(b - a for _, a, b in piece) for piece in pieces),
+        documents=tuple(tuple(d for d, _, _ in piece) for piece in pieces),
+        num_tokens=tuple(sizes),
+        tokens=tokens,
+        chunk_indices=tuple(chunk_indices_for(row) for row in host) if chunk_indices else None,
+    )

@@ -1,0 +1,229 @@
+"""Pipeline parallelism (PP) with ``torch.distributed.pipelining``: the schedules this package runs, where a rank's
+stages sit, and the per-microbatch ``seqlens`` a stage builds from its offsets row.
+
+Stages and schedules are torch's (``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``, ...); nothing here sends,
+receives or orders work. What this module states once:
+
+* :data:`SCHEDULES` - the schedules by the names the regression and the command take, with what decides whether
+  they can run: stages per rank, the rank-to-stage layout (torchtitan's ``loop`` or ``v``), and whether the
+  schedule splits backward into input and weight passes (zero bubble);
+* :func:`check_schedule` - the microbatch counts torch accepts for a schedule, and the refusal of zero-bubble
+  schedules under selective AC (torch's rule, see :data:`ZERO_BUBBLE_SAC`);
+* :func:`stage_indices` - the stages a PP rank holds (as torchtitan's ``pipeline_module_split``);
+* :func:`build_schedule` - torch's schedule object for local stages, offsets chunked per microbatch;
+* :func:`microbatch_seqlens` - one ``LayerLocalSeqlens`` per stage call from the ``[1, W]`` row it receives.
+
+How a stage gets its microbatch's offsets: pass the ``[M, W]`` int32 offsets of
+:func:`~fla_ac_isolation.parallel.split_packed_microbatches` as a keyword to ``schedule.step(..., cu_seqlens=...)``;
+the schedule chunks it on dim 0, so each stage call (the shape-inference pass included) receives its row as a new
+tensor on every rank, with no extra send/recv; the stage's forward builds ONE
+:class:`~fla_ac_isolation.LayerLocalSeqlens` from it per call and its layers call ``.local()``.
+``docs/pipeline-parallel.md`` says why not the alternatives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fla_ac_isolation.seqlens import LayerLocalSeqlens
+
+__all__ = [
+    "SCHEDULES",
+    "ZERO_BUBBLE_SAC",
+    "PipelineSchedule",
+    "build_schedule",
+    "check_schedule",
+    "microbatch_seqlens",
+    "stage_indices",
+]
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """One of torch's pipeline schedules, as this package runs it.
+
+    Attributes:
+        name: the name the regression and ``--schedule`` take.
+        torch_class: the class in ``torch.distributed.pipelining`` (torch 2.13).
+        stages_per_rank: local stages per PP rank (``pp * stages_per_rank`` stages in all).
+        style: ``"loop"`` (rank ``r`` holds stages ``r, r + pp, ...``) or ``"v"`` (rank ``r`` holds ``r`` and
+            ``2 pp - 1 - r``), torchtitan's names.
+        zero_bubble: splits backward into an input pass and a weight pass (runs only under full AC here).
+    """
+
+    name: str
+    torch_class: str
+    stages_per_rank: int
+    style: str
+    zero_bubble: bool
+
+    def num_stages(self, pp: int) -> int:
+        """Stages in all for ``pp`` PP ranks."""
+        return pp * self.stages_per_rank
+
+
+SCHEDULES: dict[str, PipelineSchedule] = {
+    s.name: s
+    for s in (
+        PipelineSchedule("gpipe", "ScheduleGPipe", 1, "loop", False),
+        PipelineSchedule("1f1b", "Schedule1F1B", 1, "loop", False),
+        PipelineSchedule("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, "loop", False),
+        PipelineSchedule("interleaved-zero-bubble", "ScheduleInterleavedZeroBubble", 2, "loop", True),
+        PipelineSchedule("zbv-zero-bubble", "ScheduleZBVZeroBubble", 2, "v", True),
+        PipelineSchedule("dualpipev", "ScheduleDualPipeV", 2, "v", True),
+    )
+}
+"""The schedules by name (GPipe, 1F1B and interleaved 1F1B run under any AC; the zero-bubble ones under full AC)."""
+
+ZERO_BUBBLE_SAC = (
+    "zero-bubble schedules split each backward into an input pass and a weight pass, and torch's selective AC "
+    "allows one backward per checkpointed region ('Trying to backward an extra time. You are only allowed to "
+    "backward once on any region computed under selective activation checkpoint.'), with or without FLA and "
+    "with isolated offsets too; they run under full AC, which recomputes each region in each pass (up to 18 "
+    "recomputes of a region per step measured with ZBV at 2 microbatches)"
+)
+"""Why :func:`check_schedule` refuses a zero-bubble schedule under selective AC (measured on torch 2.13)."""
+
+
+def _check_int(name: str, value: object, least: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+def check_schedule(schedule: str, *, pp: int, microbatches: int, selective_ac: bool) -> PipelineSchedule:
+    """The :class:`PipelineSchedule` called ``schedule``, after checking that torch runs it as asked.
+
+    The microbatch rules are torch 2.13's (``torch.distributed.pipelining.schedules``): 1F1B needs at least one
+    microbatch per stage; interleaved schedules need ``microbatches`` to be a multiple of their number of
+    rounds, ``max(1, microbatches // pp)``; DualPipeV needs at least one microbatch per stage.
+
+    Args:
+        schedule: a key of :data:`SCHEDULES`.
+        pp: PP ranks (int >= 1).
+        microbatches: microbatches per step (int >= 1).
+        selective_ac: the layers run under selective AC (zero-bubble schedules are refused: :data:`ZERO_BUBBLE_SAC`).
+
+    Raises:
+        ValueError: naming the argument: an unknown ``schedule``; ``pp`` or ``microbatches`` not an int >= 1; a
+            microbatch count the schedule refuses; a zero-bubble schedule under selective AC.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
+    _check_int("pp", pp)
+    _check_int("microbatches", microbatches)
+    info = SCHEDULES[schedule]
+    stages = info.num_stages(pp)
+    if schedule in ("1f1b", "dualpipev") and microbatches < stages:
+        raise ValueError(f"microbatches ({microbatches}) must be >= the number of stages ({stages}) for schedule "
+                         f"{schedule!r} (torch's {info.torch_class})")
+    rounds = max(1, microbatches // pp)
+    if schedule in ("interleaved-1f1b", "interleaved-zero-bubble") and microbatches % rounds:
+        raise ValueError(f"microbatches ({microbatches}) must be a multiple of the rounds of schedule {schedule!r}, "
+                         f"max(1, microbatches // pp) = {rounds} (torch's {info.torch_class})")
+    if info.zero_bubble and selective_ac:
+        raise ValueError(f"schedule {schedule!r} cannot run under selective AC: {ZERO_BUBBLE_SAC}; use ac='full' or "
+                         "gpipe, 1f1b, interleaved-1f1b")
+    return info
+
+
+def stage_indices(schedule: str, pp_rank: int, pp: int) -> tuple[int, ...]:
+    """The stage indices PP rank ``pp_rank`` of ``pp`` holds under ``schedule``, in torch's order for the schedule
+    (``loop``: ``r, r + pp, ...``; ``v``: ``r, 2 pp - 1 - r``), as torchtitan 0.3's ``pipeline_module_split``.
+
+    Raises:
+        ValueError: unknown ``schedule``; ``pp_rank`` not in ``[0, pp)``.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
+    _check_int("pp", pp)
+    if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank must be an int in [0, {pp}), got {pp_rank!r}")
+    info = SCHEDULES[schedule]
+    if info.style == "v":
+        return (pp_rank, 2 * pp - 1 - pp_rank)
+    return tuple(pp_rank + s * pp for s in range(info.stages_per_rank))
+
+
+def build_schedule(
+    schedule: str,
+    stages: Sequence[Any],
+    microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    offsets_keywords: Sequence[str] = ("cu_seqlens",),
+    scale_grads: bool = False,
+) -> Any:
+    """torch's schedule object for this rank's ``stages`` (``PipelineStage`` s in :func:`stage_indices` order).
+
+    The keywords named in ``offsets_keywords`` are chunked on dim 0 (``TensorChunkSpec(0)``): pass the ``[M, W]``
+    offsets of :func:`~fla_ac_isolation.parallel.split_packed_microbatches` under that name to ``step``.
+
+    Args:
+        schedule: a key of :data:`SCHEDULES` (check it first with :func:`check_schedule`).
+        stages: this rank's stages; single-stage schedules take exactly one.
+        microbatches: microbatches per step.
+        loss_fn: ``loss_fn(output, target)`` of one microbatch (the last stage).
+        offsets_keywords: keyword arguments of ``step`` holding per-microbatch offsets.
+        scale_grads: torch's option to divide gradients by ``microbatches``; ``False`` when ``loss_fn`` already
+            normalises by the whole batch (then the gradients are the whole batch's).
+
+    Raises:
+        ValueError: unknown ``schedule``; a single-stage schedule given other than one stage.
+    """
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
+    info = SCHEDULES[schedule]
+    if len(stages) != info.stages_per_rank:
+        raise ValueError(f"schedule {schedule!r} runs {info.stages_per_rank} stage(s) per rank, got {len(stages)}")
+    cls = getattr(pipelining, info.torch_class)
+    chunks = {name: TensorChunkSpec(0) for name in offsets_keywords}
+    local = stages[0] if info.stages_per_rank == 1 else list(stages)
+    return cls(local, n_microbatches=microbatches, loss_fn=loss_fn, kwargs_chunk_spec=chunks, scale_grads=scale_grads)
+
+
+def microbatch_seqlens(
+    cu_seqlens: torch.Tensor,
+    num_tokens: int,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    *,
+    seqlens_class: type[LayerLocalSeqlens] = LayerLocalSeqlens,
+    **kwargs: Any,
+) -> LayerLocalSeqlens:
+    """One microbatch's ``seqlens``, built in a stage's forward from the offsets row the schedule handed it.
+
+    Call it once per stage call, before the stage's layers, and hand the result to every layer (each calls
+    ``.local()`` inside its checkpointed region). Built per call, it is never shared between microbatches or
+    stages; its token-count check catches a microbatch received into a buffer of another size (gloo does not).
+
+    Args:
+        cu_seqlens: the ``[1, W]`` row (or ``[W]``) of one microbatch (int32/int64, the activations' device).
+        num_tokens: the stage input's token count (``hidden_states.shape[1]``); must equal the row's last offset.
+        cu_seqlens_cpu: the same row on the host (on an accelerator it saves a device-to-host copy).
+        seqlens_class: :class:`~fla_ac_isolation.LayerLocalSeqlens`, or a mode's class
+            (:attr:`fla_ac_isolation.modes.Mode.seqlens_class`).
+        kwargs: further keywords of ``seqlens_class`` (``chunk_indices``).
+
+    Raises:
+        ValueError: ``cu_seqlens`` (or ``cu_seqlens_cpu``) is not one row (``[1, W]`` or ``[W]``), e.g. the whole
+            ``[M, W]`` offsets passed without chunking; and everything :class:`~fla_ac_isolation.LayerLocalSeqlens`
+            raises (its last offset differs from ``num_tokens``, ...).
+        TypeError: ``cu_seqlens`` is not a tensor.
+    """
+    rows = {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu}
+    for name, row in rows.items():
+        if row is None:
+            continue
+        if not isinstance(row, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (one microbatch's offsets), got {type(row).__name__}")
+        if not (row.dim() == 1 or (row.dim() == 2 and row.shape[0] == 1)):
+            raise ValueError(f"{name} must be one microbatch's offsets row, [1, W] or [W] (the schedule chunks the "
+                             f"[M, W] offsets on dim 0), got shape {tuple(row.shape)}")
+    host = None if cu_seqlens_cpu is None else cu_seqlens_cpu.reshape(-1)
+    return seqlens_class(cu_seqlens.reshape(-1), cu_seqlens_cpu=host, num_tokens=num_tokens, **kwargs)

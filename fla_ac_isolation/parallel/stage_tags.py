@@ -1,0 +1,86 @@
+"""Name the pipeline stage, microbatch and pass of every region :class:`~fla_ac_isolation.ReplayAudit` records.
+
+Under a pipeline schedule a layer's checkpointed region runs once per microbatch, plus once in the
+shape-inference pass that ``PipelineStage`` runs at its first step (dynamic shapes); the module path alone
+(``layers.2``) repeats. :class:`StageRegionTags` is the audit's ``region_tag``: attached to this rank's
+``PipelineStage`` s, it answers ``"stage 1 / mb 0"`` while stage 1 runs microbatch 0 and ``"stage 1 / shape
+inference"`` while stage 1's module runs outside a microbatch, so the audit labels regions
+``stage 1 / mb 0: layers.2``::
+
+    tags = StageRegionTags()
+    for stage in stages:
+        tags.attach(stage)
+    with ReplayAudit(region_tag=tags, on_divergence="record") as audit:
+        schedule.step(...)
+
+How: ``attach`` wraps the stage's ``forward_one_chunk`` (torch's public per-microbatch forward, which knows the
+microbatch) and puts forward hooks on the stage's module (which also runs in the shape-inference pass, outside
+``forward_one_chunk``). It reads nothing private of the stage or of the audit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["StageRegionTags"]
+
+
+class _Handle:
+    """Undoes one :meth:`StageRegionTags.attach`."""
+
+    def __init__(self, stage: Any, original: Any, hooks: list[Any]) -> None:
+        self._stage, self._original, self._hooks = stage, original, hooks
+
+    def remove(self) -> None:
+        """Restore the stage's ``forward_one_chunk`` and remove the module hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        if self._stage is not None:
+            self._stage.forward_one_chunk = self._original
+            self._stage = None
+
+
+class StageRegionTags:
+    """The region tag of the pipeline stage running now: a callable for ``ReplayAudit(region_tag=...)``.
+
+    Returns ``"stage S / mb I"`` inside stage ``S``'s forward of microbatch ``I``, ``"stage S / shape inference"``
+    inside its module's forward outside any microbatch (torch's shape-inference pass), ``None`` elsewhere. One
+    object per process can serve every local stage.
+    """
+
+    def __init__(self) -> None:
+        self._microbatch: dict[int, int] = {}  # stage index -> microbatch running now (forward_one_chunk)
+        self._tag: str | None = None
+
+    def __call__(self) -> str | None:
+        return self._tag
+
+    def attach(self, stage: Any) -> _Handle:
+        """Tag the regions ``stage`` (a ``torch.distributed.pipelining.PipelineStage``) runs; returns a handle
+        whose ``remove()`` undoes it.
+
+        Raises:
+            TypeError: ``stage`` has no ``forward_one_chunk``, ``stage_index`` and ``submod`` (not a pipeline stage).
+        """
+        if not all(hasattr(stage, name) for name in ("forward_one_chunk", "stage_index", "submod")):
+            raise TypeError(f"stage must be a torch.distributed.pipelining PipelineStage, got {type(stage).__name__}")
+        index = stage.stage_index
+        original = stage.forward_one_chunk
+
+        def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self._microbatch[index] = fwd_chunk_id
+            try:
+                return original(fwd_chunk_id, *args, **kwargs)
+            finally:
+                self._microbatch.pop(index, None)
+
+        def enter(_module: Any, _args: Any) -> None:
+            mb = self._microbatch.get(index)
+            self._tag = f"stage {index} / shape inference" if mb is None else f"stage {index} / mb {mb}"
+
+        def leave(_module: Any, _args: Any, _output: Any) -> None:
+            self._tag = None
+
+        stage.forward_one_chunk = forward_one_chunk
+        hooks = [stage.submod.register_forward_pre_hook(enter), stage.submod.register_forward_hook(leave)]
+        return _Handle(stage, original, hooks)
