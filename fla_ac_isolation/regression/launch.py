@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from fla_ac_isolation.failures import first_line
+from fla_ac_isolation.modes import modes_with_role
 from fla_ac_isolation.parallel import ParallelMesh
 from fla_ac_isolation.regression.spec import (
     CP1_REFERENCE,
@@ -64,6 +65,27 @@ def mode_mesh(spec: RegressionSpec, mode: str) -> ParallelMesh:
     return ParallelMesh() if mode in (CP1_REFERENCE, PP1_REFERENCE) else spec.mesh
 
 
+def _run_mode(spec: RegressionSpec, mode: str, ctx: RankContext, workdir: str, events) -> None:
+    """Train ``mode`` on this rank and report its result (references save their gradients for the others)."""
+    rank = ctx.rank
+    reference = _load(workdir, "no-ac", rank) if mode not in REFERENCES else None
+    cp1_reference = _load(workdir, CP1_REFERENCE, 0) if spec.cp > 1 and mode != CP1_REFERENCE else None
+    pp1_reference = _load(workdir, PP1_REFERENCE, 0) if spec.pp > 1 and mode != PP1_REFERENCE else None
+    on_step = (lambda step: events.put(("step", rank, step))) if rank == 0 else None
+    result, grads = run_mode_on_rank(spec, mode, ctx, reference, on_step, cp1_reference=cp1_reference,
+                                     pp1_reference=pp1_reference)
+    if mode in REFERENCES:
+        torch.save(grads, os.path.join(workdir, f"{mode}.rank{rank}.pt"))
+    events.put(("result", rank, asdict(result)))
+
+
+def _report_and_exit(rank: int, err: BaseException, events) -> None:
+    events.put(("error", rank, (first_line(err), traceback.format_exc())))
+    events.close()
+    events.join_thread()
+    os._exit(1)
+
+
 def _worker_main(rank: int, port: int, spec: RegressionSpec, mode: str, workdir: str, events) -> None:
     """Entry point of one spawned rank for one mode. Reports through ``events``; never hangs on failure."""
     import torch.distributed as dist
@@ -84,23 +106,52 @@ def _worker_main(rank: int, port: int, spec: RegressionSpec, mode: str, workdir:
             )
         ctx = RankContext.create(rank, mesh, device)
         events.put(("started", rank, os.getpid()))
-        reference = _load(workdir, "no-ac", rank) if mode not in REFERENCES else None
-        cp1_reference = _load(workdir, CP1_REFERENCE, 0) if spec.cp > 1 and mode != CP1_REFERENCE else None
-        pp1_reference = _load(workdir, PP1_REFERENCE, 0) if spec.pp > 1 and mode != PP1_REFERENCE else None
-        on_step = (lambda step: events.put(("step", rank, step))) if rank == 0 else None
-        result, grads = run_mode_on_rank(spec, mode, ctx, reference, on_step, cp1_reference=cp1_reference,
-                                         pp1_reference=pp1_reference)
-        if mode in REFERENCES:
-            torch.save(grads, os.path.join(workdir, f"{mode}.rank{rank}.pt"))
-        events.put(("result", rank, asdict(result)))
+        _run_mode(spec, mode, ctx, workdir, events)
         if mesh.world > 1:
             dist.barrier()
             dist.destroy_process_group()
     except BaseException as err:
-        events.put(("error", rank, (first_line(err), traceback.format_exc())))
-        events.close()
-        events.join_thread()
-        os._exit(1)
+        _report_and_exit(rank, err, events)
+
+
+def _serial_main(spec: RegressionSpec, workdir: str, tasks, events) -> None:
+    """Entry point of the one spawned process that runs one-rank modes one after another (:class:`_SerialRank`).
+
+    Each mode name read from ``tasks`` runs as :func:`_worker_main` would run it; ``None`` ends the process.
+    A mode that raises is reported and ends the process (the next mode gets a fresh one).
+    """
+    try:
+        device, notes, _held = setup_process(spec, 0)
+        for note in notes:
+            events.put(("note", 0, note))
+        while (mode := tasks.get()) is not None:
+            ctx = RankContext.create(0, mode_mesh(spec, mode), device)
+            events.put(("started", 0, os.getpid()))
+            _run_mode(spec, mode, ctx, workdir, events)
+    except BaseException as err:
+        _report_and_exit(0, err, events)
+
+
+class _SerialRank:
+    """A spawned process kept for the one-rank modes of a run: spawning costs every import again (about 20 s
+    per process on a fresh H200 machine), so one-rank modes share one process while they succeed."""
+
+    def __init__(self, mp_ctx, spec: RegressionSpec, workdir: str) -> None:
+        self.tasks, self.events = mp_ctx.Queue(), mp_ctx.Queue()
+        self.process = mp_ctx.Process(target=_serial_main, args=(spec, workdir, self.tasks, self.events),
+                                      daemon=True, name="fla-ac-regress-one-rank")
+        with environment_variables(spec.rank_env):
+            self.process.start()
+
+    def close(self) -> None:
+        """Ask the process to end (it finishes the mode in hand), then stop it and the queues."""
+        with contextlib.suppress(Exception):
+            self.tasks.put(None)
+        self.process.join(2.0)
+        _stop([self.process])
+        for q in (self.tasks, self.events):
+            with contextlib.suppress(Exception):
+                q.close()
 
 
 @dataclass(frozen=True)
@@ -174,8 +225,10 @@ def _record_killed(procs, out: _Outcome, reporting: int) -> None:
             out.errors[r] = (_death(p.exitcode), "")
 
 
-def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str], hooks: _Hooks) -> _Outcome:
-    """Read the ranks' events until every rank exited, a failure's grace ran out, or the mode timed out."""
+def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str], hooks: _Hooks,
+           persistent: bool = False) -> _Outcome:
+    """Read the ranks' events until every rank exited (``persistent``: reported), a failure's grace ran out, or
+    the mode timed out."""
     out = _Outcome()
     start = time.monotonic()
     first_failure: float | None = None
@@ -196,6 +249,8 @@ def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str], hoo
             _record_killed(procs, out, rank)  # a peer killed before this error caused it
             out.errors.setdefault(rank, payload)
             first_failure = first_failure or time.monotonic()
+        if persistent and kind in ("result", "error"):
+            return out  # one rank, still running: its report ends the mode
         if kind is not None:
             continue  # drain queued events before judging the processes
         now = time.monotonic()
@@ -267,6 +322,16 @@ def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: l
     return _merge(outcome, spec, mode, time.monotonic() - start, nprocs)
 
 
+def _run_on_serial_rank(serial: _SerialRank, spec: RegressionSpec, mode: str, notes: list[str],
+                        hooks: _Hooks) -> tuple[ModeResult, bool]:
+    """Run a one-rank ``mode`` in ``serial``'s process: ``(result, whether the process can take the next mode)``."""
+    start = time.monotonic()
+    serial.tasks.put(mode)
+    outcome = _watch([serial.process], serial.events, spec, mode, notes, hooks, persistent=True)
+    reusable = not outcome.errors and not outcome.timed_out and serial.process.exitcode is None
+    return _merge(outcome, spec, mode, time.monotonic() - start, 1), reusable
+
+
 @contextlib.contextmanager
 def environment_variables(env: tuple[tuple[str, str], ...]) -> Iterator[None]:
     """``os.environ`` updated with ``env`` (``(name, value)`` pairs) inside the block, then restored: what
@@ -300,12 +365,25 @@ def _mp_context(device: str, env: tuple[tuple[str, str], ...] = ()):
     return ctx
 
 
+def _execution_order(spec: RegressionSpec) -> list[str]:
+    """``spec.ordered_modes`` with the unsafe modes last: a mode that fails can leave a shared one-rank process
+    (or a GPU) in a bad state only for the modes after it, so the modes that decide the exit code run first."""
+    unsafe = set(modes_with_role("unsafe"))
+    return [m for m in spec.ordered_modes if m not in unsafe] + [m for m in spec.ordered_modes if m in unsafe]
+
+
 def run_spawned(
     spec: RegressionSpec,
     on_step: Callable[[str, int], None] | None,
     on_rank_start: Callable[[str, int, int], None] | None = None,
 ) -> RegressionResult:
-    """Run every mode of ``spec`` in freshly launched worker processes, one launch per mode.
+    """Run every mode of ``spec`` in launched worker processes and return the results in ``spec.ordered_modes``.
+
+    Modes of several ranks get fresh processes each (one launch per mode). Modes of one rank do too from a
+    fork server (a second per start); where ranks are spawned (CUDA, or ``spec.rank_env``), one-rank modes
+    share one process while they succeed, since each spawn pays every import again; a mode that fails or
+    times out ends that process and the next one-rank mode gets a new one. The unsafe modes run after the
+    others (:func:`_execution_order`).
 
     ``on_step(mode, step)`` is called after each step of rank 0, ``on_rank_start(mode, rank, pid)`` when
     a rank's process group is up. An ``Exception`` of the launcher itself (or of a hook) during one mode
@@ -313,13 +391,27 @@ def run_spawned(
     (after the workers are stopped).
     """
     mp_ctx = _mp_context(spec.device, spec.rank_env)
+    share_one_rank = mp_ctx.get_start_method() == "spawn"
     hooks = _Hooks(on_step, on_rank_start)
     notes: list[str] = []
     modes: dict[str, ModeResult] = {}
+    serial: _SerialRank | None = None
     with tempfile.TemporaryDirectory(prefix="fla-ac-regress-") as workdir:
-        for mode in spec.ordered_modes:
-            try:
-                modes[mode] = _launch_mode(mp_ctx, spec, mode, workdir, notes, hooks)
-            except Exception as err:
-                modes[mode] = ModeResult(mode, error=f"launcher: {first_line(err)}", traceback=traceback.format_exc())
-    return RegressionResult(spec, modes, notes)
+        try:
+            for mode in _execution_order(spec):
+                try:
+                    if share_one_rank and mode_mesh(spec, mode).world == 1:
+                        serial = serial or _SerialRank(mp_ctx, spec, workdir)
+                        modes[mode], reusable = _run_on_serial_rank(serial, spec, mode, notes, hooks)
+                        if not reusable:
+                            serial.close()
+                            serial = None
+                    else:
+                        modes[mode] = _launch_mode(mp_ctx, spec, mode, workdir, notes, hooks)
+                except Exception as err:
+                    modes[mode] = ModeResult(mode, error=f"launcher: {first_line(err)}",
+                                             traceback=traceback.format_exc())
+        finally:
+            if serial is not None:
+                serial.close()
+    return RegressionResult(spec, {m: modes[m] for m in spec.ordered_modes if m in modes}, notes)
