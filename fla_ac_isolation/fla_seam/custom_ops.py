@@ -404,10 +404,10 @@ def ssd(
     kernels._check_device(x)
     check_groups(x.shape[2], B, C)
     dt = discretize_dt(dt, dt_bias, dt_limit)
-    value = (x.float() * dt.unsqueeze(-1)).to(x.dtype)
+    value = (x * dt.unsqueeze(-1)).to(x.dtype)  # x promoted inside the multiply: no float32 copy of x
     log_decay = dt * A.float()
     y, _ = _gla_forward(C.to(x.dtype), B.to(x.dtype), value, log_decay, 1.0, cu_seqlens, cu_seqlens_cpu,
                         chunk_indices, chunk_offsets)
     if D is not None:
-        y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
+        y = (y + D.float()[:, None] * x).to(x.dtype)  # promoted inside the ops: the numbers of y.float() + ...
     return y

@@ -168,12 +168,12 @@ def ssd(
     if heads % groups or C.shape[2] != groups:
         raise ValueError(f"heads ({heads}) must be a multiple of the B/C groups ({groups}, {C.shape[2]})")
     dt = discretize_dt(dt, dt_bias, dt_limit)
-    value = (x.float() * dt.unsqueeze(-1)).to(x.dtype)
+    value = (x * dt.unsqueeze(-1)).to(x.dtype)  # x promoted inside the multiply: no float32 copy of x
     log_decay = dt * A.float()
     query = C.to(x.dtype).repeat_interleave(heads // groups, dim=2)
     key = B.to(x.dtype).repeat_interleave(heads // groups, dim=2)
     chunk_indices, chunk_offsets = schedule(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets)
     y = simple_gla(query, key, value, log_decay, 1.0, cu_seqlens, chunk_indices, chunk_offsets)
     if D is not None:
-        y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
+        y = (y + D.float()[:, None] * x).to(x.dtype)  # promoted inside the ops: the numbers of y.float() + ...
     return y
