@@ -35,13 +35,15 @@ _aten = torch.ops.aten
 _SMALL_OPS = frozenset(
     op for op in (
         _aten.exp, _aten.neg, _aten.mul, _aten.add, _aten.sub, _aten.div, _aten.softplus, _aten.sigmoid, _aten.rsqrt,
-        _aten.mean, _aten.clamp, _aten.clamp_min, _aten.silu, _aten.pow, _aten.reciprocal, _aten.sqrt, _aten._to_copy,
+        _aten.clamp, _aten.clamp_min, _aten.silu, _aten.pow, _aten.reciprocal, _aten.sqrt, _aten._to_copy,
     )
 )
+"""Out-of-place pointwise ops. Not ``mean``: torch's composite ``rms_norm`` adds ``eps`` to its output in place
+(``.add_``), and SAC refuses a saved tensor that was mutated afterwards."""
 
 
 def save_small_outputs(num_tokens: int, width: int = SMALL_WIDTH):
-    """A SAC policy: MUST_SAVE pointwise ops and reductions (:data:`_SMALL_OPS`) whose tensor arguments are all
+    """A SAC policy: MUST_SAVE the pointwise ops of :data:`_SMALL_OPS` whose tensor arguments are all
     floating point with at most ``num_tokens * width`` elements; PREFER_RECOMPUTE everything else.
 
     Saving an op's output never changes a number (the recompute would compute the same), so this is correct
