@@ -127,7 +127,7 @@ def case_padded() -> dict:
             runs = []
             for seqlens in (LayerLocalSeqlens(_offsets(lens), static=static), LayerLocalSeqlens(_offsets(lens))):
                 layer.zero_grad(set_to_none=True)
-                runs.append(_run(lambda t, s=seqlens: layer(t, s), [x]) + [p.grad for p in layer.parameters()])
+                runs.append(_run(lambda t, s=seqlens, m=layer: m(t, s), [x]) + [p.grad for p in layer.parameters()])
             results[f"padded_{name}_{label}"] = [n for n, same in zip(names, _equal(*runs), strict=True) if not same]
     return results
 

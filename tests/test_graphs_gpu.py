@@ -18,11 +18,11 @@ import copy
 
 import pytest
 import torch
+
 from benchmarks.graph_step import GraphedStep, mismatches
 from benchmarks.layer_step import build_layer
 from benchmarks.levers import MODES
 from benchmarks.stack import apply_mode, build_stack
-
 from fla_ac_isolation import LayerLocalSeqlens
 from fla_ac_isolation.static_seqlens import StaticSeqlens
 

@@ -87,7 +87,7 @@ def test_a_later_batch_makes_the_earlier_object_refuse_to_hand_out_its_offsets()
     static = StaticSeqlens(200, 6, device="cpu")
     first = LayerLocalSeqlens(_offsets([200]), static=static)
     LayerLocalSeqlens(_offsets([100, 100]), static=static)
-    with pytest.raises(RuntimeError, match="wrote batch 1 into .* which now holds batch 2"):
+    with pytest.raises(RuntimeError, match=r"wrote batch 1 into .* which now holds batch 2"):
         first.local()
 
 
@@ -103,7 +103,7 @@ def test_without_static_the_schedule_comes_with_its_chunk_offsets():
         ({"lens": [10] * 7}, ValueError, "has 7 documents but the static buffers hold at most max_docs=6"),
         ({"lens": [10, 10]}, ValueError, "must equal the static num_tokens=200, got 20"),
         ({"chunk_indices": False}, ValueError, "static= always hands out the padded chunk schedule"),
-        ({"static": "buffers"}, TypeError, "static must be a StaticSeqlens, got str"),
+        ({"static": "buffers"}, TypeError, r"static must be a StaticSeqlens, got str"),
         ({"device": "meta"}, ValueError, r"device=meta differs from the static buffers' device cpu"),
     ],
 )
@@ -132,7 +132,7 @@ def test_bad_static_sizes_are_refused(args, error, message):
 
 def test_static_int64_and_the_dtype_check():
     assert StaticSeqlens(100, 2, device="cpu", dtype=torch.int64).cu_seqlens.dtype == torch.int64
-    with pytest.raises(TypeError, match="dtype must be torch.int32 or torch.int64, got torch.float32"):
+    with pytest.raises(TypeError, match=r"dtype must be torch\.int32 or torch\.int64, got torch\.float32"):
         StaticSeqlens(100, 2, device="cpu", dtype=torch.float32)
 
 
