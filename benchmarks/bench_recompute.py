@@ -5,7 +5,8 @@ One command measures, on one GPU and within a time budget (issue 25):
 * **layer cells** (``gdn``, ``mamba2`` at each ``--tokens``): forward + recompute + backward of one checkpointed
   mixer (Qwen3.5-MoE's GDN, Nemotron-H's Mamba2; hidden 2048, bf16) in every mode of ``benchmarks.levers``
   (``no-ac``, torchtitan's SAC with isolation ``sac``, ``+save-core``, ``+save-core+conv``, ``+save-small``,
-  ``+save-core+small``), eager and replayed from a CUDA graph, over 4 packing layouts of 5-16 documents
+  ``+save-core+small``; ``sac+static``: ``sac``'s eager step with the graphs' padded metadata), eager and
+  replayed from a CUDA graph, over 4 packing layouts of 5-16 documents
   (``benchmarks.recompute_cells``): median step, paired ratio to ``no-ac`` (eager to eager, graphed to
   graphed), peak and held memory, host syncs per eager step with their sites, and whether a replay of a layout
   the graph was not captured with equals the same step run eagerly, bit for bit;
@@ -44,7 +45,8 @@ import torch  # noqa: E402
 from benchmarks.levers import MODES  # noqa: E402
 from benchmarks.recompute_cells import LAYOUTS, Group, Row, eager_phase, graphed_phase, padded_vs_plain  # noqa: E402
 
-LAYER_MODES = ["no-ac", "sac", "sac+save-core", "sac+save-core+conv", "sac+save-small", "sac+save-core+small"]
+LAYER_MODES = ["no-ac", "sac", "sac+static", "sac+save-core", "sac+save-core+conv", "sac+save-small",
+               "sac+save-core+small"]
 LONG_MODES = ["no-ac", "sac", "sac+save-core", "sac+save-core+small"]  # tokens above 32768: fewer modes
 STACK_MODES = ["no-ac", "full-ac", "sac", "sac+save-core", "sac+save-core+conv", "sac+save-small",
                "sac+save-core+small"]
@@ -106,7 +108,7 @@ def meta(args) -> dict:
         "dtype": "float32" if args.device == "cpu" else "bfloat16", "versions": versions(), "hidden": args.hidden,
         "iters": args.iters, "warmup": args.warmup, "layouts_docs": list(LAYOUTS), "max_docs": args.max_docs,
         "first_config": args.first_config, "hopper_guard_lifted": args.lift_hopper_guard, "budget_s": args.budget_s,
-        "modes": {name: asdict(MODES[name]) for name in STACK_MODES},
+        "modes": {name: asdict(MODES[name]) for name in dict.fromkeys([*LAYER_MODES, *STACK_MODES])},
         "order": "eager: modes interleaved, iteration i starts at mode i % n; graphed: each mode's graph "
                  "alternating with no-ac's graph",
     }

@@ -66,13 +66,15 @@ def save_small_outputs(num_tokens: int, width: int = SMALL_WIDTH):
 @dataclass(frozen=True)
 class Mode:
     """One benchmark mode: ``checkpoint`` ``None`` (no AC) | ``"full"`` | ``"selective"``; ``saveable`` mixers;
-    the FLA operations it saves (``save_fla_ops`` names); whether it saves the small outputs."""
+    the FLA operations it saves (``save_fla_ops`` names); whether it saves the small outputs; whether its eager
+    steps take the padded static metadata (graphed steps always do)."""
 
     name: str
     checkpoint: str | None
     saveable: bool = False
     saved: tuple[str, ...] = ()
     small: bool = False
+    static: bool = False  # eager steps with the graphs' padded metadata (StaticSeqlens): the padding's own cost
 
     def policy(self, num_tokens: int):
         """The SAC policy of a selective mode (``None`` otherwise): torchtitan's, plus the mode's levers."""
@@ -105,6 +107,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("no-ac", None),
     Mode("full-ac", "full"),
     Mode("sac", "selective"),
+    Mode("sac+static", "selective", static=True),
     Mode("sac+save-core", "selective", saveable=True, saved=CORE_OPS),
     Mode("sac+save-core+conv", "selective", saveable=True, saved=(*CORE_OPS, "causal_conv1d")),
     Mode("sac+save-small", "selective", small=True),

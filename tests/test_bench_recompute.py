@@ -55,7 +55,7 @@ def test_a_failing_mode_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     assert cell["status"] == "partial"
     assert set(cell["failures"]) == {"sac+save-small", "sac+save-core+small"}
     assert all("RuntimeError: policy exploded" in e for e in cell["failures"].values())
-    assert {r["mode"] for r in result["rows"]} == {"no-ac", "sac", "sac+save-core", "sac+save-core+conv"}
+    assert {r["mode"] for r in result["rows"]} == {"no-ac", "sac", "sac+static", "sac+save-core", "sac+save-core+conv"}
 
 
 def test_save_small_outputs_saves_small_floating_point_pointwise_ops_only():
