@@ -192,3 +192,15 @@ def test_static_offsets_keep_forward_and_recompute_alike_and_shared_ones_do_not(
     assert [r.verdict for r in shared.regions] == ["divergent", "aligned"], shared.summary()
     assert [(d.helper, d.forward, d.recompute) for d in shared.divergent[0].fla] == [
         ("prepare_chunk_offsets", "miss", "hit")], shared.summary()
+
+
+def test_the_graphs_page_recipes_compile():
+    """docs/graphs.md's code needs CUDA (the GPU tests run it); here it must at least be valid Python."""
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).parent.parent / "docs" / "graphs.md"
+    recipes = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    assert len(recipes) == 2
+    for block in recipes:
+        compile(block, str(page), "exec")

@@ -6,6 +6,8 @@ support but a backend of the seam (:mod:`fla_ac_isolation.fla_seam.interpreter`)
 
 * :mod:`~fla_ac_isolation.testing.gpu` - GPU-harness switches, e.g. lifting FLA's Hopper/Triton guard
   for a test run, announced on stdout; host-sync recording.
+* :mod:`~fla_ac_isolation.testing.sync_ops` - the same question on a CPU: the ops of a step that would
+  synchronise the host on CUDA (``.item()``, ``nonzero``, ``repeat_interleave`` without ``output_size``, ...).
 * :mod:`~fla_ac_isolation.testing.reference_kernels` - FLA's kernels served by reference ops to foreign code
   (OLMo-core, transformers, torchtitan) wherever it looks them up, restored on exit.
 * :mod:`~fla_ac_isolation.testing.olmo_core` - OLMo-core on a CPU: packed documents on its torch attention
