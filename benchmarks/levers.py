@@ -90,14 +90,17 @@ class Mode:
         return any_of(*members, torchtitan_selective()) if members else torchtitan_selective()
 
     def wrap(self, module: torch.nn.Module, num_tokens: int) -> torch.nn.Module:
-        """``module`` in torch's non-reentrant checkpoint wrapper as the mode says (itself for no AC)."""
+        """``module`` in torch's non-reentrant checkpoint wrapper as the mode says (itself for no AC), without
+        saving and restoring the RNG state (``preserve_rng_state=False``: these layers draw no random numbers)."""
         if self.checkpoint is None:
             return module
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
         from fla_ac_isolation.policies import sac_context_fn
 
-        kwargs = {}
+        # No layer here draws random numbers, so there is no RNG state to restore in the recompute; and torch
+        # has refused to read the CUDA RNG state while capturing a graph (pytorch #162504).
+        kwargs = {"preserve_rng_state": False}
         if self.checkpoint == "selective":
             kwargs["context_fn"] = sac_context_fn(self.policy(num_tokens))
         return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)

@@ -33,7 +33,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-HIDDEN = 512  # GDN: 4 heads of 128; Mamba2: 16 heads of 64, 8 groups, state 128
+HIDDEN = 512  # GDN: 4 heads of 128; Mamba2: 16 heads of 64, 8 groups, state 128 (the kernels of hidden 2048)
 TOKENS = 4096
 MAX_DOCS = 16
 CAPTURED = [700, 1500, 96, 1800]
@@ -54,7 +54,7 @@ def _module(kind: str, mode: str) -> torch.nn.Module:
     spec = MODES[mode]
     torch.manual_seed(0)
     if kind == "stack":
-        return apply_mode(build_stack(256, torch.bfloat16, "cuda", "fla", spec.saveable), spec, TOKENS)
+        return apply_mode(build_stack(HIDDEN, torch.bfloat16, "cuda", "fla", spec.saveable), spec, TOKENS)
     return spec.wrap(build_layer(kind, HIDDEN, torch.bfloat16, "cuda", "fla", spec.saveable), TOKENS)
 
 
@@ -110,7 +110,7 @@ def test_capture_keeps_forward_and_recompute_alike_in_flas_cache():
 
     static = StaticSeqlens(TOKENS, MAX_DOCS, device="cuda")
     module = _module("stack", "sac")
-    x = torch.randn(1, TOKENS, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with ReplayAudit(on_divergence="raise") as audit:
         graphed = GraphedStep.build(module, x, torch.randn_like(x), LayerLocalSeqlens(_offsets(CAPTURED), static=static))
     graphed.release()
@@ -124,7 +124,7 @@ def test_capture_keeps_forward_and_recompute_alike_in_flas_cache():
 def test_a_stack_replays_every_layout_equal_to_eager():
     static = StaticSeqlens(TOKENS, MAX_DOCS, device="cuda")
     module = _module("stack", "sac+save-core")
-    x0 = torch.randn(1, TOKENS, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x0 = torch.randn(1, TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     graphed = GraphedStep.build(module, x0, torch.randn_like(x0), LayerLocalSeqlens(_offsets(CAPTURED), static=static))
     try:
         for name, lens in LAYOUTS.items():
