@@ -115,8 +115,8 @@ def test_zero_token_batch_gives_empty_output(family):
 
 
 def test_precomputed_chunk_indices_reach_the_ops_and_change_nothing(family):
-    """With LayerLocalSeqlens' schedule the conv and the gated delta rule skip prepare_chunk_indices
-    (only Mamba2's SSD, on FLA's simple GLA that takes no schedule, still asks for it); outputs are
+    """With LayerLocalSeqlens' schedule the conv, the gated delta rule and Mamba2's SSD (which takes the
+    schedule and its chunk offsets, ``fla_seam.simple_gla``) all skip prepare_chunk_indices; outputs are
     bit-equal to the run where every op computes the schedule itself."""
     from fla_ac_isolation.fla_cache import probe_tensor_cache
 
@@ -125,8 +125,7 @@ def test_precomputed_chunk_indices_reach_the_ops_and_change_nothing(family):
     with torch.no_grad(), probe_tensor_cache() as probe:
         with_schedule = mixer(x, LayerLocalSeqlens.from_seq_lens(PACKED_LENS))
     asked = probe.by_helper().get("prepare_chunk_indices", {"miss": 0, "hit": 0})
-    expected_lookups = 1 if family.name == "nemotron_h" else 0  # the SSD's own lookup
-    assert asked["miss"] + asked["hit"] == expected_lookups, probe.by_helper()
+    assert asked["miss"] + asked["hit"] == 0, probe.by_helper()
     with torch.no_grad(), probe_tensor_cache() as probe:
         without = mixer(x, LayerLocalSeqlens.from_seq_lens(PACKED_LENS, chunk_indices=False))
     # conv misses, then the gated delta rule / SSD hits the conv's entry
