@@ -22,7 +22,10 @@ Fresh objects stay fresh. :meth:`StaticSeqlens.local` hands each layer call a cl
 isolation's fresh copy). While a graph is captured the clones are captured too, so every replay re-reads the
 buffers into each layer's own copies; FLA's identity cache sees a new object per layer call during capture and
 in eager steps, never one shared between layers, and a replay runs no Python, so it consults no cache.
-A layer's forward and its recompute therefore miss FLA's cache alike, as without graphs.
+A layer's forward and its recompute therefore miss FLA's cache alike, as without graphs. The copies matter
+twice here: the buffers keep their identity from batch to batch, so handing FLA the buffers themselves would
+let its identity cache return an earlier batch's metadata in eager steps (the tests show it), besides sharing
+one object between layers.
 
 Host values: ``LocalSeqlens.max_seqlen`` is the bound ``num_tokens`` (a per-batch value would be frozen into a
 graph), and ``cu_seqlens_cpu`` the padded host offsets of the current batch (correct in eager steps; nothing
