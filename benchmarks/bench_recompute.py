@@ -13,7 +13,9 @@ One command measures, on one GPU and within a time budget (issue 25):
 * **stack cell**: the same for ``benchmarks.stack`` (GDN, GDN, Mamba2, SwiGLU MLP) at 32768 tokens, with
   ``full-ac`` too.
 
-Robustness: each cell runs in ``try/except`` (the failure's text is recorded and the run goes on); the JSON
+Order: the eager phase of every 32768-token group, then their graphed phase, then the same for the larger
+token counts (``cells``), so eager numbers are taken before any graph could fail badly. Robustness: each cell
+runs in ``try/except``, and each mode inside it (the failure's text is recorded and the run goes on); the JSON
 is rewritten after every cell; ``--budget-s`` bounds the whole run (from the start of this module): a cell
 starts only while ``--reserve`` seconds of budget remain for it (estimated per cell, ``PLAN``), its timing
 loops stop at its own deadline, keeping their samples, and the cells left are listed as skipped.
@@ -50,25 +52,36 @@ LAYER_MODES = ["no-ac", "sac", "sac+static", "sac+save-core", "sac+save-core+con
 LONG_MODES = ["no-ac", "sac", "sac+save-core", "sac+save-core+small"]  # tokens above 32768: fewer modes
 STACK_MODES = ["no-ac", "full-ac", "sac", "sac+save-core", "sac+save-core+conv", "sac+save-small",
                "sac+save-core+small"]
-PLAN = {  # (group, tokens) -> the seconds one H200 is expected to need for the cell (first-config kernels)
-    ("gdn", 32768): 45, ("mamba2", 32768): 60, ("stack", 32768): 90, ("gdn", 131072): 70, ("mamba2", 131072): 120,
+PLAN = {  # (group, tokens, phase) -> seconds one H200 is expected to need (first-config kernels; the first cell
+    # compiles them), about 1.5x the estimate from the step times in docs/benchmarks.md
+    ("gdn", 32768, "eager"): 70, ("mamba2", 32768, "eager"): 45, ("stack", 32768, "eager"): 35,
+    ("gdn", 32768, "graphed"): 15, ("mamba2", 32768, "graphed"): 25, ("stack", 32768, "graphed"): 45,
+    ("gdn", 131072, "eager"): 15, ("mamba2", 131072, "eager"): 30,
+    ("gdn", 131072, "graphed"): 20, ("mamba2", 131072, "graphed"): 40,
 }
 
 
-def cells(args) -> list[tuple[str, int, list[str]]]:
-    """``(group, tokens, modes)`` in the order they run: every layer at the first ``--tokens``, the stack, then the
-    larger token counts (the cells most likely to be cut by the budget last)."""
+def cells(args) -> list[tuple[str, int, list[str], str]]:
+    """``(group, tokens, modes, phase)`` in the order they run: the eager phase of every group at the first
+    ``--tokens`` (and the stack), then their graphed phase, then the same for the larger token counts. Eager
+    numbers come first, so a graph that fails badly (a CUDA error poisons the process) cannot take them; the
+    cells most likely to be cut by the budget come last."""
     first, *rest = args.tokens
-    out = [(kind, first, LAYER_MODES) for kind in args.layers]
-    if args.stack:
-        out.append(("stack", args.stack_tokens, STACK_MODES))
-    out += [(kind, tokens, LONG_MODES) for tokens in rest for kind in args.layers]
-    return out
+    batches = [[(kind, first, LAYER_MODES) for kind in args.layers]
+               + ([("stack", args.stack_tokens, STACK_MODES)] if args.stack else []),
+               [(kind, tokens, LONG_MODES) for tokens in rest for kind in args.layers]]
+    phases = ["eager"] + (["graphed"] if args.device == "cuda" and not args.no_graphs else [])
+    return [(kind, tokens, modes, phase) for batch in batches for phase in phases for kind, tokens, modes in batch]
 
 
-def run_cell(kind: str, tokens: int, modes: list[str], args, deadline: float, failures: dict[str, str]) -> list[Row]:
-    """One cell's rows; modes that failed are in ``failures`` (mode -> error text)."""
+def run_cell(kind: str, tokens: int, modes: list[str], phase: str, args, deadline: float,
+             failures: dict[str, str]) -> list[Row]:
+    """One phase of one group; modes that failed are in ``failures`` (mode -> error text). ``failures`` holds the
+    eager phase's failures when the graphed phase starts: those modes are not graphed."""
+    modes = [m for m in modes if m not in failures]
     group = Group.build(kind, tokens, modes, args.hidden, args.device, args.max_docs)
+    if phase == "graphed":
+        return graphed_phase(group, modes, args.iters, deadline, failures) if "no-ac" in modes else []
     rows = eager_phase(group, modes, args.warmup, args.iters, deadline, failures)
     sac = next((r for r in rows if r.mode == "sac"), None)
     if tokens == args.tokens[0] and sac is not None:
@@ -76,8 +89,6 @@ def run_cell(kind: str, tokens: int, modes: list[str], args, deadline: float, fa
             sac.padded_vs_plain = padded_vs_plain(group, "sac", len(LAYOUTS) - 1)
         except Exception as error:  # recorded, the cell goes on
             failures["sac (padded vs plain)"] = f"{type(error).__name__}: {error}"
-    if args.device == "cuda" and not args.no_graphs and "no-ac" not in failures:
-        rows += graphed_phase(group, [r.mode for r in rows], args.iters, deadline, failures)
     return rows
 
 
@@ -160,28 +171,30 @@ def main(argv=None) -> int:
         lift_hopper_gdn_guard() if args.lift_hopper_guard else contextlib.nullcontext(),
         first_autotune_config() if args.first_config else contextlib.nullcontext(),
     ):
-        for kind, tokens, modes in cells(args):
+        group_failures: dict[tuple[str, int], dict[str, str]] = {}
+        for kind, tokens, modes, phase in cells(args):
             now = time.monotonic() - START
-            estimate = PLAN.get((kind, tokens), 60) * args.reserve if args.device == "cuda" else 0
-            cell = {"group": kind, "tokens": tokens, "modes": modes, "start_s": round(now, 1)}
+            estimate = PLAN.get((kind, tokens, phase), 60) * args.reserve if args.device == "cuda" else 0
+            cell = {"group": kind, "tokens": tokens, "phase": phase, "modes": modes, "start_s": round(now, 1)}
             if now + estimate > args.budget_s:
                 cell.update(status="skipped", reason=f"{now:.0f} s elapsed + {estimate:.0f} s estimated > budget")
-                print(f"[skip] {kind} T={tokens}: {cell['reason']}", flush=True)
+                print(f"[skip] {kind} T={tokens} {phase}: {cell['reason']}", flush=True)
             else:
                 deadline = START + min(args.budget_s, now + 2 * estimate if estimate else args.budget_s)
-                failures: dict[str, str] = {}
-                cell["failures"] = failures
+                failures = group_failures.setdefault((kind, tokens), {})
+                known = set(failures)
                 try:
-                    rows = run_cell(kind, tokens, modes, args, deadline, failures)
+                    rows = run_cell(kind, tokens, modes, phase, args, deadline, failures)
                     results["rows"] += [asdict(r) for r in rows]
-                    cell["status"] = "ok" if not failures else "partial"
+                    cell["failures"] = {m: e for m, e in failures.items() if m not in known}
+                    cell["status"] = "ok" if not cell["failures"] else "partial"
                     print(table(rows), flush=True)
-                    for mode, error in failures.items():
+                    for mode, error in cell["failures"].items():
                         print(f"[failed] {kind} T={tokens} {mode}: {error}", flush=True)
                 except Exception as error:  # a cell's failure is a result; the run goes on
                     cell.update(status="failed", error=f"{type(error).__name__}: {error}",
                                 traceback=traceback.format_exc()[-4000:])
-                    print(f"[failed] {kind} T={tokens}: {cell['error']}", flush=True)
+                    print(f"[failed] {kind} T={tokens} {phase}: {cell['error']}", flush=True)
                 gc.collect()
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
@@ -193,7 +206,8 @@ def main(argv=None) -> int:
     print(table([Row(**r) for r in results["rows"]]))
     for cell in results["cells"]:
         detail = cell.get("error") or cell.get("reason") or cell.get("failures") or ""
-        print(f"cell {cell['group']} T={cell['tokens']}: {cell['status']} ({cell.get('seconds')} s) {detail}")
+        print(f"cell {cell['group']} T={cell['tokens']} {cell['phase']}: {cell['status']} ({cell.get('seconds')} s) "
+              f"{detail}")
     print(f"total {results['meta']['total_s']} s" + (" - CPU SMOKE TEST, not a measurement" if args.device == "cpu"
                                                       else ""))
     return 0

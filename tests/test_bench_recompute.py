@@ -24,7 +24,8 @@ def smoke(tmp_path_factory):
 
 
 def test_every_cell_runs_every_mode_eagerly_on_a_cpu(smoke):
-    assert [(c["group"], c["status"]) for c in smoke["cells"]] == [("gdn", "ok"), ("stack", "ok")]
+    assert [(c["group"], c["phase"], c["status"]) for c in smoke["cells"]] == [
+        ("gdn", "eager", "ok"), ("stack", "eager", "ok")]  # no graphs on a CPU
     rows = {(r["group"], r["mode"], r["graphed"]) for r in smoke["rows"]}
     assert rows == {("gdn", m, False) for m in bench_recompute.LAYER_MODES} | {
         ("stack", m, False) for m in bench_recompute.STACK_MODES}
@@ -74,3 +75,56 @@ def test_the_chart_draws_the_smoke_results(smoke, tmp_path):
     path = tmp_path / "chart.png"
     recompute_chart.plot(smoke, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_graphed_phase_runs_on_a_cpu_stand_in_graph(monkeypatch):
+    """The graphed phase's wiring (capture per mode against a graph of no-ac, refills of the static buffers,
+    replays, the gradients read from the capture's tensors, the comparison with an eager step on a layout
+    never captured) with ``helpers.CpuGraph`` in place of a CUDA graph. On a CPU a replay is an eager step,
+    so it must equal the eager step bit for bit; the GPU tests check real graphs."""
+    from helpers import cpu_capture
+
+    from benchmarks import graph_step, recompute_cells
+
+    monkeypatch.setattr(graph_step, "capture", cpu_capture)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    torch.set_num_threads(1)
+    modes = ["no-ac", "sac", "sac+save-core"]
+    group = recompute_cells.Group.build("mamba2", 128, modes, 64, "cpu", 32)
+    failures: dict[str, str] = {}
+    rows = recompute_cells.graphed_phase(group, modes, iters=2, deadline=float("inf"), failures=failures)
+    assert failures == {}
+    assert [(r.mode, r.graphed) for r in rows] == [("no-ac", True), ("sac", True), ("sac+save-core", True)]
+    assert all(r.replay_vs_eager == {} and len(r.times_ms) >= 2 and r.x_no_ac > 0 for r in rows)
+
+
+def test_cells_take_every_eager_number_before_any_graph_and_the_long_groups_last():
+    import argparse
+
+    args = argparse.Namespace(tokens=[32768, 131072], layers=["gdn", "mamba2"], stack=True, stack_tokens=32768,
+                              device="cuda", no_graphs=False)
+    order = [(kind, tokens, phase) for kind, tokens, _, phase in bench_recompute.cells(args)]
+    assert order == [
+        ("gdn", 32768, "eager"), ("mamba2", 32768, "eager"), ("stack", 32768, "eager"),
+        ("gdn", 32768, "graphed"), ("mamba2", 32768, "graphed"), ("stack", 32768, "graphed"),
+        ("gdn", 131072, "eager"), ("mamba2", 131072, "eager"),
+        ("gdn", 131072, "graphed"), ("mamba2", 131072, "graphed"),
+    ]
+    assert all(key in bench_recompute.PLAN for key in order)
+
+
+def test_a_graphed_cell_skips_the_modes_that_failed_eagerly(monkeypatch):
+    import argparse
+
+    from helpers import cpu_capture
+
+    from benchmarks import graph_step
+
+    monkeypatch.setattr(graph_step, "capture", cpu_capture)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    args = argparse.Namespace(hidden=64, device="cpu", max_docs=32, iters=2, warmup=1, tokens=[128])
+    failures = {"sac+save-core": "RuntimeError: failed eagerly"}
+    rows = bench_recompute.run_cell("gdn", 128, ["no-ac", "sac", "sac+save-core"], "graphed", args,
+                                    float("inf"), failures)
+    assert [(r.mode, r.graphed, r.replay_vs_eager) for r in rows] == [("no-ac", True, {}), ("sac", True, {})]
+    assert failures == {"sac+save-core": "RuntimeError: failed eagerly"}

@@ -9,7 +9,8 @@ test file); ``conftest.py`` only holds fixtures. Family facts come from the libr
 * :mod:`helpers.faults` - how the unsafe shared path must end (``SharedOutcome``), the fault matrix;
 * :mod:`helpers.saveable` - the saveable ops under SAC: recorded operators and what a policy saved;
 * :mod:`helpers.foreign` - OLMo-core's and torchtitan's own models;
-* :mod:`helpers.scripts` - examples loaded by path, interpreter cases in a subprocess.
+* :mod:`helpers.scripts` - examples loaded by path, interpreter cases in a subprocess;
+* :mod:`helpers.graphs` - a CPU stand-in for a CUDA graph (the graph benchmark's wiring on a CPU).
 """
 
 from helpers.faults import (
@@ -35,6 +36,7 @@ from helpers.foreign import (
     torchtitan_gdn_forward_without_clone,
     torchtitan_qwen3_5,
 )
+from helpers.graphs import CpuGraph, cpu_capture
 from helpers.hf_models import (
     ALL_MODEL_FAMILIES,
     DENSE,
@@ -111,6 +113,7 @@ __all__ = [
     "UNSWAPPED_QWEN_UNDER_SAC",
     "VOCAB",
     "Block",
+    "CpuGraph",
     "MixerFamily",
     "ModelFamily",
     "OpRecorder",
@@ -118,6 +121,7 @@ __all__ = [
     "SharedOutcome",
     "Step",
     "assert_bit_equal",
+    "cpu_capture",
     "divergent",
     "documents",
     "expected_shared_outcome",
