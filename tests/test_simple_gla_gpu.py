@@ -34,21 +34,23 @@ def test_simple_gla_without_host_syncs_equals_flas_chunk_simple_gla():
     do = torch.randn(1, tokens, heads, 64, device=device, generator=gen, dtype=torch.bfloat16)
 
     def run(fn):
+        """Warm-up, then one forward + backward with syncs counted; the offsets are built before the count,
+        as a data loader builds them (building them copies host offsets to the device)."""
+        fn([t.clone().requires_grad_() for t in (q, k, v, g)], LayerLocalSeqlens.from_seq_lens(DOC_LENS, device=device))
         leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
-        fn(*leaves)  # warm-up: compilation syncs
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+        seqlens = LayerLocalSeqlens.from_seq_lens(DOC_LENS, device=device)
         torch.cuda.synchronize()
         with host_sync_sites() as sites:
-            out = fn(*leaves)
+            out = fn(leaves, seqlens)
             out.backward(do)
         return [out.detach(), *(t.grad for t in leaves)], sites
 
-    def ours(*t):
-        local = LayerLocalSeqlens.from_seq_lens(DOC_LENS, device=device).local()
+    def ours(t, seqlens):
+        local = seqlens.local()
         return simple_gla(*t, 1.0, local.cu_seqlens, local.chunk_indices, local.chunk_offsets)
 
-    def flas(*t):
-        local = LayerLocalSeqlens.from_seq_lens(DOC_LENS, device=device).local()
+    def flas(t, seqlens):
+        local = seqlens.local()
         return chunk_simple_gla(*t, scale=1.0, cu_seqlens=local.cu_seqlens, cu_seqlens_cpu=local.cu_seqlens_cpu)[0]
 
     got, our_sites = run(ours)
