@@ -142,14 +142,17 @@ LAYOUTS = [[5, 0, 17, 1, 41], [64], [1, 1, 1, 1, 30, 30], [0, 64, 0]]  # 64 toke
 
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "nemotron_h"])
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["no-ac", "sac"])
-def test_mixers_give_the_same_numbers_with_padded_metadata(name, checkpointed, single_thread):
-    """Reference backend, float64: padded static metadata vs ordinary offsets, bit for bit, for every layout
-    written into the same buffers (zero-length documents, one document, the bound itself)."""
+@pytest.mark.parametrize("saveable", [False, True], ids=["plain", "saveable"])
+def test_mixers_give_the_same_numbers_with_padded_metadata(name, checkpointed, saveable, single_thread):
+    """Reference backend (plain and as custom operators), float64: padded static metadata vs ordinary offsets,
+    bit for bit, for every layout written into the same buffers (zero-length documents, one document, the
+    bound itself)."""
     static = StaticSeqlens(64, 6, device="cpu")
     x = torch.randn(1, 64, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 
     def run(seqlens_for):
-        layers = torch.nn.ModuleList([Block(FAMILIES[name].build(0, seed=0, backend="reference"))]).double()
+        mixer = FAMILIES[name].build(0, seed=0, backend="reference", saveable=saveable)
+        layers = torch.nn.ModuleList([Block(mixer)]).double()
         if checkpointed:
             checkpoint_layers(layers, mode="selective", policy=save_all_copies())
         return loss_and_grads(layers, x, seqlens_for())
