@@ -26,7 +26,7 @@ def test_simple_gla_without_host_syncs_equals_flas_chunk_simple_gla():
     from fla_ac_isolation.fla_seam.simple_gla import simple_gla
     from fla_ac_isolation.testing.gpu import host_sync_sites
 
-    device, tokens, heads = torch.device("cuda"), sum(DOC_LENS), 8
+    device, tokens, heads = torch.device("cuda"), sum(DOC_LENS), 64  # Mamba2's SSD at hidden 2048: K = N, V = P
     gen = torch.Generator(device=device).manual_seed(0)
     q, k = (torch.randn(1, tokens, heads, 128, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(1, tokens, heads, 64, device=device, generator=gen, dtype=torch.bfloat16)
