@@ -52,7 +52,7 @@ def output_bytes(kind: str, tokens: int, hidden: int) -> dict[str, dict[str, int
             channels = heads * p_dim + 2 * groups * state
             c = b = torch.empty(1, tokens, groups, state, dtype=bf16)
             v, g = torch.empty(1, tokens, heads, p_dim, dtype=bf16), torch.empty(1, tokens, heads)
-            core = dict(zip(("o", "g_cumsum"), ops.simple_gla(c, b, v, g, 1.0, cu, cu)))
+            core = dict(zip(("o", "g_cumsum"), ops.simple_gla(c, b, v, g, 1.0, cu, cu, None, None)))
         x = torch.empty(1, tokens, channels, dtype=bf16)
         conv = {"y": ops.causal_conv1d(x, torch.empty(channels, 4, dtype=bf16), None, "silu", cu, cu, None)}
     nbytes = {name: t.numel() * t.element_size() for name, t in core.items()}

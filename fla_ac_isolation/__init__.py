@@ -3,7 +3,8 @@
 Public names:
 
 * :class:`LayerLocalSeqlens` (``seqlens``) / :class:`LocalSeqlens` (``local_seqlens``) - per-layer
-  ``cu_seqlens`` isolation.
+  ``cu_seqlens`` isolation; :class:`StaticSeqlens` (``static_seqlens``) - the same metadata in static,
+  padded buffers, for CUDA graphs replayed across packings.
 * :func:`tensor_cache_disabled`, :func:`probe_tensor_cache` - FLA's cache seam (``fla_cache``).
 * :mod:`fla_ac_isolation.policies` - SAC policies from the field and :func:`checkpoint_layers`.
 
@@ -22,6 +23,7 @@ from fla_ac_isolation.fla_cache import probe_tensor_cache, tensor_cache_disabled
 from fla_ac_isolation.local_seqlens import LocalSeqlens
 from fla_ac_isolation.policies import checkpoint_layers
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
+from fla_ac_isolation.static_seqlens import StaticSeqlens
 
 __version__ = "0.2.0"
 
@@ -43,6 +45,7 @@ _LAZY = {
 __all__ = [
     "LayerLocalSeqlens",
     "LocalSeqlens",
+    "StaticSeqlens",
     "checkpoint_layers",
     "probe_tensor_cache",
     "tensor_cache_disabled",

@@ -38,6 +38,10 @@ class LocalSeqlens(NamedTuple):
             for this layer, holding the very ``cu_seqlens``/``cu_seqlens_cpu`` objects above (then the
             RANK-LOCAL int32 offsets, ``max_seqlen`` the longest local piece and ``chunk_indices`` the
             local schedule); pass it to FLA's CP-aware conv and gated delta rule. ``None`` without CP.
+        chunk_offsets: ``[N + 1]`` first row of each document in ``chunk_indices`` (FLA's
+            ``prepare_chunk_offsets``), dtype of ``cu_seqlens``, on its device, a new object per call; the
+            Mamba2 SSD passes it with ``chunk_indices`` to FLA's state kernels, which then need no host read
+            of the chunk count. ``None`` wherever ``chunk_indices`` is ``None``, and under CP.
     """
 
     cu_seqlens: torch.Tensor
@@ -45,6 +49,7 @@ class LocalSeqlens(NamedTuple):
     max_seqlen: int
     chunk_indices: torch.Tensor | None = None
     cp_context: Any = None
+    chunk_offsets: torch.Tensor | None = None
 
 
 @torch.compiler.disable

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fla_ac_isolation.cp_interface import check_cp_argument
-from fla_ac_isolation.fla_seam.layout import chunk_indices_for
+from fla_ac_isolation.fla_seam.layout import chunk_indices_for, chunk_offsets_for
 from fla_ac_isolation.local_seqlens import LocalSeqlens, fresh_copy, host_to_device
 from fla_ac_isolation.offsets import (
     INDEX_DTYPES,
@@ -42,6 +42,7 @@ from fla_ac_isolation.offsets import (
 if TYPE_CHECKING:
     from fla_ac_isolation.cp_interface import CPBatchSeqlens
     from fla_ac_isolation.parallel.config import CPConfig
+    from fla_ac_isolation.static_seqlens import StaticSeqlens
 
 __all__ = ["LayerLocalSeqlens", "devices_match"]
 
@@ -86,11 +87,19 @@ class LayerLocalSeqlens:
             FLA's CP context for this rank is built here, once, from the host offsets (no device-to-host
             sync); :meth:`local` hands each layer a fresh copy (``LocalSeqlens.cp_context``), and
             :meth:`check_tokens` expects this rank's ``T / W`` tokens. See ``docs/context-parallel.md``.
+        static: graph-safe metadata (:class:`~fla_ac_isolation.static_seqlens.StaticSeqlens`): after
+            validation, this batch's offsets, chunk schedule and chunk offsets are written, padded to the
+            static bound, into ``static``'s buffers, in place (no allocation whose address a CUDA graph could
+            miss), and :meth:`local` hands out fresh copies of those buffers. ``cu_seqlens`` may then be a
+            host tensor (nothing is read back from the device) or live on ``static.device``; ``num_tokens``
+            and ``cu_seqlens[-1]`` must be ``static.num_tokens``. The object is valid until the next batch is
+            written into the same buffers. See ``docs/graphs.md``.
 
     Raises:
         TypeError: ``cu_seqlens``/``cu_seqlens_cpu`` is not a tensor, or not int32/int64; ``max_seqlen``
             or ``num_tokens`` is not an ``int``; ``chunk_indices`` is not a bool; ``cp`` is not a
-            :class:`~fla_ac_isolation.parallel.CPConfig`.
+            :class:`~fla_ac_isolation.parallel.CPConfig`; ``static`` is not a
+            :class:`~fla_ac_isolation.static_seqlens.StaticSeqlens`.
         ValueError: ``cu_seqlens`` is not 1-D with at least 2 entries, does not start at 0, decreases,
             is a meta tensor, sits on another device than ``device``, or its last value differs from ``num_tokens``;
             ``cu_seqlens_cpu`` is not on the CPU or differs in shape or values (compared as int64, so an
@@ -98,7 +107,11 @@ class LayerLocalSeqlens:
             document; ``num_tokens`` is negative; ``device`` is not a device; with ``cp``: ``cu_seqlens``
             off the CPU without ``cu_seqlens_cpu``, a token count that does not split as ``cp.layout``
             needs, an interval shorter than ``cp.conv_kernel_size - 1``
-            (:meth:`~fla_ac_isolation.parallel.CPConfig.check_num_tokens`).
+            (:meth:`~fla_ac_isolation.parallel.CPConfig.check_num_tokens`); with ``static``: ``cp`` or
+            ``chunk_indices=False`` given too, ``cu_seqlens`` (or ``device``) on another device than the host
+            or ``static.device``, more documents than ``static.max_docs``, a token count other than
+            ``static.num_tokens``.
+        RuntimeError: with ``static``, construction while the current CUDA stream captures a graph.
 
     Ownership: the object keeps its own snapshot, one clone of ``cu_seqlens`` (and of
     ``cu_seqlens_cpu``) taken here and validated; mutating or reusing the caller's tensors afterwards
@@ -130,8 +143,8 @@ class LayerLocalSeqlens:
     """
 
     __slots__ = (
-        "_chunk_indices", "_cp", "_cu_seqlens", "_cu_seqlens_cpu", "_host_given", "max_seqlen", "num_seqs",
-        "num_tokens",
+        "_chunk_indices", "_chunk_offsets", "_cp", "_cu_seqlens", "_cu_seqlens_cpu", "_generation", "_host_given",
+        "_static", "max_seqlen", "num_seqs", "num_tokens",
     )
 
     def __init__(
@@ -144,12 +157,16 @@ class LayerLocalSeqlens:
         num_tokens: int | None = None,
         chunk_indices: bool = True,
         cp: CPConfig | None = None,
+        static: StaticSeqlens | None = None,
     ) -> None:
         check_index_tensor(cu_seqlens, "cu_seqlens")
         if cp is not None:
             check_cp_argument(cp, cu_seqlens, cu_seqlens_cpu)
         if not isinstance(chunk_indices, bool):
             raise TypeError(f"chunk_indices must be a bool (precompute FLA's chunk schedule), got {chunk_indices!r}")
+        if static is not None:
+            _check_static(static, cu_seqlens, device, cp, chunk_indices)
+            device = None  # checked against static.device; cu_seqlens may be the host offsets
         if device is not None and not devices_match(cu_seqlens.device, parse_device(device)):
             raise ValueError(
                 f"cu_seqlens must be on the activations' device {torch.device(device)}, got {cu_seqlens.device}"
@@ -183,9 +200,15 @@ class LayerLocalSeqlens:
         self.max_seqlen: int = max_seqlen
         self.num_tokens: int = offsets[-1]
         self.num_seqs: int = len(lens)
+        schedule = chunk_indices and static is None
         self._chunk_indices = (
-            host_to_device(chunk_indices_for(offsets).to(own.dtype), own.device) if chunk_indices else None
+            host_to_device(chunk_indices_for(offsets).to(own.dtype), own.device) if schedule else None
         )
+        self._chunk_offsets = (
+            host_to_device(chunk_offsets_for(offsets).to(own.dtype), own.device) if schedule else None
+        )
+        self._static = static
+        self._generation = static.fill(offsets) if static is not None else 0
         # under CP, the per-batch part comes from the CP object itself (parallel/ sits above this module)
         self._cp: CPBatchSeqlens | None = (
             None if cp is None else cp.batch_seqlens(host, cu_seqlens.device, chunk_indices=chunk_indices)
@@ -296,6 +319,8 @@ class LayerLocalSeqlens:
             recompute's cache miss costs no device-to-host sync. ``chunk_indices`` is the schedule
             precomputed at construction (``None`` if built with ``chunk_indices=False``); FLA ops that
             take it skip their own ``prepare_chunk_indices`` and its blocking copy (docs/benchmarks.md).
+            ``chunk_offsets`` (each document's first schedule row) comes with ``chunk_indices``. With
+            ``static=``: fresh copies of the static buffers (padded; ``max_seqlen`` is the static bound).
             Under context parallelism (``cp=``): this rank's offsets and schedule and a fresh
             ``cp_context`` (see :class:`LocalSeqlens`); with ``whole_batch=True`` the GLOBAL offsets of
             the whole batch instead, fresh, with ``cp_context=None`` (for layers that run whole sequences:
@@ -303,9 +328,19 @@ class LayerLocalSeqlens:
         """
         if self._cp is not None and not whole_batch:
             return self._cp.local()
+        if self._static is not None:
+            if self._static.generation != self._generation:
+                raise RuntimeError(
+                    f"this LayerLocalSeqlens wrote batch {self._generation} into {self._static!r}, which now holds "
+                    f"batch {self._static.generation}: build a new LayerLocalSeqlens(..., static=) per batch and "
+                    "use one StaticSeqlens per batch in flight"
+                )
+            return self._static.local()
         chunk_indices = fresh_copy(self._chunk_indices) if self._chunk_indices is not None else None
+        chunk_offsets = fresh_copy(self._chunk_offsets) if self._chunk_offsets is not None else None
         return LocalSeqlens(
-            fresh_copy(self._cu_seqlens), fresh_copy(self._cu_seqlens_cpu), self.max_seqlen, chunk_indices
+            fresh_copy(self._cu_seqlens), fresh_copy(self._cu_seqlens_cpu), self.max_seqlen, chunk_indices,
+            chunk_offsets=chunk_offsets,
         )
 
     def check_tokens(self, num_tokens: int, name: str = "hidden_states") -> None:
@@ -329,13 +364,13 @@ class LayerLocalSeqlens:
 
     @property
     def device(self) -> torch.device:
-        """Device of ``cu_seqlens``."""
-        return self._cu_seqlens.device
+        """Device of ``cu_seqlens`` (with ``static=``: of the static buffers)."""
+        return self._static.device if self._static is not None else self._cu_seqlens.device
 
     @property
     def dtype(self) -> torch.dtype:
-        """Integer dtype of ``cu_seqlens`` (int32 or int64)."""
-        return self._cu_seqlens.dtype
+        """Integer dtype of ``cu_seqlens`` (int32 or int64; with ``static=``: of the static buffers)."""
+        return self._static.dtype if self._static is not None else self._cu_seqlens.dtype
 
     def seq_lens(self) -> list[int]:
         """Document lengths in tokens, from the host offsets (no sync)."""
@@ -348,7 +383,27 @@ class LayerLocalSeqlens:
             f"max_seqlen={self.max_seqlen}, device={self.device}, dtype={self.dtype}, "
             f"cu_seqlens_cpu={'given' if self._host_given else 'not given'}, "
             f"chunk_indices={'precomputed' if self._chunk_indices is not None else 'off'}"
-            + (f", cp={self._cp!r})" if self._cp is not None else ")")
+            + (f", cp={self._cp!r}" if self._cp is not None else "")
+            + (f", static={self._static!r})" if self._static is not None else ")")
+        )
+
+
+def _check_static(static: object, cu_seqlens: torch.Tensor, device: object, cp: object, chunk_indices: bool) -> None:
+    """The checks ``static=`` adds at construction (see :class:`LayerLocalSeqlens`)."""
+    from fla_ac_isolation.static_seqlens import StaticSeqlens
+
+    if not isinstance(static, StaticSeqlens):
+        raise TypeError(f"static must be a StaticSeqlens, got {type(static).__name__}")
+    if cp is not None:
+        raise ValueError("static= and cp= cannot be combined: static buffers hold whole-batch offsets only")
+    if not chunk_indices:
+        raise ValueError("static= always hands out the padded chunk schedule; do not pass chunk_indices=False with it")
+    if device is not None and not devices_match(static.device, parse_device(device)):
+        raise ValueError(f"device={torch.device(device)} differs from the static buffers' device {static.device}")
+    if cu_seqlens.device.type != "cpu" and not devices_match(cu_seqlens.device, static.device):
+        raise ValueError(
+            f"cu_seqlens must be host offsets or live on the static buffers' device {static.device}, "
+            f"got {cu_seqlens.device}"
         )
 
 

@@ -115,9 +115,10 @@ def test_zero_token_batch_gives_empty_output(family):
 
 
 def test_precomputed_chunk_indices_reach_the_ops_and_change_nothing(family):
-    """With LayerLocalSeqlens' schedule the conv and the gated delta rule skip prepare_chunk_indices
-    (only Mamba2's SSD, on FLA's simple GLA, and KDA, on FLA's chunk_kda, take no schedule and still ask
-    for it); outputs are bit-equal to the run where every op computes the schedule itself."""
+    """With LayerLocalSeqlens' schedule the conv, the gated delta rule and Mamba2's SSD (which takes the
+    schedule and its chunk offsets, ``fla_seam.simple_gla``) all skip prepare_chunk_indices (only KDA, on FLA's
+    chunk_kda, takes no schedule and still asks for it); outputs are bit-equal to the run where every op
+    computes the schedule itself."""
     from fla_ac_isolation.fla_cache import probe_tensor_cache
 
     kda = family.family.name == "kimi_linear"
@@ -126,7 +127,7 @@ def test_precomputed_chunk_indices_reach_the_ops_and_change_nothing(family):
     with torch.no_grad(), probe_tensor_cache() as probe:
         with_schedule = mixer(x, LayerLocalSeqlens.from_seq_lens(PACKED_LENS))
     asked = probe.by_helper().get("prepare_chunk_indices", {"miss": 0, "hit": 0})
-    expected_lookups = 1 if family.name == "nemotron_h" or kda else 0  # the SSD's / KDA's own lookup
+    expected_lookups = 1 if kda else 0  # KDA's own lookup: FLA's chunk_kda takes no schedule
     assert asked["miss"] + asked["hit"] == expected_lookups, probe.by_helper()
     with torch.no_grad(), probe_tensor_cache() as probe:
         without = mixer(x, LayerLocalSeqlens.from_seq_lens(PACKED_LENS, chunk_indices=False))

@@ -20,6 +20,7 @@ TOP_LEVEL = {
     "ReplayAudit": "fla_ac_isolation.audit.replay_audit",
     "LayerLocalSeqlens": "fla_ac_isolation.seqlens",
     "LocalSeqlens": "fla_ac_isolation.local_seqlens",
+    "StaticSeqlens": "fla_ac_isolation.static_seqlens",
     "swap_mixers": "fla_ac_isolation.swap",
     "isolate_seqlens": "fla_ac_isolation.isolate",
 }

@@ -48,7 +48,8 @@ def _cases():
                               True, *varlen, local.chunk_indices)),
         "ssd": (fla_ac.ssd_scan_reference.default,
                 (_leaf(1, T, 4, 16, scale=0.5, seed=5), (-torch.rand(1, T, 4)).requires_grad_(),
-                 _leaf(1, T, 2, 16, seed=6), _leaf(1, T, 2, 16, seed=7), *varlen)),
+                 _leaf(1, T, 2, 16, seed=6), _leaf(1, T, 2, 16, seed=7), *varlen, local.chunk_indices,
+                 local.chunk_offsets)),
     }
 
 
@@ -58,8 +59,8 @@ PLAIN = {
     "gated_delta_rule_reference": lambda q, k, v, g, beta, scale, l2, cu, cu_cpu, ci: reference.chunk_gated_delta_rule(
         q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
         chunk_indices=ci),
-    "ssd_scan_reference": lambda x, a, b, c, cu, cu_cpu: reference.ssd_scan(x, a, b, c, cu_seqlens=cu,
-                                                                            cu_seqlens_cpu=cu_cpu),
+    "ssd_scan_reference": lambda x, a, b, c, cu, cu_cpu, ci, co: reference.ssd_scan(
+        x, a, b, c, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=ci, chunk_offsets=co),
 }
 BACKWARD = {
     "causal_conv1d_reference": fla_ac.causal_conv1d_reference_backward.default,
@@ -93,8 +94,8 @@ def test_backward_operators_pass_opcheck_and_equal_autograd_of_the_reference(cas
         q, k, v, g, beta, scale, l2, cu, cu_cpu, ci = args
         back_args = (grad_out, *(t.detach() for t in (q, k, v, g, beta)), scale, l2, cu, cu_cpu, ci)
     else:
-        x, a, b, c, cu, cu_cpu = args
-        back_args = (grad_out, *(t.detach() for t in (x, a, b, c)), cu, cu_cpu)
+        x, a, b, c, cu, cu_cpu, ci, co = args
+        back_args = (grad_out, *(t.detach() for t in (x, a, b, c)), cu, cu_cpu, ci, co)
     got = [t for t in backward(*back_args) if t.numel()]  # a missing conv bias gives empty(0)
     assert len(got) == len(expected)
     for g_got, g_want in zip(got, expected):

@@ -8,6 +8,8 @@ Everything this project knows about FLA (fla-core 0.6) lives in the modules of t
   schedule (:func:`~.layout.chunk_indices_for`) and FLA's own index helpers, for the reference backend.
 * :mod:`~fla_ac_isolation.fla_seam.kernels` - the calls into FLA's Triton kernels (causal conv, gated delta
   rule, simple GLA as the Mamba2 SSD): the ``fla`` backend of :mod:`fla_ac_isolation.ops`.
+* :mod:`~fla_ac_isolation.fla_seam.simple_gla` - FLA's simple GLA (the Mamba2 SSD) without host syncs: its
+  kernels launched with the state count read on the host, given the chunk schedule.
 * :mod:`~fla_ac_isolation.fla_seam.custom_ops` - the same three calls as torch custom operators (FLA's own
   forward and backward functions, fake kernels): the ``fla`` backend of ``ops(..., saveable=True)``.
 * :mod:`~fla_ac_isolation.fla_seam.kda` - FLA's Kimi Delta Attention (``chunk_kda``): the ``fla`` backend of

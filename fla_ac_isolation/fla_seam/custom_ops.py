@@ -22,10 +22,12 @@ backward function, with the arguments FLA's ``Function`` s pass. Operators (all 
   reads, ``A [B, T, HV, 64]`` (dtype of k), ``g_cumsum [B, T, HV]`` fp32 and ``q_rstd``/``k_rstd``
   ``[B, T, H]`` fp32 (empty without the L2 norm). Backward operator ``gated_delta_rule_backward``:
   ``chunk_gated_delta_rule_bwd`` and ``l2norm_bwd``.
-* ``simple_gla(q, k, v, g, scale, cu_seqlens?, cu_seqlens_cpu?) -> (o, g_cumsum)``: FLA's
-  ``ChunkSimpleGLAFunction.forward`` (``chunk_local_cumsum``, ``chunk_simple_gla_fwd``): ``o [B, T, H, V]``,
-  ``g_cumsum [B, T, H]`` fp32; ``q``/``k`` may have ``G`` groups dividing ``H`` (expanded inside). Backward
-  operator ``simple_gla_backward``: ``chunk_simple_gla_bwd`` and the reverse cumsum.
+* ``simple_gla(q, k, v, g, scale, cu_seqlens?, cu_seqlens_cpu?, chunk_indices?, chunk_offsets?)
+  -> (o, g_cumsum)``: FLA's ``ChunkSimpleGLAFunction.forward`` with its state passes sized on the host
+  (:mod:`~fla_ac_isolation.fla_seam.simple_gla`: ``chunk_local_cumsum``, FLA's state kernel,
+  ``chunk_fwd_o``): ``o [B, T, H, V]``, ``g_cumsum [B, T, H]`` fp32; ``q``/``k`` may have ``G`` groups
+  dividing ``H`` (expanded inside). Backward operator ``simple_gla_backward``: ``chunk_simple_gla_bwd``'s
+  kernels and the reverse cumsum.
 
 Deviations from FLA's ``Function`` s, all without effect on the numbers (under Triton's interpreter a GDN +
 Mamba2 stack with these operators equals the default path, FLA's public functions, bit for bit):
@@ -36,8 +38,8 @@ Mamba2 stack with these operators equals the default path, FLA's public function
 * simple GLA takes Mamba2's grouped ``B``/``C`` and expands them inside, forward and backward, so neither
   AC nor autograd keeps the ``H``-head copies; the backward sums each group's heads, which equals
   autograd's gradient of ``repeat_interleave``;
-* FLA's ``dispatch`` to alternative backends of the gated delta rule (FlashQLA) is not taken: the op calls
-  the Triton path.
+* FLA's ``dispatch`` to alternative backends of the gated delta rule (FlashQLA) and of simple GLA's state
+  passes (TileLang, Ascend) is not taken: the ops call the Triton path.
 
 Inputs are used in the dtypes given (custom ops run outside autocast; the mixers cast explicitly).
 ``cp_context``, initial and final states are not offered. FLA is imported inside the kernels, never at
@@ -56,7 +58,7 @@ import math
 import torch
 from torch import Tensor
 
-from fla_ac_isolation.fla_seam import kernels
+from fla_ac_isolation.fla_seam import kernels, simple_gla
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
 from fla_ac_isolation.op_inputs import check_groups, discretize_dt
 from fla_ac_isolation.op_names import by_operation
@@ -253,47 +255,34 @@ _gdn_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup)
 @torch.library.custom_op(f"{_NS}::simple_gla", mutates_args=())
 def _gla_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None,
+    cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None, chunk_offsets: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
-
     heads = v.shape[2]
     q, k, v, g = _contiguous(_expand(q, heads)), _contiguous(_expand(k, heads)), _contiguous(v), _contiguous(g)
     with _device(q):
-        chunk_indices = _schedule(cu_seqlens, cu_seqlens_cpu, None)  # as FLA's Function: always its own
-        g_cumsum = chunk_local_cumsum(g, chunk_size=CHUNK_SIZE, scale=RCP_LN2, cu_seqlens=cu_seqlens,
-                                      chunk_indices=chunk_indices)
-        o, _ = chunk_simple_gla_fwd(q=q, k=k, v=v, g=g_cumsum, g_gamma=None, scale=scale, initial_state=None,
-                                    output_final_state=False, cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE,
-                                    chunk_indices=chunk_indices)
-    return o.to(q.dtype), g_cumsum
+        chunk_indices, chunk_offsets = simple_gla.schedule(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets)
+        o, g_cumsum = simple_gla.simple_gla_forward(q, k, v, g, scale, cu_seqlens=cu_seqlens,
+                                                    chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
+    return o, g_cumsum
 
 
 @_gla_forward.register_fake
-def _(q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu):
+def _(q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets):
     return q.new_empty(v.shape), g.new_empty(g.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_NS}::simple_gla_backward", mutates_args=())
 def _gla_backward_op(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, g_cumsum: Tensor, g_dtype: torch.dtype, scale: float,
-    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
+    chunk_offsets: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    from fla.ops.simple_gla.chunk import chunk_simple_gla_bwd
-    from fla.ops.utils import chunk_local_cumsum
-
     heads, groups = v.shape[2], q.shape[2]
     qe, ke, v, do = _contiguous(_expand(q, heads)), _contiguous(_expand(k, heads)), _contiguous(v), _contiguous(do)
     with _device(q):
-        chunk_indices = _schedule(cu_seqlens, cu_seqlens_cpu, None)
-        dq, dk, dv, dg, _ = chunk_simple_gla_bwd(
-            q=qe, k=ke, v=v, g=g_cumsum, g_gamma=None, initial_state=None, do=do, dht=None, scale=scale,
-            cu_seqlens=cu_seqlens, chunk_size=CHUNK_SIZE, chunk_indices=chunk_indices,
-        )
-        dg = chunk_local_cumsum(dg, chunk_size=CHUNK_SIZE, reverse=True, cu_seqlens=cu_seqlens,
-                                chunk_indices=chunk_indices).to(g_cumsum)
+        chunk_indices, chunk_offsets = simple_gla.schedule(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets)
+        dq, dk, dv, dg = simple_gla.simple_gla_backward(do, qe, ke, v, g_cumsum, scale, cu_seqlens=cu_seqlens,
+                                                        chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
     dq, dk = dq.to(qe.dtype), dk.to(ke.dtype)
     if groups != heads:  # the gradient of the expansion: each group sums its heads
         batch, tokens, _, dim = dq.shape
@@ -303,24 +292,25 @@ def _gla_backward_op(
 
 
 @_gla_backward_op.register_fake
-def _(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu):
+def _(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             g_cumsum.new_empty(g_cumsum.shape, dtype=g_dtype))
 
 
 def _gla_setup(ctx, inputs, output) -> None:
-    q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu = inputs
+    q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets = inputs
     g_cumsum = output[1]
     ctx.mark_non_differentiable(g_cumsum)
-    ctx.save_for_backward(q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu)
+    ctx.save_for_backward(q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets)
     ctx.meta = (g.dtype, scale)
 
 
 def _gla_backward(ctx, do, _dg_cumsum):
-    q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets = ctx.saved_tensors
     g_dtype, scale = ctx.meta
-    grads = _gla_backward_op(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu)
-    return (*grads, None, None, None)
+    grads = _gla_backward_op(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+                             chunk_offsets)
+    return (*grads, None, None, None, None, None)
 
 
 _gla_forward.register_autograd(_gla_backward, setup_context=_gla_setup)
@@ -397,13 +387,16 @@ def ssd(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
+    chunk_indices: Tensor | None = None,
+    chunk_offsets: Tensor | None = None,
 ) -> Tensor:
     """:func:`fla_ac_isolation.fla_seam.kernels.ssd` with its simple GLA call as the ``simple_gla`` op.
 
     ``x [B, T, H, P]``, ``dt [B, T, H]``, ``A [H]``, ``B, C [B, T, G, N]``, ``D [H]`` -> ``[B, T, H, P]``.
     The same maths as the plain ``fla`` backend (discretisation, ``v = dt * x`` in the dtype of ``x``,
     ``g = dt * A`` in float32, the ``D`` skip outside the op); ``B``/``C`` reach the op grouped. Follows
-    FLA's ``ChunkSimpleGLAFunction`` (``chunk_simple_gla_fwd`` / ``chunk_simple_gla_bwd``).
+    FLA's ``ChunkSimpleGLAFunction`` with the state passes sized on the host
+    (:mod:`~fla_ac_isolation.fla_seam.simple_gla`): given ``chunk_indices`` and ``chunk_offsets``, no host sync.
 
     Raises:
         ValueError: CPU tensors outside Triton's interpreter; ``H`` not a multiple of ``G``.
@@ -411,9 +404,10 @@ def ssd(
     kernels._check_device(x)
     check_groups(x.shape[2], B, C)
     dt = discretize_dt(dt, dt_bias, dt_limit)
-    value = (x.float() * dt.unsqueeze(-1)).to(x.dtype)
+    value = (x * dt.unsqueeze(-1)).to(x.dtype)  # x promoted inside the multiply: no float32 copy of x
     log_decay = dt * A.float()
-    y, _ = _gla_forward(C.to(x.dtype), B.to(x.dtype), value, log_decay, 1.0, cu_seqlens, cu_seqlens_cpu)
+    y, _ = _gla_forward(C.to(x.dtype), B.to(x.dtype), value, log_decay, 1.0, cu_seqlens, cu_seqlens_cpu,
+                        chunk_indices, chunk_offsets)
     if D is not None:
-        y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
+        y = (y + D.float()[:, None] * x).to(x.dtype)  # promoted inside the ops: the numbers of y.float() + ...
     return y

@@ -7,8 +7,9 @@ Each function has the signature and semantics of its twin in :mod:`~fla_ac_isola
   form behind ``fla.modules.ShortConvolution``); weight ``[D, W]``.
 * :func:`chunk_gated_delta_rule` -> ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` with
   ``use_qk_l2norm_in_kernel`` and native GVA (``HV > H``).
-* :func:`ssd` -> ``fla.ops.simple_gla.chunk_simple_gla`` with ``q = C``, ``k = B``, ``v = dt * x``,
-  ``g = dt * A`` and ``scale = 1``, plus ``D * x`` added here. Simple GLA's recurrence
+* :func:`ssd` -> FLA's simple GLA (``fla.ops.simple_gla.chunk_simple_gla``'s kernels, through
+  :mod:`~fla_ac_isolation.fla_seam.simple_gla`, which sizes its state tensors on the host) with ``q = C``,
+  ``k = B``, ``v = dt * x``, ``g = dt * A`` and ``scale = 1``, plus ``D * x`` added here. Simple GLA's recurrence
   ``S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale * S_t^T q_t`` *is* the SSD recurrence under that
   mapping, and it is reset at every document by ``cu_seqlens``. We use it rather than mamba_ssm's
   ``mamba_chunk_scan_combined(seq_idx=...)`` because it ships with fla-core (pure Triton, nothing to
@@ -18,11 +19,12 @@ Each function has the signature and semantics of its twin in :mod:`~fla_ac_isola
 
 ``cu_seqlens`` and ``cu_seqlens_cpu`` are passed to FLA wherever its API takes them; pass the tensors
 returned by :meth:`~fla_ac_isolation.LayerLocalSeqlens.local` so each layer gets its own objects.
-``chunk_indices`` (the conv and the gated delta rule) is passed with ``chunk_size=CHUNK_SIZE`` where FLA
-takes a chunk size; FLA's conv has a fixed chunk size, so the schedule is only handed to it while that
-size is :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`
-(:func:`~fla_ac_isolation.fla_seam.layout.conv_takes_chunk_indices`), and otherwise left for FLA to
-compute. A schedule for another chunk size would be read silently wrong by the kernel.
+``chunk_indices`` (the conv, the gated delta rule and the SSD; the SSD also takes ``chunk_offsets``, and
+then makes no host synchronisation) is passed with ``chunk_size=CHUNK_SIZE`` where FLA takes a chunk
+size; FLA's conv has a fixed chunk size, so the schedule is only handed to it while that size is
+:data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`
+(:func:`~fla_ac_isolation.fla_seam.layout.conv_takes_chunk_indices`), and otherwise left for FLA to compute.
+A schedule for another chunk size would be read silently wrong by the kernel.
 
 Context parallelism: the conv and the gated delta rule take FLA's ``cp_context`` (an ``FLACPContext``,
 ``LocalSeqlens.cp_context``); the tensors are then this rank's shard and FLA takes the rank-local offsets
@@ -42,6 +44,7 @@ import os
 import torch
 
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
+from fla_ac_isolation.fla_seam.simple_gla import schedule, simple_gla
 from fla_ac_isolation.op_inputs import discretize_dt
 
 __all__ = ["causal_conv1d", "chunk_gated_delta_rule", "ssd"]
@@ -148,33 +151,29 @@ def ssd(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Mamba2 SSD scan on FLA's simple GLA chunk kernel; see :func:`reference.ssd`.
+    """The Mamba2 SSD scan on FLA's simple GLA chunk kernels; see :func:`reference.ssd`.
 
     ``x [B, T, H, P]``, ``dt [B, T, H]``, ``A [H]``, ``B, C [B, T, G, N]``, ``D [H]`` -> ``[B, T, H, P]``.
     ``dt`` is discretised in float32 here (bias, softplus, clamp); ``v = dt * x`` is rounded to the dtype
-    of ``x`` for the kernel, ``g = dt * A`` stays float32.
+    of ``x`` for the kernel, ``g = dt * A`` stays float32. ``chunk_indices [NT, 2]`` and ``chunk_offsets
+    [N + 1]`` (``LocalSeqlens``): FLA's schedule, given; without them FLA's cached helpers compute it
+    (:func:`~fla_ac_isolation.fla_seam.simple_gla.schedule`). The numbers are those of FLA's
+    ``chunk_simple_gla(q, k, v, g, scale=1, cu_seqlens=...)``, bit for bit.
     """
-    from fla.ops.simple_gla import chunk_simple_gla
-
     _check_device(x)
     heads, groups = x.shape[2], B.shape[2]
     if heads % groups or C.shape[2] != groups:
         raise ValueError(f"heads ({heads}) must be a multiple of the B/C groups ({groups}, {C.shape[2]})")
     dt = discretize_dt(dt, dt_bias, dt_limit)
-    value = (x.float() * dt.unsqueeze(-1)).to(x.dtype)
+    value = (x * dt.unsqueeze(-1)).to(x.dtype)  # x promoted inside the multiply: no float32 copy of x
     log_decay = dt * A.float()
     query = C.to(x.dtype).repeat_interleave(heads // groups, dim=2)
     key = B.to(x.dtype).repeat_interleave(heads // groups, dim=2)
-    y, _ = chunk_simple_gla(
-        q=query,
-        k=key,
-        v=value,
-        g=log_decay,
-        scale=1.0,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-    )
+    chunk_indices, chunk_offsets = schedule(cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets)
+    y = simple_gla(query, key, value, log_decay, 1.0, cu_seqlens, chunk_indices, chunk_offsets)
     if D is not None:
-        y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
+        y = (y + D.float()[:, None] * x).to(x.dtype)  # promoted inside the ops: the numbers of y.float() + ...
     return y

@@ -8,7 +8,8 @@ memoised there by argument identity. This module states those facts once:
 * :data:`CHUNK_SIZE` and :func:`conv_takes_chunk_indices` (whether FLA's conv uses the same chunk size,
   read from its signature: a schedule for another size would be misread silently);
 * :func:`chunk_indices_for` - the same schedule, computed on the host without FLA's cache (what
-  :class:`~fla_ac_isolation.LayerLocalSeqlens` precomputes once per batch);
+  :class:`~fla_ac_isolation.LayerLocalSeqlens` precomputes once per batch), and :func:`chunk_offsets_for`,
+  each document's first row in it (FLA's ``prepare_chunk_offsets``, which sizes the chunk states);
 * :func:`prepare_chunk_indices`, :func:`prepare_chunk_offsets`, :func:`prepare_position_ids` - FLA's own
   cached helpers, called through unchanged, for the reference backend (which must hit and miss FLA's cache
   where the kernels do) and the fault stack.
@@ -27,6 +28,7 @@ import torch
 __all__ = [
     "CHUNK_SIZE",
     "chunk_indices_for",
+    "chunk_offsets_for",
     "conv_takes_chunk_indices",
     "prepare_chunk_indices",
     "prepare_chunk_offsets",
@@ -35,6 +37,21 @@ __all__ = [
 
 CHUNK_SIZE = 64
 """Chunk length in tokens of FLA's varlen conv, gated delta rule and simple GLA kernels (fla-core 0.6)."""
+
+
+def _steps(offsets: Sequence[int] | torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``[N]`` document lengths (int64, host) of checked ``offsets``; see :func:`chunk_indices_for` for the errors."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    offsets = torch.as_tensor(offsets, dtype=torch.int64, device="cpu")
+    if offsets.dim() != 1 or offsets.numel() == 0:
+        raise ValueError(f"offsets must be 1-D with N + 1 >= 1 entries, got shape {tuple(offsets.shape)}")
+    steps = offsets[1:] - offsets[:-1]
+    if bool((steps < 0).any()):
+        i = int(torch.nonzero(steps < 0)[0]) + 1
+        here, before = int(offsets[i]), int(offsets[i - 1])
+        raise ValueError(f"offsets must be non-decreasing, but offsets[{i}]={here} < offsets[{i - 1}]={before}")
+    return steps
 
 
 def chunk_indices_for(offsets: Sequence[int] | torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
@@ -60,21 +77,29 @@ def chunk_indices_for(offsets: Sequence[int] | torch.Tensor, chunk_size: int = C
         ValueError: ``chunk_size`` is not a positive int; ``offsets`` is not 1-D with at least one entry,
             or decreases (the message names the first decreasing index).
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    offsets = torch.as_tensor(offsets, dtype=torch.int64, device="cpu")
-    if offsets.dim() != 1 or offsets.numel() == 0:
-        raise ValueError(f"offsets must be 1-D with N + 1 >= 1 entries, got shape {tuple(offsets.shape)}")
-    steps = offsets[1:] - offsets[:-1]                                                           # [N]
-    if bool((steps < 0).any()):
-        i = int(torch.nonzero(steps < 0)[0]) + 1
-        here, before = int(offsets[i]), int(offsets[i - 1])
-        raise ValueError(f"offsets must be non-decreasing, but offsets[{i}]={here} < offsets[{i - 1}]={before}")
+    steps = _steps(offsets, chunk_size)                                                          # [N]
     chunks = (steps + chunk_size - 1).div(chunk_size, rounding_mode="floor")                     # [N]
     document = torch.repeat_interleave(torch.arange(chunks.numel()), chunks)                     # [NT]
     first_row = chunks.cumsum(0) - chunks                                                        # [N]
     chunk = torch.arange(document.numel()) - first_row[document]                                 # [NT]
     return torch.stack([document, chunk], dim=1)
+
+
+def chunk_offsets_for(offsets: Sequence[int] | torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """Each document's first row in the chunk schedule: ``[N + 1]`` int64 on the host, ``[0, c_0, c_0 + c_1, ...]``
+    with ``c_i = ceil(len_i / chunk_size)``; the last entry is the schedule's row count ``NT``.
+
+    The values of ``fla.ops.utils.index.prepare_chunk_offsets(cu_seqlens, chunk_size)`` (the tests compare
+    the two), computed on the host for the reason given in :func:`chunk_indices_for`. FLA's state kernels
+    (``chunk_fwd_kernel_h``, ``chunk_bwd_kernel_dh``, the gated delta rule's) read it as ``split_offsets`` /
+    ``chunk_offsets``: where a document's chunk states start.
+
+    Raises:
+        ValueError: as :func:`chunk_indices_for`.
+    """
+    steps = _steps(offsets, chunk_size)
+    chunks = (steps + chunk_size - 1).div(chunk_size, rounding_mode="floor")
+    return torch.cat([chunks.new_zeros(1), chunks.cumsum(0)])
 
 
 @functools.cache

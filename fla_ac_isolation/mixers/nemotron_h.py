@@ -16,8 +16,11 @@ Why a replacement: without mamba_ssm, transformers' torch path ignores packed-do
 ``cu_seq_lens_q``/``position_ids`` never reach the conv or the scan), so state leaks from one document into
 the next. Here the conv and the scan restart at every ``cu_seqlens`` offset, each call localises its
 ``cu_seqlens`` (:meth:`~fla_ac_isolation.LayerLocalSeqlens.local`) inside ``forward``, and the backend is
-explicit (FLA's conv and ``chunk_simple_gla`` on CUDA, the pure-torch reference elsewhere; see
-:mod:`fla_ac_isolation.fla_seam.kernels` for why SSD runs on simple GLA). Cached generation is not implemented.
+explicit (FLA's conv and ``chunk_simple_gla``'s kernels on CUDA, the pure-torch reference elsewhere; see
+:mod:`fla_ac_isolation.fla_seam.kernels` for why SSD runs on simple GLA). With the precomputed schedule of
+:meth:`~fla_ac_isolation.LayerLocalSeqlens.local` (``chunk_indices`` and ``chunk_offsets``) the layer makes no
+host synchronisation, in forward, recompute or backward (:mod:`fla_ac_isolation.fla_seam.simple_gla`), so its
+checkpointed step can be captured in a CUDA graph (``docs/graphs.md``). Cached generation is not implemented.
 
 Context parallelism: FLA 0.6 has no CP for simple GLA, so with ``seqlens`` built with ``cp=CPConfig(...)``
 the mixer runs head-parallel (:mod:`fla_ac_isolation.mixers.nemotron_h_cp`): two all-to-alls, and whole
@@ -243,6 +246,7 @@ class NemotronHMamba2Mixer(nn.Module):
             "saveable": self.saveable,
         }
         chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
+        chunk_offsets = local.chunk_offsets if local is not None else None  # its first row per document
         dtype = hidden_states.dtype
         groups_n = self.n_groups * self.ssm_state_size
 
@@ -271,6 +275,8 @@ class NemotronHMamba2Mixer(nn.Module):
             D=self.D,
             dt_bias=self.dt_bias,
             dt_limit=self.time_step_limit,
+            chunk_indices=chunk_indices,
+            chunk_offsets=chunk_offsets,
             **varlen,
         )
 

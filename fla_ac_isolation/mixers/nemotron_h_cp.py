@@ -131,7 +131,7 @@ def head_parallel_forward(
         B.reshape(1, tokens, groups, N), C.reshape(1, tokens, groups, N),
         D=mixer.D.index_select(0, heads), dt_bias=mixer.dt_bias.index_select(0, heads),
         dt_limit=mixer.time_step_limit, cu_seqlens=whole.cu_seqlens, cu_seqlens_cpu=whole.cu_seqlens_cpu,
-        backend=backend, saveable=mixer.saveable,
+        chunk_indices=whole.chunk_indices, chunk_offsets=whole.chunk_offsets, backend=backend, saveable=mixer.saveable,
     )                                                                                # [1, T, H_r, P]
 
     # 4. back to this rank's tokens, every head; gated norm and out_proj on the shard.

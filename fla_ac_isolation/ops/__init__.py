@@ -13,9 +13,10 @@ Four operations, each offered by two backends with identical signatures: ``fla``
 ``backend`` is ``"auto"`` (``fla`` for CUDA tensors, ``reference`` otherwise), ``"fla"`` or
 ``"reference"``. Packed documents are described by ``cu_seqlens`` (``[N + 1]`` int offsets, batch size 1)
 and optionally ``cu_seqlens_cpu`` (its host copy); both backends hand them to FLA's index helpers, so
-pass the per-layer tensors of :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`. The conv and the gated
-delta rule also take FLA's ``chunk_indices`` (``LocalSeqlens.chunk_indices``), which spares them
-``prepare_chunk_indices``; FLA's simple GLA (behind :func:`ssd`) has no such argument.
+pass the per-layer tensors of :meth:`~fla_ac_isolation.LayerLocalSeqlens.local`. All three also take FLA's
+``chunk_indices`` (``LocalSeqlens.chunk_indices``), which spares them ``prepare_chunk_indices``; :func:`ssd`
+also takes ``chunk_offsets`` (``LocalSeqlens.chunk_offsets``), with which its ``fla`` backend runs FLA's
+simple GLA without a host synchronisation (:mod:`fla_ac_isolation.fla_seam.simple_gla`).
 
 ``saveable=True`` (opt-in) routes a call through torch custom operators instead
 (:mod:`fla_ac_isolation.fla_seam.custom_ops` | :mod:`fla_ac_isolation.ops.reference_ops`): the same
@@ -83,6 +84,33 @@ def _module(backend: str, tensor: torch.Tensor, saveable: bool):
     if resolve_backend(backend, tensor) == "fla":
         return fla_saveable_backend if saveable else fla_backend
     return reference_saveable_backend if saveable else reference_backend
+
+
+def _check_chunk_offsets(chunk_offsets: torch.Tensor | None, chunk_indices: torch.Tensor | None,
+                         cu_seqlens: torch.Tensor | None) -> None:
+    """Reject a ``chunk_offsets`` that FLA's state kernels would misread: ``[N + 1]`` integers on the device of
+    ``cu_seqlens``, given together with ``chunk_indices`` (the state count is ``len(chunk_indices)``).
+
+    Raises:
+        ValueError: ``chunk_offsets`` without ``chunk_indices``, or not ``[N + 1]`` like ``cu_seqlens``, or on
+            another device.
+        TypeError: not an int32/int64 tensor.
+    """
+    if chunk_offsets is None:
+        return
+    if chunk_indices is None:
+        raise ValueError("chunk_offsets needs chunk_indices (the state count is its row count); got chunk_indices=None")
+    if not isinstance(chunk_offsets, torch.Tensor) or chunk_offsets.dtype not in (torch.int32, torch.int64):
+        what = chunk_offsets.dtype if isinstance(chunk_offsets, torch.Tensor) else type(chunk_offsets).__name__
+        raise TypeError(f"chunk_offsets must be an int32/int64 tensor, got {what}")
+    if chunk_offsets.shape != cu_seqlens.shape:
+        raise ValueError(
+            f"chunk_offsets must be [N + 1] like cu_seqlens {tuple(cu_seqlens.shape)}, got {tuple(chunk_offsets.shape)}"
+        )
+    if not devices_match(chunk_offsets.device, cu_seqlens.device):
+        raise ValueError(
+            f"chunk_offsets must be on the device of cu_seqlens ({cu_seqlens.device}), got {chunk_offsets.device}"
+        )
 
 
 def _check_chunk_indices(chunk_indices: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> None:
@@ -212,6 +240,8 @@ def ssd(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
     backend: Backend = "auto",
     saveable: bool = False,
 ) -> torch.Tensor:
@@ -220,12 +250,17 @@ def ssd(
     ``x [B, T, H, P]``, ``dt [B, T, H]`` (raw), ``A [H]``, ``B, C [B, T, G, N]``, ``D [H]`` ->
     ``[B, T, H, P]``. See :func:`fla_ac_isolation.ops.reference.ssd`. ``saveable=True``: the scan is one
     custom operator (``fla_ac_isolation::simple_gla`` | ``ssd_scan_reference``), see the module docstring.
+    ``chunk_indices [NT, 2]`` and ``chunk_offsets [N + 1]``: FLA's chunk schedule and each document's first
+    row in it (``LocalSeqlens``); with both, the ``fla`` backend makes no host synchronisation.
 
     Raises:
-        ValueError: unknown ``backend``; ``H`` not a multiple of the groups of ``B``/``C``; the backend's
-            own checks (see :mod:`~fla_ac_isolation.ops.reference`).
-        TypeError: ``saveable`` is not a bool.
+        ValueError: unknown ``backend``; ``H`` not a multiple of the groups of ``B``/``C``; malformed
+            ``chunk_indices``/``chunk_offsets`` (``chunk_offsets`` without ``chunk_indices``, shapes, device);
+            the backend's own checks (see :mod:`~fla_ac_isolation.ops.reference`).
+        TypeError: ``saveable`` is not a bool; ``chunk_indices``/``chunk_offsets`` not integer tensors.
     """
+    _check_chunk_indices(chunk_indices, cu_seqlens)
+    _check_chunk_offsets(chunk_offsets, chunk_indices, cu_seqlens)
     return _module(backend, x, saveable).ssd(
         x, dt, A, B, C,
         D=D,
@@ -233,6 +268,8 @@ def ssd(
         dt_limit=dt_limit,
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
+        chunk_offsets=chunk_offsets,
     )
 
 

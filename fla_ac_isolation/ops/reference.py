@@ -77,15 +77,18 @@ def packed_documents(
     *,
     recurrent: bool,
     chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> list[PackedDocument]:
     """The documents of a batch and their chunks, as FLA's kernels would see them.
 
     Without ``cu_seqlens`` the whole time axis is one document (per batch row). With it, the schedule is
     read from ``chunk_indices`` when given, else from ``prepare_chunk_indices(cu_seqlens, chunk_size,
     cu_seqlens_cpu=...)`` (``[NT, 2]`` rows of ``(document, chunk index within the document)``), grouped per document by
-    ``prepare_chunk_offsets(cu_seqlens, chunk_size)`` when ``recurrent`` (as FLA's state-passing kernels
-    do). Zero-length documents have no chunks and are left out. Public because the KDA reference
-    (:mod:`~fla_ac_isolation.ops.reference_kda`) walks the same schedule.
+    ``chunk_offsets`` when given, else by ``prepare_chunk_offsets(cu_seqlens, chunk_size)``, when ``recurrent``
+    (as FLA's state-passing kernels do). Zero-length documents have no chunks and are left out; so are rows
+    past the token count of a padded schedule (:mod:`fla_ac_isolation.static_seqlens`: rows of a
+    zero-length document). Public because the KDA reference (:mod:`~fla_ac_isolation.ops.reference_kda`)
+    walks the same schedule.
 
     Raises:
         RuntimeError: the helpers' answers contradict the offsets. That cannot happen with consistent
@@ -100,11 +103,16 @@ def packed_documents(
     offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
     rows = chunk_indices.tolist()
     if recurrent:
-        chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size).tolist()
+        if chunk_offsets is None:
+            chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
+        chunk_offsets = chunk_offsets.tolist()
         groups = [(n, rows[chunk_offsets[n]:chunk_offsets[n + 1]]) for n in range(len(offsets) - 1)]
     else:
         by_doc: dict[int, list] = {}
+        last = len(offsets) - 2  # a padded schedule's extra rows are (last, 0), the last document being empty
         for row in rows:
+            if row == [last, 0] and offsets[last] == offsets[last + 1]:
+                continue
             by_doc.setdefault(int(row[0]), []).append(row)
         groups = sorted(by_doc.items())
 
@@ -347,6 +355,8 @@ def ssd(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Mamba2 SSD scan over packed documents, each starting from a zero state.
 
@@ -366,6 +376,9 @@ def ssd(
         dt_limit: ``(min, max)`` clamp of the discretised ``dt``.
         cu_seqlens: optional ``[N + 1]`` offsets (then ``B == 1``).
         cu_seqlens_cpu: optional host copy of ``cu_seqlens``.
+        chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens`` and ``chunk_offsets`` its
+            ``[N + 1]`` first row per document: used instead of asking FLA's helpers, as the ``fla`` backend
+            does (:mod:`fla_ac_isolation.fla_seam.simple_gla`).
 
     Returns:
         ``[B, T, H, P]`` in the dtype of ``x``.
@@ -378,7 +391,8 @@ def ssd(
     dtype = compute_dtype(x)
     dt = discretize_dt(dt, dt_bias, dt_limit).to(dtype)
     y = ssd_scan(x.to(dtype) * dt.unsqueeze(-1), dt * A.to(dtype), B.to(dtype), C.to(dtype),
-                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+                 chunk_offsets=chunk_offsets)
     if D is not None:
         y = y + D.to(dtype)[:, None] * x.to(dtype)
     return y.to(x.dtype)
@@ -392,6 +406,8 @@ def ssd_scan(
     *,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The scan of :func:`ssd`, the part FLA's simple GLA computes: no discretisation, no ``D`` skip.
 
@@ -402,6 +418,7 @@ def ssd_scan(
         C: ``[B, T, G, N]`` output projections, same dtype.
         cu_seqlens: optional ``[N + 1]`` offsets (then ``B == 1``).
         cu_seqlens_cpu: optional host copy of ``cu_seqlens``.
+        chunk_indices: optional ``[NT, 2]`` schedule, and ``chunk_offsets`` ``[N + 1]``, as in :func:`ssd`.
 
     Returns:
         ``y [B, T, H, P]`` with ``y_t = C_t . S_t``, ``S_t = exp(a_t) S_{t-1} + B_t (x) x_t``, in the dtype of ``x``.
@@ -414,7 +431,8 @@ def ssd_scan(
 
     batch, _, time, head_dim = xf.shape
     pieces = []
-    for doc in packed_documents(time, cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=True):
+    for doc in packed_documents(time, cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=True,
+                                chunk_indices=chunk_indices, chunk_offsets=chunk_offsets):
         state = xf.new_zeros(batch, heads, bf.shape[-1], head_dim)
         for lo, hi in doc.chunks:
             out, state = _ssd_chunk(xf[:, :, lo:hi], af[:, :, lo:hi], bf[:, :, lo:hi], cf[:, :, lo:hi], state)

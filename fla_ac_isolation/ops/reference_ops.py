@@ -10,8 +10,9 @@ break at the call (the reference's ``.tolist()`` calls run inside the op's kerne
   -> y``: :func:`reference.causal_conv1d`;
 * ``gated_delta_rule_reference(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens?,
   cu_seqlens_cpu?, chunk_indices?) -> o``: :func:`reference.chunk_gated_delta_rule`;
-* ``ssd_scan_reference(x, log_decay, B, C, cu_seqlens?, cu_seqlens_cpu?) -> y``: :func:`reference.ssd_scan`,
-  the part FLA's simple GLA computes (discretisation and the ``D`` skip stay outside, in float32).
+* ``ssd_scan_reference(x, log_decay, B, C, cu_seqlens?, cu_seqlens_cpu?, chunk_indices?, chunk_offsets?) -> y``:
+  :func:`reference.ssd_scan`, the part FLA's simple GLA computes (discretisation and the ``D`` skip stay
+  outside, in float32).
 
 Forward op: the reference function (run below autograd, so nothing is recorded). Backward op
 (``<name>_backward``): the same reference function rerun on detached copies of the saved inputs under
@@ -200,33 +201,36 @@ _gdn_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup)
 
 
 # --------------------------------------------------------------------------------------------- SSD scan
-def _scan(x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu) -> Tensor:
-    return reference.ssd_scan(x, log_decay, B, C, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+def _scan(x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets) -> Tensor:
+    return reference.ssd_scan(x, log_decay, B, C, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                              chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
 
 
 @torch.library.custom_op(f"{_NS}::ssd_scan_reference", mutates_args=())
 def _scan_forward(
     x: Tensor, log_decay: Tensor, B: Tensor, C: Tensor, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
+    chunk_indices: Tensor | None, chunk_offsets: Tensor | None,
 ) -> Tensor:
-    return _scan(x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu).contiguous()
+    return _scan(x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets).contiguous()
 
 
 @_scan_forward.register_fake
-def _(x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu):
+def _(x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op(f"{_NS}::ssd_scan_reference_backward", mutates_args=())
 def _scan_backward_op(
     dy: Tensor, x: Tensor, log_decay: Tensor, B: Tensor, C: Tensor, cu_seqlens: Tensor | None,
-    cu_seqlens_cpu: Tensor | None,
+    cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None, chunk_offsets: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    grads = _grads(lambda x, a, b, c: _scan(x, a, b, c, cu_seqlens, cu_seqlens_cpu), (x, log_decay, B, C), dy)
+    grads = _grads(lambda x, a, b, c: _scan(x, a, b, c, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets),
+                   (x, log_decay, B, C), dy)
     return tuple(grads)
 
 
 @_scan_backward_op.register_fake
-def _(dy, x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu):
+def _(dy, x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets):
     return tuple(_dense(t) for t in (x, log_decay, B, C))
 
 
@@ -235,8 +239,9 @@ def _scan_setup(ctx, inputs, output) -> None:
 
 
 def _scan_backward(ctx, dy):
-    x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
-    return (*_scan_backward_op(dy, x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu), None, None)
+    x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets = ctx.saved_tensors
+    grads = _scan_backward_op(dy, x, log_decay, B, C, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets)
+    return (*grads, None, None, None, None)
 
 
 _scan_forward.register_autograd(_scan_backward, setup_context=_scan_setup)
@@ -309,6 +314,8 @@ def ssd(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
+    chunk_indices: Tensor | None = None,
+    chunk_offsets: Tensor | None = None,
 ) -> Tensor:
     """:func:`reference.ssd` with its scan as the ``ssd_scan_reference`` op; same arguments and result.
 
@@ -323,7 +330,7 @@ def ssd(
     dtype = compute_dtype(x)
     dt = discretize_dt(dt, dt_bias, dt_limit).to(dtype)
     y = _scan_forward(x.to(dtype) * dt.unsqueeze(-1), dt * A.to(dtype), B.to(dtype), C.to(dtype), cu_seqlens,
-                      cu_seqlens_cpu)
+                      cu_seqlens_cpu, chunk_indices, chunk_offsets)
     if D is not None:
         y = y + D.to(dtype)[:, None] * x.to(dtype)
     return y.to(x.dtype)

@@ -6,6 +6,8 @@ support but a backend of the seam (:mod:`fla_ac_isolation.fla_seam.interpreter`)
 
 * :mod:`~fla_ac_isolation.testing.gpu` - GPU-harness switches, e.g. lifting FLA's Hopper/Triton guard
   for a test run, announced on stdout; host-sync recording.
+* :mod:`~fla_ac_isolation.testing.sync_ops` - the same question on a CPU: the ops of a step that would
+  synchronise the host on CUDA (``.item()``, ``nonzero``, ``repeat_interleave`` without ``output_size``, ...).
 * :mod:`~fla_ac_isolation.testing.olmo_core` - OLMo-core on a CPU: packed documents on its torch attention
   backend, and ``cpu_stand_ins()`` (that plus :func:`fla_ac_isolation.reference_kernels.reference_kernels`, the
   library's FLA kernels on a CPU).

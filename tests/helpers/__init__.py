@@ -13,7 +13,8 @@ test file); ``conftest.py`` only holds fixtures. Family facts come from the libr
 * :mod:`helpers.foreign_classes` - every FLA-backed class of other libraries on a CPU: audited steps, leaks;
 * :mod:`helpers.scripts` - examples loaded by path, interpreter cases in a subprocess;
 * :mod:`helpers.pipeline` - one pipeline stage with microbatches in flight in one process (torch's schedule
-  orders), :mod:`helpers.pipeline_ranks` - two gloo ranks for the audit inside pipeline stages (imported by module).
+  orders), :mod:`helpers.pipeline_ranks` - two gloo ranks for the audit inside pipeline stages (imported by module);
+* :mod:`helpers.graphs` - a CPU stand-in for a CUDA graph (the graph benchmark's wiring on a CPU).
 """
 
 from helpers.faults import (
@@ -50,6 +51,7 @@ from helpers.foreign_classes import (
     gradient_error,
     leak,
 )
+from helpers.graphs import CpuGraph, cpu_capture
 from helpers.hf_models import (
     ALL_MODEL_FAMILIES,
     DENSE,
@@ -144,6 +146,7 @@ __all__ = [
     "VOCAB",
     "AuditedStep",
     "Block",
+    "CpuGraph",
     "KDAModel",
     "MixerFamily",
     "ModelFamily",
@@ -155,6 +158,7 @@ __all__ = [
     "assert_bit_equal",
     "audited_step",
     "bailing_hybrid_config",
+    "cpu_capture",
     "deep_copy",
     "divergent",
     "documents",
