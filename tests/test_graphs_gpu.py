@@ -15,7 +15,6 @@ Run: ``python -m pytest -m gpu -s tests/test_graphs_gpu.py``.
 """
 
 import copy
-import re
 
 import pytest
 import torch
@@ -176,15 +175,23 @@ def test_filling_static_buffers_inside_a_capture_is_refused():
         LayerLocalSeqlens(_offsets(CAPTURED), static=static)
 
 
-def test_the_graphs_page_recipes_run_as_written_and_replay_like_eager():
-    """docs/graphs.md: recipe 1 (the whole step in one graph, 10 packings) then recipe 2 (make_graphed_callables)
-    in one namespace; then one more packing, replayed and run eagerly with the same metadata: equal gradients."""
-    from pathlib import Path
+#: The page's recipes run in a fresh process. In one H200 run they failed inside pytest after this file's other
+#: capture tests (cudaErrorStreamCaptureInvalidated at the recipe's first capture, "operation not permitted
+#: when stream is capturing" at a float cast, after torch warned of an AccumulateGrad stream mismatch left by
+#: the make_graphed_callables test), and the failed capture broke the process's CUDA RNG for later tests
+#: ("Offset increment outside graph capture encountered unexpectedly"). Alone, in a fresh process, the same
+#: test passed (5.3 s). What state carries over between captures in one process is not yet understood; a
+#: user's training loop starts fresh, as this run does.
+RECIPES_SCRIPT = """
+import re, sys, torch
+from pathlib import Path
+from fla_ac_isolation.fla_seam.interpreter import first_autotune_config
+from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
 
-    page = Path(__file__).parent.parent / "docs" / "graphs.md"
-    recipes = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
-    namespace: dict = {}
-    for block in recipes:
+page = Path(sys.argv[1])
+with lift_hopper_gdn_guard(), first_autotune_config():
+    namespace = {}
+    for block in re.findall(r"```python\\n(.*?)```", page.read_text(), re.S):
         exec(compile(block, str(page), "exec"), namespace)
     model, graph, load, step, loader = (namespace[n] for n in ("model", "graph", "load", "step", "loader"))
     seqlens = load(next(loader))
@@ -192,4 +199,24 @@ def test_the_graphs_page_recipes_run_as_written_and_replay_like_eager():
     replayed = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     step(seqlens)
-    assert all(torch.equal(a, p.grad) for a, p in zip(replayed, model.parameters(), strict=True))
+    equal = all(torch.equal(a, p.grad) for a, p in zip(replayed, model.parameters(), strict=True))
+    print("RECIPES_REPLAY_EQUALS_EAGER", equal, len(replayed))
+"""
+
+
+def test_the_graphs_page_recipes_run_as_written_and_replay_like_eager():
+    """docs/graphs.md, in a fresh process: recipe 1 (the whole step in one graph, 10 packings) then recipe 2
+    (make_graphed_callables) in one namespace; then one more packing, replayed and run eagerly with the same
+    metadata: equal gradients."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    page = Path(__file__).parent.parent / "docs" / "graphs.md"
+    proc = subprocess.run([sys.executable, "-c", RECIPES_SCRIPT, str(page)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RECIPES_REPLAY_EQUALS_EAGER")]
+    _, equal, count = line.split()
+    assert equal == "True" and int(count) > 0, line

@@ -11,9 +11,11 @@ For each transformers KDA class's replacement (Kimi-Linear, GLM-5-next, Bailing 
   rounds its inputs and output to bfloat16 while the reference recurs in float32);
 * packed against per document, FLA backend only: each document run alone (its own one-document offsets, so the
   same varlen kernels, no new compilation) gives the rows of the packed output and input gradient, and the
-  parameter gradients add up to the packed ones. Printed as ``GPU_KDA_PACKED``; bound float32 1e-4 (the same
-  per-document arithmetic; the parameter gradients are sums in another order), bfloat16 3e-2 (matmuls of
-  other shapes round differently in bfloat16).
+  parameter gradients add up to the packed ones. Printed as ``GPU_KDA_PACKED``; bound float32 5e-3, as for the
+  parity above: FLA's float32 dots run as TF32 (unit roundoff 2^-11 = 4.9e-4), and a document's chunk
+  boundaries differ packed and alone, so its products round differently (measured on one H200: up to 6.4e-4,
+  the Bailing k_proj gradient; 1e-4 failed all three fp32 cases); bfloat16 3e-2 (matmuls of other shapes
+  round differently in bfloat16).
 
 FLA's #640 guard (Hopper, Triton < 3.7.1) refuses the gated ``chunk_bwd_dqkwg`` kernel, which KDA's backward
 (``fla/ops/kda/chunk_bwd.py``) does not call; the ``hopper_guard_lifted`` fixture (conftest) is used for its
@@ -37,7 +39,7 @@ NAMES = ["kimi_linear", "glm5_next", "bailing_hybrid"]
 DOC_LENS = [300, 0, 17, 640, 1, 67]  # 1025 tokens
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 REL_TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
-PACKED_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+PACKED_TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
 
 
 def _run(mixer, x: torch.Tensor, seqlens: LayerLocalSeqlens, weight: torch.Tensor):
