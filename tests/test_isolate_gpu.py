@@ -148,6 +148,7 @@ def test_olmo_core_hybrid_on_fla_kernels_misreplays_as_shipped_and_matches_no_ac
     _assert_within_noise(isolated, first, second, "OLMo-core isolated")
 
 
+@pytest.mark.slow  # torch.compile on a fresh machine: 73 s and 39 s on one H200
 @pytest.mark.parametrize("order", ["olmo-apply_compile", "block-modules-inside-checkpoints"])
 def test_olmo_core_compiled_with_the_determinism_check_raises_nothing_isolated(olmo, order):
     import torch._dynamo
