@@ -25,7 +25,7 @@ from fla_ac_isolation.policies import checkpoint_layers
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 from fla_ac_isolation.static_seqlens import StaticSeqlens
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # name -> module that defines it; resolved on first access (PEP 562)
 _LAZY = {

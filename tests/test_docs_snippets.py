@@ -97,28 +97,39 @@ def test_saveable_ops_example_runs_aligned_and_equals_the_saveable_model_without
     assert 0.0 < default_diff <= 1e-8, default_diff  # the page says 9.3e-10
 
 
-def _changelog_names(column: int) -> list[str]:
-    """The dotted ``fla_ac_isolation...`` names in one column of the changelog's 0.1 -> 0.2 table."""
+def _changelog_tables() -> list[list[tuple[list[str], list[str]]]]:
+    """Per version section of docs/changelog.md, newest first: its table's rows as ``(old names, new names)``,
+    the dotted ``fla_ac_isolation...`` names of each column."""
     page = (Path(__file__).parent.parent / "docs" / "changelog.md").read_text()
-    rows = [line.split("|")[1:-1] for line in page.splitlines() if line.startswith("| `fla_ac_isolation")]
-    names = []
-    for row in rows:
-        cell = row[column]
-        head = re.match(r"\s*`(fla_ac_isolation[\w.]*)`", cell)
-        extra = re.search(r"`(fla_ac_isolation[\w.]*)`\s*\(`([^)]*)\)", cell)
-        names.append(head.group(1))
-        if extra:  # "module (`A`, `B`)": each name in the brackets lives in that module
-            names += [f"{extra.group(1)}.{n.strip(' `')}" for n in extra.group(2).split(",")]
+    sections = re.split(r"^## ", page, flags=re.M)[1:]
+    return [[(_cell_names(row[0]), _cell_names(row[1])) for row in
+             (line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `fla_ac_isolation"))]
+            for section in sections]
+
+
+def _cell_names(cell: str) -> list[str]:
+    head = re.match(r"\s*`(fla_ac_isolation[\w.]*)`", cell)
+    extra = re.search(r"`(fla_ac_isolation[\w.]*)`\s*\(`([^)]*)\)", cell)
+    names = [head.group(1)]
+    if extra:  # "module (`A`, `B`)": each name in the brackets lives in that module
+        names += [f"{extra.group(1)}.{n.strip(' `')}" for n in extra.group(2).split(",")]
     return names
 
 
 def test_changelog_new_locations_exist_and_old_ones_are_gone():
-    new, old = _changelog_names(1), _changelog_names(0)
-    assert len(new) >= 8 and len(old) >= 7
-    for name in new:
-        pkgutil.resolve_name(name)  # raises if the changelog names a place that does not exist
-    for name in old:
-        if name == "fla_ac_isolation.cli":  # a module in 0.1, a package of the same name now
-            continue
-        with pytest.raises((ModuleNotFoundError, AttributeError)):
-            pkgutil.resolve_name(name)
+    """Each version's table of moved names: its old names are gone; the newest table's new names exist, and an
+    older table's new name exists unless a newer table moved it again (it is an old name there)."""
+    tables = _changelog_tables()
+    assert len(tables[0]) >= 10 and len(tables[1]) >= 8, "0.3's and 0.2's tables"
+    moved_later: set[str] = set()
+    for table in tables:
+        for old, new in table:
+            for name in new:
+                if name not in moved_later:
+                    pkgutil.resolve_name(name)  # raises if the changelog names a place that does not exist
+            for name in old:
+                if name == "fla_ac_isolation.cli":  # a module in 0.1, a package of the same name now
+                    continue
+                with pytest.raises((ModuleNotFoundError, AttributeError)):
+                    pkgutil.resolve_name(name)
+        moved_later |= {name for old, _ in table for name in old}
