@@ -7,7 +7,8 @@ by the benchmarks (their JSON files). Nothing here renders; everything returns p
 * :func:`versions` - ``{distribution: version}`` of torch and the libraries the checks run on.
 * :func:`torch_features` - what each known feature needs from torch, and whether this torch has it.
 * :func:`sac_replay_semantics` - ``"(op, index)"`` (torch >= 2.13) or ``"per-op FIFO"`` (2.11/2.12).
-* :func:`environment_report` - all of the above, with the device and FLA's cache state, as ``{label: text}``.
+* :func:`environment_report` - all of the above, with the device, FLA's cache state and whether the packages
+  some classes need to keep packed documents apart import (``causal_conv1d``), as ``{label: text}``.
 * :func:`fla_backed_classes` - every FLA-backed class of other libraries this package knows
   (:mod:`fla_ac_isolation.families`), whether its library is installed, and its status here.
 * :func:`resolve_device` - what ``device="auto"`` means in every command and spec: ``cuda`` when enough GPUs
@@ -28,6 +29,7 @@ from fla_ac_isolation.families import (
     FLA_BACKED_MIXERS,
     LEAKING_MIXERS,
     LeakingMixer,
+    PackageLeak,
     UpstreamMixer,
     drop_in_for,
     fla_layer_mixer,
@@ -78,6 +80,12 @@ class TorchFeature:
             return hasattr(importlib.import_module(module), attribute)
         except ImportError:
             return False
+
+    def short(self) -> str:
+        """What is needed and by what, briefly: ``"torch.compiler._is_non_strict_tracing (torchtitan 0.3's EP token
+        dispatcher)"``."""
+        module, _, attribute = self.needs.partition(":")
+        return f"{module}.{attribute} ({self.name.split(' (')[0]})"
 
     def reason(self) -> str:
         """One line naming the installed torch, what it lacks and where that was seen."""
@@ -183,7 +191,12 @@ def environment_report() -> dict[str, str]:
             shown[f"missing: {feature.name}"] = feature.reason() + (
                 f"; {feature.workaround}" if feature.workaround else "")
     if not missing_torch_features():
-        shown["torch features"] = f"all {len(TORCH_FEATURES)} known features present"
+        shown["torch features"] = (f"the {len(TORCH_FEATURES)} this package knows to check, all present: "
+                                   + "; ".join(f.short() for f in TORCH_FEATURES))
+    for leak, names in _package_leaks().items():
+        shown[leak.package] = "importable" if not leak.applies() else (
+            f"not importable: {len(names)} classes with a conv that needs it mix packed documents ({', '.join(names)}; "
+            "listed below)")
     try:
         shown["FLA tensor cache"] = "enabled" if cache.cache_enabled() else "DISABLED (global)"
         shown["FLA tensor cache size"] = str(cache.cache_size())
@@ -201,8 +214,9 @@ class ForeignClassStatus:
         framework: its library in prose (``transformers``, ``flash-linear-attention``, ...).
         name: the class name (or, for FLA's rule, how many classes).
         installed: its module can be found in this environment.
-        status: ``"isolate_seqlens"`` (hooked by the one call; ``swap_mixers`` too where a drop-in exists) or
-            ``"leaking"`` (drops packed offsets), with what to do.
+        status: ``"covered by isolate_seqlens"`` (hooked by the one call; ``swap_mixers`` too where a drop-in
+            exists), ``"leaking"`` (drops packed offsets), or ``"leaking here"`` (hooked, but a package it needs
+            to keep documents apart cannot be imported), with what to do.
     """
 
     framework: str
@@ -219,11 +233,26 @@ def _installed(module: str) -> bool:
         return False
 
 
+def _package_leaks() -> dict[PackageLeak, list[str]]:
+    """Each package whose absence makes named classes leak, with those classes (registry order)."""
+    out: dict[PackageLeak, list[str]] = {}
+    for entry in FLA_BACKED_MIXERS:
+        if entry.leaks_without is not None:
+            out.setdefault(entry.leaks_without, []).append(entry.name)
+    return out
+
+
 def _status(entry: UpstreamMixer | LeakingMixer) -> str:
     if isinstance(entry, LeakingMixer):
         return f"leaking (documents are not kept apart): {entry.remedy()}"
     swap = "; swap_mixers has a drop-in" if drop_in_for(entry) else ""
-    return f"covered by isolate_seqlens ({', '.join(entry.offsets)}){swap}"
+    covered = f"covered by isolate_seqlens ({', '.join(entry.offsets)}){swap}"
+    why = entry.leak()
+    if why is None:
+        return covered
+    offsets = ", ".join(entry.offsets)
+    return (f"leaking here (documents are not kept apart): {why}: {entry.leak_remedy()}; the AC fault: covered by "
+            f"isolate_seqlens ({offsets})")
 
 
 def fla_backed_classes() -> list[ForeignClassStatus]:
@@ -232,7 +261,7 @@ def fla_backed_classes() -> list[ForeignClassStatus]:
     out = [ForeignClassStatus(e.framework, e.name, _installed(e.module), _status(e))
            for e in (*FLA_BACKED_MIXERS, *LEAKING_MIXERS)]
     try:
-        from fla_ac_isolation.fla_seam.models import fla_layer_and_model_classes
+        from fla_ac_isolation.fla_seam.models import fla_layer_and_model_classes, fla_layer_exports
 
         classes = fla_layer_and_model_classes()
     except ImportError:
@@ -241,7 +270,12 @@ def fla_backed_classes() -> list[ForeignClassStatus]:
     verdicts = [fla_layer_mixer(c, sources) for c in classes]
     takes = [v for v in verdicts if isinstance(v, UpstreamMixer)]
     leaking = {v.name: v for v in verdicts if isinstance(v, LeakingMixer)}
-    out.append(ForeignClassStatus("flash-linear-attention", f"{len(takes)} classes of fla.layers / fla.models", True,
-                                  "covered by isolate_seqlens (cu_seqlens; found by the FLA rule)"))
+    exported = set(fla_layer_exports())
+    named = sum(v.name in exported for v in takes)
+    out.append(ForeignClassStatus(
+        "flash-linear-attention",
+        f"{len(takes)} classes of fla.layers / fla.models reading cu_seqlens ({named} of the {len(exported)} classes "
+        f"fla.layers exports, and {len(takes) - named} others: unexported layers, helpers, blocks, feed-forwards)",
+        True, "covered by isolate_seqlens (cu_seqlens; found by the FLA rule)"))
     return out + [ForeignClassStatus("flash-linear-attention", name, True, _status(v))
                   for name, v in sorted(leaking.items())]

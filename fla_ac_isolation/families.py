@@ -1,38 +1,27 @@
 """The model families this package covers, once: our mixer, the upstream classes it replaces, their configs,
 and what is known of every FLA-backed mixer of other libraries (which :func:`~fla_ac_isolation.isolate_seqlens`
-hooks, which drop packed offsets).
+hooks, which leak across packed documents).
 
 Every part that lists families or upstream classes, or needs a fact about one, reads this registry:
-:func:`~fla_ac_isolation.swap_mixers` (which upstream classes it replaces, and by what),
-:func:`~fla_ac_isolation.isolate_seqlens` (which classes call FLA with packed offsets, through which arguments;
-which leak), ``fla-ac-isolation check`` and ``doctor``, the audit's fix line, the regression and the audit
-(``--model`` choices; :mod:`fla_ac_isolation.regression.model` builds each family's tiny decoder from
-:attr:`Family.tiny`; :attr:`Family.fla_cp` says whether its mixers run FLA's CP kernels), the benchmarks (a
-mixer's config fields at a model width, :func:`layer_fields`) and the tests.
+:func:`~fla_ac_isolation.swap_mixers`, :func:`~fla_ac_isolation.isolate_seqlens`, ``fla-ac-isolation check`` and
+``doctor``, the audit's fix line, the regression and the audit (``--model`` choices; each family's tiny decoder
+is built from :attr:`Family.tiny`), the benchmarks (:func:`layer_fields`) and the tests.
 
-* ``qwen3_5_moe`` (Qwen3.5-MoE): ``Qwen3_5MoeGatedDeltaNet`` replaces transformers'
-  ``Qwen3_5MoeGatedDeltaNet`` and the dense ``Qwen3_5GatedDeltaNet``;
-* ``qwen3_8`` (Qwen3.8-Flash-Next): ``Qwen3_8FlashNextGatedDeltaNet`` replaces ``Qwen4ExpTextGatedDeltaNet``;
-* ``nemotron_h`` (Nemotron-H): ``NemotronHMamba2Mixer`` replaces transformers' ``NemotronHMamba2Mixer``, and
-  ``OlmoNemotronMamba2Mixer`` (the same mixer behind OLMo-core's interface) replaces OLMo-core's
-  ``NemotronMamba2Mixer``.
-
-Foreign FLA-backed mixers (:func:`foreign_mixer` answers for any module):
+:data:`FAMILIES` (``qwen3_5_moe``, ``qwen3_8``, ``nemotron_h``, ``kimi_linear``): our drop-in per family and the
+upstream classes it replaces (:attr:`Family.upstream`). Foreign FLA-backed mixers (:func:`foreign_mixer`
+answers for any module):
 
 * :data:`FLA_BACKED_MIXERS`: the classes that hand packed offsets to FLA, named one by one: transformers
-  5.24's six Gated DeltaNet classes (``qwen3_5``, ``qwen3_5_moe``, ``qwen4_exp``, ``qwen3_next``,
-  ``olmo_hybrid``, ``lara_mini``), torchtitan 0.3's Qwen3.5 ``GatedDeltaNet``, OLMo-core 3.0's
-  ``GatedDeltaNet`` and ``KimiDeltaAttention``;
-* flash-linear-attention's own layers and models (``fla.layers``, ``fla.models``: about 45 classes, some not
-  exported) by a rule over the class instead (:func:`fla_layer_mixer`);
-* :data:`LEAKING_MIXERS`: classes known to drop the offsets (packed documents leak into each other; isolation
-  cannot fix that): transformers' three KDA classes and Nemotron-H's Mamba2, OLMo-core's
-  ``NemotronMamba2Mixer``; FLA's own (``Based``, ``ReBased``, ``Mamba``, ``Mamba2``, ``LogLinearMamba2``) by
-  the same rule.
+  5.24's six Gated DeltaNets, torchtitan 0.3's Qwen3.5 ``GatedDeltaNet``, OLMo-core 3.0's ``GatedDeltaNet``
+  and ``KimiDeltaAttention``. transformers' six also leak without ``causal_conv1d``
+  (:attr:`UpstreamMixer.leaks_without`, :class:`PackageLeak`): their short conv then runs across documents;
+* flash-linear-attention's own layers and models (``fla.layers``, ``fla.models``) by a rule over the class
+  (:func:`fla_layer_mixer`);
+* :data:`LEAKING_MIXERS`: classes known to drop the offsets (isolation cannot fix that): transformers' three
+  KDA classes and Nemotron-H's Mamba2, OLMo-core's ``NemotronMamba2Mixer``; FLA's own by the same rule.
 
 Nothing here imports transformers, OLMo-core, torchtitan, FLA or the mixers; :meth:`Family.mixer_class`,
-:meth:`Family.config_class` and :meth:`ForeignClass.resolve` import on demand, and the FLA rule reads a class
-it is given.
+:meth:`Family.config_class`, :meth:`ForeignClass.resolve` and :meth:`PackageLeak.applies` import on demand.
 """
 
 from __future__ import annotations
@@ -55,6 +44,7 @@ __all__ = [
     "Family",
     "ForeignClass",
     "LeakingMixer",
+    "PackageLeak",
     "TinyRecipe",
     "UpstreamMixer",
     "drop_in_for",
@@ -73,10 +63,9 @@ def layer_fields(layer: str, hidden: int) -> dict[str, int]:
     """Config fields of a ``layer`` mixer (``gdn`` | ``mamba2``) at model width ``hidden`` (``D``): the shapes
     the benchmarks run (transformers' field names, read by our mixers).
 
-    GDN: head dims ``K = V = min(128, D // 4)``, ``D // K`` key heads and as many value heads (hidden 2048:
-    16 heads of 128). Mamba2: head dim ``P = min(64, D // 4)``, ``H = 2 * D // P`` heads (``H * P = expand *
-    D``, expand 2), ``G = min(8, H)`` groups, state ``N = min(128, D)`` (hidden 2048: 64 heads of 64, 8
-    groups, state 128). Hidden 64 gives 4 GDN heads of 16 and 8 Mamba2 heads of 16.
+    GDN: head dims ``K = V = min(128, D // 4)``, ``D // K`` key and value heads (hidden 2048: 16 heads of 128).
+    Mamba2: head dim ``P = min(64, D // 4)``, ``H = 2 * D // P`` heads (expand 2), ``G = min(8, H)`` groups, state
+    ``N = min(128, D)`` (hidden 2048: 64 heads of 64, 8 groups, state 128). Hidden 64: GDN 4x16, Mamba2 8x16.
 
     Raises:
         ValueError: ``hidden`` does not split into whole heads (the message names ``--hidden``, the
@@ -140,15 +129,10 @@ class ForeignClass:
         return cls.__module__ == self.module and cls.__qualname__ == self.name
 
     def in_hierarchy(self, module: nn.Module) -> type | None:
-        """The class of ``module``'s hierarchy (its MRO) that is this class, or ``None``.
-
-        FSDP2's ``fully_shard`` swaps a module's class for a dynamic subclass (``FSDPGatedDeltaNet``), and
-        a user may subclass too; both still run this class's code unless they override ``forward``.
-        """
-        return next(
-            (cls for cls in type(module).__mro__ if cls.__module__ == self.module and cls.__qualname__ == self.name),
-            None,
-        )
+        """The class of ``module``'s MRO that is this class, or ``None`` (FSDP2's ``fully_shard`` swaps a module's
+        class for a dynamic subclass, ``FSDPGatedDeltaNet``; both run this class's code unless forward changes)."""
+        mro = type(module).__mro__
+        return next((cls for cls in mro if cls.__module__ == self.module and cls.__qualname__ == self.name), None)
 
     def resolve(self) -> type:
         """Import and return the class.
@@ -160,25 +144,58 @@ class ForeignClass:
 
 
 @dataclass(frozen=True)
+class PackageLeak:
+    """A class handing FLA its offsets still mixes packed documents unless ``package`` imports: without it, part
+    of its forward runs a fallback blind to document bounds (isolation keeps offsets fresh, cannot change that).
+
+    Attributes:
+        package: the import name (``"causal_conv1d"``); why: what runs instead, in a clause;
+        otherwise: what to do where :func:`~fla_ac_isolation.swap_mixers` has no drop-in.
+    """
+
+    package: str
+    why: str
+    otherwise: str
+
+    def applies(self) -> bool:
+        """``package`` cannot be imported here (tried as the class's library tries it: not installed or broken)."""
+        try:
+            importlib.import_module(self.package)
+        except Exception:
+            return True
+        return False
+
+
+@dataclass(frozen=True)
 class UpstreamMixer(ForeignClass):
     """A mixer class of another library: one of our mixers replaces it, or it is isolated in place.
 
     Attributes:
         config: the config class its model is built from, ``"module.Class"``; ``None`` when the module
             carries its own configuration as attributes (OLMo-core), which the replacement reads.
-        offsets: the arguments of its ``forward`` (keyword or positional) that carry packed offsets to FLA:
-            integer ``[N + 1]`` tensors, or NamedTuples holding them (torchtitan's ``VarlenMetadata``).
-            Empty when the class never calls FLA with offsets (nothing for ``isolate_seqlens`` to do).
-        fla_keywords: FLA keywords (``cu_seqlens_cpu``, ``chunk_indices``) that its ``forward`` hands on to
-            FLA's kernel unchanged when passed as keywords, so ``isolate_seqlens`` may add them.
-        replacement: our class replacing it (in :mod:`fla_ac_isolation.mixers`) when it is not the
-            family's own mixer (another interface around the same maths); ``None``: the family's mixer.
+        offsets: the arguments of its ``forward`` (keyword or positional) carrying packed offsets to FLA: integer
+            ``[N + 1]`` tensors or NamedTuples holding them (torchtitan's ``VarlenMetadata``); empty: no FLA call
+            with offsets (nothing for ``isolate_seqlens`` to do).
+        fla_keywords: FLA keywords (``cu_seqlens_cpu``, ``chunk_indices``) its ``forward`` hands on to FLA's
+            kernel, so ``isolate_seqlens`` may add them.
+        replacement: our class replacing it (in :mod:`fla_ac_isolation.mixers`) when not the family's own
+            mixer (another interface around the same maths).
+        leaks_without: the package whose absence makes it mix packed documents (:class:`PackageLeak`), or ``None``.
     """
 
     config: str | None = None
     offsets: tuple[str, ...] = ()
     fla_keywords: tuple[str, ...] = ()
     replacement: str | None = None
+    leaks_without: PackageLeak | None = None
+
+    def leak(self) -> str | None:
+        """How its packed documents mix in this environment (:attr:`leaks_without` applies), else ``None``."""
+        return self.leaks_without.why if self.leaks_without is not None and self.leaks_without.applies() else None
+
+    def leak_remedy(self) -> str | None:
+        """What to do about :meth:`leak` (as :meth:`LeakingMixer.remedy`); ``None`` without :attr:`leaks_without`."""
+        return None if self.leaks_without is None else _remedy(self, self.leaks_without.otherwise)
 
     def config_class(self) -> type:
         """Import and return the config class.
@@ -194,14 +211,11 @@ class UpstreamMixer(ForeignClass):
 
 @dataclass(frozen=True)
 class LeakingMixer(ForeignClass):
-    """A mixer class of another library that drops packed offsets: its packed documents leak into each other.
-
-    No isolation can fix that (the offsets never reach the kernel); :func:`~fla_ac_isolation.swap_mixers`
-    does where this package has a drop-in (:func:`drop_in_for`).
+    """A mixer class of another library that drops packed offsets: its packed documents leak into each other. No
+    isolation fixes that; :func:`~fla_ac_isolation.swap_mixers` does where a drop-in exists (:func:`drop_in_for`).
 
     Attributes:
-        why: how the offsets are lost, in a clause (``"transformers' kernel wrapper drops cu_seq_lens_q
-            before chunk_kda"``).
+        why: how the offsets are lost, in a clause (``"runs its Mamba2 over the packed row ..."``).
         otherwise: what to do where ``swap_mixers`` has no drop-in for it.
     """
 
@@ -209,13 +223,17 @@ class LeakingMixer(ForeignClass):
     otherwise: str = "train it on unpacked batches (one document per row)"
 
     def remedy(self) -> str:
-        """What to do, in a clause: ``swap_mixers(model)`` naming the drop-in where :func:`drop_in_for` has one,
-        else :attr:`otherwise`."""
-        found = drop_in_for(self)
-        if found is None:
-            return f"no drop-in here: {self.otherwise}"
-        upstream, family = found
-        return f"use swap_mixers(model) (drop-in fla_ac_isolation.mixers.{upstream.replacement or family.mixer})"
+        """What to do: ``swap_mixers(model)`` naming the drop-in where :func:`drop_in_for` has one, else
+        :attr:`otherwise`."""
+        return _remedy(self, self.otherwise)
+
+
+def _remedy(entry: ForeignClass, otherwise: str) -> str:
+    found = drop_in_for(entry)
+    if found is None:
+        return f"no drop-in here: {otherwise}"
+    upstream, family = found
+    return f"use swap_mixers(model) (drop-in fla_ac_isolation.mixers.{upstream.replacement or family.mixer})"
 
 
 @dataclass(frozen=True)
@@ -224,11 +242,10 @@ class TinyRecipe:
     from the family's config class, :meth:`Family.config_class`, at the regression's sizes).
 
     Attributes:
-        layout: the decoder's blocks and its config's field names. ``"qwen"``: per 4 layers, three blocks of
-            the family's mixer then one gated attention block (output gate, qk-norm, partial RoPE), each
-            followed by a routed MoE with a shared expert (softmax router); the layers are listed in the
-            config's ``layer_types``. ``"nemotron_h"``: one mixer per block, Mamba2 / MoE / attention
-            (no positional encoding) / MoE (sigmoid router), listed in ``layers_block_type``.
+        layout: the decoder's blocks and its config's field names. ``"qwen"``: per 4 layers, three mixer blocks
+            then one gated attention block (output gate, qk-norm, partial RoPE), each followed by a routed MoE
+            with a shared expert (softmax router), listed in ``layer_types``. ``"nemotron_h"``: one mixer per
+            block, Mamba2 / MoE / attention (no RoPE) / MoE (sigmoid router), listed in ``layers_block_type``.
         attention_type: the config's name of the attention layers (``"full_attention"``; Qwen3.8's
             ``"indexed_attention"``, which the tiny decoder runs as plain gated attention).
         config: further config fields the family sets, as ``(name, value)`` pairs.
@@ -250,9 +267,8 @@ class Family:
         upstream: the classes our mixer replaces, first the family's own (whose ``config`` class configures
             our mixer too).
         layer: the kind of FLA-backed mixer, one of :data:`LAYERS` (its widths: :func:`layer_fields`).
-        fla_cp: under context parallelism its mixers run FLA's CP kernels (the Gated DeltaNet families);
-            ``False`` for Nemotron-H, whose Mamba2 runs head-parallel with the existing ops (FLA 0.6 has no
-            CP for simple GLA).
+        fla_cp: under context parallelism its mixers run FLA's CP kernels (the Gated DeltaNet families); ``False``
+            for Nemotron-H (head-parallel Mamba2: FLA 0.6 has no CP for simple GLA) and Kimi-Linear.
         tiny: how the regression builds its tiny decoder.
     """
 
@@ -284,22 +300,31 @@ class Family:
 
 _HF = "transformers.models"
 _HF_OFFSETS = ("cu_seq_lens_q", "cu_seq_lens_k")
-# transformers' kernel wrapper (use_kernel_func_from_hub_with_fallback) passes on every keyword that is a
-# parameter of FLA's chunk_gated_delta_rule; the GDN forward hands its **kwargs to it.
+# transformers' kernel wrapper passes on every keyword of FLA's chunk_gated_delta_rule from the GDN's **kwargs
 _HF_FLA_KEYWORDS = ("cu_seqlens_cpu", "chunk_indices")
 
-_QWEN3_5_MOE_GDN = UpstreamMixer(
-    f"{_HF}.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet",
-    f"{_HF}.qwen3_5_moe.configuration_qwen3_5_moe.Qwen3_5MoeTextConfig", _HF_OFFSETS, _HF_FLA_KEYWORDS,
+# transformers binds causal_conv1d_fn at import: causal-conv1d's kernel if that package imports, else a torch conv
+# over the packed row. The kernel keeps documents apart by seq_idx ([B, T], handed on from the GDN's **kwargs), not
+# by cu_seq_lens_q (read from source, not measured).
+_HF_CONV_LEAK = PackageLeak(
+    "causal_conv1d",
+    "its short conv runs transformers' torch causal_conv1d_fn across document boundaries (the causal_conv1d "
+    "package cannot be imported here)",
+    "install causal_conv1d (CUDA) and pass seq_idx (DataCollatorWithFlattening(return_seq_idx=True)), or expect "
+    "documents to mix in the conv",
 )
-_QWEN3_5_GDN = UpstreamMixer(
-    f"{_HF}.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet",
-    f"{_HF}.qwen3_5.configuration_qwen3_5.Qwen3_5TextConfig", _HF_OFFSETS, _HF_FLA_KEYWORDS,
-)
-_QWEN3_8_GDN = UpstreamMixer(
-    f"{_HF}.qwen4_exp.modeling_qwen4_exp", "Qwen4ExpTextGatedDeltaNet",
-    f"{_HF}.qwen4_exp.configuration_qwen4_exp.Qwen4ExpTextConfig", _HF_OFFSETS, _HF_FLA_KEYWORDS,
-)
+
+
+def _hf_gdn(folder: str, name: str, config: str) -> UpstreamMixer:
+    """A transformers 5.24 Gated DeltaNet: ``cu_seqlens=kwargs.pop("cu_seq_lens_q")`` to FLA, the rest of its
+    ``**kwargs`` through transformers' kernel wrapper (host offsets, chunk schedule); its conv needs causal_conv1d."""
+    return UpstreamMixer(f"{_HF}.{folder}.modeling_{folder}", name, f"{_HF}.{folder}.configuration_{folder}.{config}",
+                         _HF_OFFSETS, _HF_FLA_KEYWORDS, leaks_without=_HF_CONV_LEAK)
+
+
+_QWEN3_5_MOE_GDN = _hf_gdn("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeTextConfig")
+_QWEN3_5_GDN = _hf_gdn("qwen3_5", "Qwen3_5GatedDeltaNet", "Qwen3_5TextConfig")
+_QWEN3_8_GDN = _hf_gdn("qwen4_exp", "Qwen4ExpTextGatedDeltaNet", "Qwen4ExpTextConfig")
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -327,11 +352,9 @@ FAMILIES: dict[str, Family] = {
             ),
             layer="mamba2", fla_cp=False, tiny=TinyRecipe("nemotron_h"),
         ),
-        # Kimi Delta Attention (a gated delta rule with a decay per key channel, hence layer "gdn"). The three
-        # transformers classes call FLA's chunk_kda without the packed offsets (transformers' kernel wrapper
-        # drops cu_seq_lens_q): nothing to isolate in place (offsets empty), documents leak; the drop-ins keep
-        # them apart. The tiny decoder is the "qwen" layout with the KDA widths set (its GDN fields unused);
-        # no FLA CP path (fla_cp False: the mixers refuse CP seqlens).
+        # Kimi Delta Attention (a gated delta rule, decay per key channel: layer "gdn"). transformers' three call
+        # chunk_kda without offsets (LEAKING_MIXERS; offsets empty here); the drop-ins keep documents apart. Tiny
+        # decoder: the "qwen" layout with KDA widths; no FLA CP path (the mixers refuse CP seqlens).
         Family(
             "kimi_linear", "Kimi-Linear", "KimiLinearDeltaAttention",
             (
@@ -354,13 +377,6 @@ FAMILIES: dict[str, Family] = {
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
 
-def _hf_gdn(folder: str, name: str, config: str) -> UpstreamMixer:
-    """A transformers 5.24 Gated DeltaNet: ``cu_seqlens=kwargs.pop("cu_seq_lens_q")`` to FLA, the rest of its
-    ``**kwargs`` through transformers' kernel wrapper (so host offsets and the chunk schedule reach FLA too)."""
-    return UpstreamMixer(f"{_HF}.{folder}.modeling_{folder}", name, f"{_HF}.{folder}.configuration_{folder}.{config}",
-                         _HF_OFFSETS, _HF_FLA_KEYWORDS)
-
-
 FLA_BACKED_MIXERS: tuple[UpstreamMixer, ...] = (
     _QWEN3_5_MOE_GDN,
     _QWEN3_5_GDN,
@@ -368,28 +384,22 @@ FLA_BACKED_MIXERS: tuple[UpstreamMixer, ...] = (
     _hf_gdn("qwen3_next", "Qwen3NextGatedDeltaNet", "Qwen3NextConfig"),
     _hf_gdn("olmo_hybrid", "OlmoHybridGatedDeltaNet", "OlmoHybridConfig"),
     _hf_gdn("lara_mini", "LaraMiniGatedDeltaNet", "LaraMiniConfig"),
-    # torchtitan 0.3: the block passes one VarlenMetadata (cu_seq_q, cu_seq_k, ...) positionally; the mixer
-    # builds its host offsets itself and takes no chunk schedule
+    # torchtitan 0.3: one VarlenMetadata (cu_seq_q, cu_seq_k, ...), positional; no host offsets or chunk schedule
     UpstreamMixer("torchtitan.models.qwen3_5.model", "GatedDeltaNet", None, ("attention_masks",)),
-    # OLMo-core 3.0: one cu_doc_lens per batch, as a keyword, to every block; its dispatch functions hand
-    # FLA cu_seqlens only (no host offsets, no chunk schedule)
+    # OLMo-core 3.0: one cu_doc_lens per batch, a keyword, to every block; FLA gets cu_seqlens only
     UpstreamMixer("olmo_core.nn.attention.recurrent", "GatedDeltaNet", None, ("cu_doc_lens",)),
     UpstreamMixer("olmo_core.nn.attention.kda", "KimiDeltaAttention", None, ("cu_doc_lens",)),
 )
-"""The upstream classes, named one by one, that hand packed offsets to FLA: what
-:func:`~fla_ac_isolation.isolate_seqlens` hooks besides FLA's own layers (:func:`fla_layer_mixer`)."""
+"""Classes named one by one that hand packed offsets to FLA: what ``isolate_seqlens`` hooks besides FLA's own."""
 
 _HF_KDA_WHY = ("calls FLA's chunk_kda through transformers' kernel wrapper, which keeps only chunk_kda's own "
                "parameter names, so cu_seq_lens_q never reaches the kernel; its conv (transformers' torch "
                "fallback) refuses cu_seqlens")
-_HF_KDA_OTHERWISE = "train it on unpacked batches (one document per row) until a drop-in exists"
 
 LEAKING_MIXERS: tuple[LeakingMixer, ...] = (
-    LeakingMixer(f"{_HF}.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention", _HF_KDA_WHY, _HF_KDA_OTHERWISE),
-    LeakingMixer(f"{_HF}.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention", _HF_KDA_WHY,
-                 _HF_KDA_OTHERWISE),
-    LeakingMixer(f"{_HF}.glm5_next.modeling_glm5_next", "Glm5NextTextLinearAttention", _HF_KDA_WHY,
-                 _HF_KDA_OTHERWISE),
+    *(LeakingMixer(f"{_HF}.{folder}.modeling_{folder}", name, _HF_KDA_WHY) for folder, name in (
+        ("kimi_linear", "KimiLinearDeltaAttention"), ("bailing_hybrid", "BailingHybridDeltaAttention"),
+        ("glm5_next", "Glm5NextTextLinearAttention"))),
     LeakingMixer(f"{_HF}.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
                  "runs its Mamba2 (torch path, or mamba_ssm) over the packed row without document bounds"),
     LeakingMixer("olmo_core.nn.attention.recurrent", "NemotronMamba2Mixer",
@@ -409,19 +419,15 @@ def fla_layer_mixer(cls: type, sources: dict | None = None) -> UpstreamMixer | L
     """The FLA rule: what a class of flash-linear-attention's ``fla.layers`` / ``fla.models`` does with offsets.
 
     FLA's models hand one ``cu_seqlens`` (``[N + 1]`` int32/int64) through ``**kwargs`` to every block and
-    layer; a layer reads it from ``**kwargs`` (``kwargs.get('cu_seqlens')``) or takes it as a parameter.
-    The rule, over the first class of ``cls``'s hierarchy defined under :data:`FLA_LAYER_MODULES` (so
-    FSDP2's renamed classes and subclasses are judged by FLA's class), skipping ``PreTrainedModel`` classes (the
-    model wrappers, which hand it on):
+    layer. The rule, over the first class of ``cls``'s hierarchy defined under :data:`FLA_LAYER_MODULES` (so
+    FSDP2's renamed classes and subclasses are judged by FLA's class), skipping ``PreTrainedModel`` classes:
 
-    * its ``forward`` names a ``cu_seqlens`` parameter, or takes ``**kwargs`` and its source reads
-      ``cu_seqlens`` out of them: an :class:`UpstreamMixer` whose offsets are ``("cu_seqlens",)`` (40 of the
-      45 classes ``fla.layers`` exports in 0.6, ``SimpleGatedLinearAttention`` which it does not export,
-      RWKV6/7's nested helpers, feed-forwards and blocks);
+    * its ``forward`` names a ``cu_seqlens`` parameter, or takes ``**kwargs`` and its source reads ``cu_seqlens``
+      out of them: an :class:`UpstreamMixer` with offsets ``("cu_seqlens",)`` (48 classes in 0.6: 40 of the 45
+      ``fla.layers`` exports, and 8 more: ``SimpleGatedLinearAttention``, RWKV6/7's helpers, feed-forwards, blocks);
     * a class of ``fla.layers`` whose ``forward`` takes ``**kwargs`` and never reads ``cu_seqlens``: a
-      :class:`LeakingMixer` (``BasedLinearAttention``, ``ReBasedLinearAttention``, ``Mamba``, ``Mamba2``,
-      ``LogLinearMamba2`` in 0.6);
-    * anything else: ``None``.
+      :class:`LeakingMixer` (0.6: ``BasedLinearAttention``, ``ReBasedLinearAttention``, ``Mamba``, ``Mamba2``,
+      ``LogLinearMamba2``); anything else: ``None``.
 
     Args:
         cls: the class to judge (``type(module)``).

@@ -14,8 +14,9 @@ Which mixers and arguments: what :func:`~fla_ac_isolation.families.foreign_mixer
 named in :data:`~fla_ac_isolation.families.FLA_BACKED_MIXERS`, matched by module and class name along the
 class hierarchy, so FSDP2's renamed ``FSDP<Name>`` classes are found, and flash-linear-attention's own layers
 by a rule over their ``forward``), or the modules a caller names with the arguments it names. Mixers known to
-drop the offsets (:data:`~fla_ac_isolation.families.LEAKING_MIXERS`, FLA's ``Mamba2``, ...) are named in a
-:class:`LeakingMixerWarning`: their packed documents leak into each other, which no isolation fixes. A hook
+drop the offsets (:data:`~fla_ac_isolation.families.LEAKING_MIXERS`, FLA's ``Mamba2``, ...), and hooked ones
+that leak without a package missing here (transformers' Gated DeltaNets without ``causal_conv1d``), are named
+in a :class:`LeakingMixerWarning`: their packed documents leak into each other, which no isolation fixes. A hook
 (:class:`~fla_ac_isolation.offsets_hook.OffsetsHook`) that receives none of its offsets arguments while the
 call carries offsets-like keywords (``cu_seq_lens_q``: the names are wrong) raises at that call; a call
 without any (an unpacked batch) passes untouched. Where the foreign forward hands FLA's own keywords on to
@@ -59,8 +60,10 @@ class PartialIsolationWarning(UserWarning):
 
 
 class LeakingMixerWarning(UserWarning):
-    """The model holds mixers known to drop packed offsets: their documents are not kept apart (a correctness
-    bug of the upstream class that no isolation fixes; the message names the class and what to do)."""
+    """The model holds mixers whose packed documents are not kept apart: classes known to drop the offsets, or
+    classes that leak without a package missing here (transformers' Gated DeltaNets without ``causal_conv1d``:
+    their conv). A correctness bug of the upstream class that no isolation fixes; the message names the class,
+    how it leaks and what to do."""
 
 
 class IsolationHandle:
@@ -192,21 +195,28 @@ def _plan(model: nn.Module, chosen: list | None, arg_names: tuple[str, ...] | No
 
 
 def _warn_leaking(model: nn.Module, sources: dict) -> list[str]:
-    """One :class:`LeakingMixerWarning` per class of ``model`` known to drop offsets; their paths."""
-    by_class: dict[str, tuple[LeakingMixer, list[str]]] = {}
+    """One :class:`LeakingMixerWarning` per class of ``model`` whose packed documents leak: those known to drop
+    the offsets (their paths are returned) and those that leak without a package missing here
+    (:meth:`~fla_ac_isolation.families.UpstreamMixer.leak`, asked once per class)."""
+    by_class: dict[str, tuple[UpstreamMixer | LeakingMixer, list[str]]] = {}
     for path, module in model.named_modules():
-        found = _leaking(module, sources)
-        if found is not None:
+        found = foreign_mixer(module, sources)
+        if found is not None and (isinstance(found[0], LeakingMixer) or found[0].leaks_without is not None):
             by_class.setdefault(found[0].qualified, (found[0], []))[1].append(path)
+    dropping = []
     for entry, paths in by_class.values():
         shown = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
-        warnings.warn(
-            f"isolate_seqlens: {entry.name} ({entry.framework}; {len(paths)} in the model: {shown}) {entry.why}: "
-            f"documents are not kept apart: {entry.remedy()}",
-            LeakingMixerWarning,
-            stacklevel=3,
-        )
-    return [p for _, paths in by_class.values() for p in paths]
+        where = f"{entry.name} ({entry.framework}; {len(paths)} in the model: {shown})"
+        if isinstance(entry, LeakingMixer):
+            dropping += paths
+            text = f"{where} {entry.why}: documents are not kept apart: {entry.remedy()}"
+        elif (why := entry.leak()) is not None:
+            text = (f"{where} hands FLA its offsets, but {why}: documents are not kept apart: "
+                    f"{entry.leak_remedy()}")
+        else:
+            continue
+        warnings.warn(f"isolate_seqlens: {text}", LeakingMixerWarning, stacklevel=3)
+    return dropping
 
 
 def _check_accepted(path: str, module: nn.Module, arg_names: tuple[str, ...]) -> None:
@@ -306,7 +316,10 @@ def isolate_seqlens(
     ``NemotronHMamba2Mixer``, OLMo-core's ``NemotronMamba2Mixer``; FLA's ``BasedLinearAttention``,
     ``ReBasedLinearAttention``, ``Mamba``, ``Mamba2``, ``LogLinearMamba2``) are not hooked: a
     :class:`LeakingMixerWarning` per class names them, why, and what to do (``swap_mixers`` where this package
-    has a drop-in).
+    has a drop-in). transformers' six Gated DeltaNets are hooked, and warned about too when the ``causal_conv1d``
+    package cannot be imported: their short conv then runs transformers' torch fallback across document
+    boundaries (:attr:`~fla_ac_isolation.families.UpstreamMixer.leaks_without`; ``swap_mixers`` for Qwen3.5(-MoE)
+    and Qwen3.8-Flash-Next).
 
     A hook never passes a packed call silently: when none of its arguments arrives but the call carries
     offsets-like keywords (a 1-D integer tensor under a name starting with ``cu_``, e.g. ``cu_seq_lens_q``),

@@ -2,6 +2,8 @@
 the FLA-backed classes of the installed libraries."""
 
 import importlib.metadata
+import sys
+import types
 
 import pytest
 
@@ -25,22 +27,54 @@ def test_doctor_reports_every_library_the_checks_run_on():
     assert report["fla (fla-core)"] == f"{importlib.metadata.version('fla-core')} (tested: <0.7,>=0.6)"
 
 
-def test_doctor_lists_each_installed_fla_backed_class_with_its_status(capsys):
+FLA_COUNT = ("48 classes of fla.layers / fla.models reading cu_seqlens (40 of the 45 classes fla.layers exports, "
+             "and 8 others: unexported layers, helpers, blocks, feed-forwards)")  # docs/foreign-classes.md's count
+CONV_LEAK = ("leaking here (documents are not kept apart): its short conv runs transformers' torch causal_conv1d_fn "
+             "across document boundaries (the causal_conv1d package cannot be imported here): ")
+GDN_HF = ("Qwen3_5MoeGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen4ExpTextGatedDeltaNet", "Qwen3NextGatedDeltaNet",
+          "OlmoHybridGatedDeltaNet", "LaraMiniGatedDeltaNet")
+
+
+def test_doctor_lists_each_installed_fla_backed_class_with_its_status(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)  # not importable (as on this CPU machine)
     rows = {(r.framework, r.name): r for r in fla_backed_classes()}
 
     assert all(r.installed for r in rows.values())  # CI installs every library with FLA-backed classes
     assert rows[("transformers", "Qwen3NextGatedDeltaNet")].status == (
-        "covered by isolate_seqlens (cu_seq_lens_q, cu_seq_lens_k)")
-    assert rows[("transformers", "Qwen3_5MoeGatedDeltaNet")].status.endswith("; swap_mixers has a drop-in")
+        CONV_LEAK + "no drop-in here: install causal_conv1d (CUDA) and pass seq_idx (DataCollatorWithFlattening("
+        "return_seq_idx=True)), or expect documents to mix in the conv; the AC fault: covered by isolate_seqlens "
+        "(cu_seq_lens_q, cu_seq_lens_k)")
+    assert rows[("transformers", "Qwen3_5MoeGatedDeltaNet")].status == (
+        CONV_LEAK + "use swap_mixers(model) (drop-in fla_ac_isolation.mixers.Qwen3_5MoeGatedDeltaNet); the AC "
+        "fault: covered by isolate_seqlens (cu_seq_lens_q, cu_seq_lens_k)")
+    assert all(rows[("transformers", name)].status.startswith(CONV_LEAK) for name in GDN_HF)
+    assert rows[("OLMo-core", "GatedDeltaNet")].status == "covered by isolate_seqlens (cu_doc_lens)"
     assert rows[("OLMo-core", "NemotronMamba2Mixer")].status == (
         "leaking (documents are not kept apart): use swap_mixers(model) (drop-in "
         "fla_ac_isolation.mixers.OlmoNemotronMamba2Mixer)")
-    assert rows[("flash-linear-attention", "48 classes of fla.layers / fla.models")].status == (
+    assert rows[("flash-linear-attention", FLA_COUNT)].status == (
         "covered by isolate_seqlens (cu_seqlens; found by the FLA rule)")
     assert {n for f, n in rows if f == "flash-linear-attention"} >= {"Mamba2", "BasedLinearAttention"}
+    report = environment_report()
+    assert report["causal_conv1d"] == (
+        f"not importable: 6 classes with a conv that needs it mix packed documents ({', '.join(GDN_HF)}; listed below)")
+    assert report["torch features"] == (
+        "the 2 this package knows to check, all present: torch.distributed.fsdp.DataParallelMeshDims (torchtitan "
+        "0.3's Qwen3.5 model); torch.compiler._is_non_strict_tracing (torchtitan 0.3's EP token dispatcher)")
     assert main(["doctor"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "FLA-backed classes of the installed libraries" in text and "not installed" not in text
+
+
+def test_doctor_says_transformers_gdns_are_covered_where_causal_conv1d_imports(monkeypatch):
+    monkeypatch.setitem(sys.modules, "causal_conv1d", types.ModuleType("causal_conv1d"))  # a stand-in
+    rows = {(r.framework, r.name): r for r in fla_backed_classes()}
+
+    assert rows[("transformers", "Qwen3NextGatedDeltaNet")].status == (
+        "covered by isolate_seqlens (cu_seq_lens_q, cu_seq_lens_k)")
+    assert rows[("transformers", "Qwen3_5MoeGatedDeltaNet")].status == (
+        "covered by isolate_seqlens (cu_seq_lens_q, cu_seq_lens_k); swap_mixers has a drop-in")
+    assert environment_report()["causal_conv1d"] == "importable"
 
 
 def test_tested_fla_range_is_the_install_requirement():

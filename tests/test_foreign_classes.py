@@ -12,6 +12,9 @@ torchtitan's rows are proved in ``test_isolate_olmo_core.py``, ``test_isolate_to
 from __future__ import annotations
 
 import re
+import sys
+import types
+import warnings
 
 import pytest
 import torch
@@ -147,6 +150,38 @@ def test_transformers_gdn_folders_leak_through_their_torch_conv_which_isolation_
 
     assert shipped[0] < 1e-5 and min(shipped[1:]) > 0.04, shipped  # measured 0.044 to 0.106
     assert isolated == shipped  # fresh offsets change nothing here: the conv never receives them
+
+
+CONV_DROP_IN = {"qwen3_5_text": "Qwen3_5MoeGatedDeltaNet", "qwen3_5_moe_text": "Qwen3_5MoeGatedDeltaNet",
+                "qwen4_exp_text": "Qwen3_8FlashNextGatedDeltaNet"}
+
+
+@pytest.mark.parametrize(("name", "mixer"), [row[:2] for row in ISOLATED[:6]], ids=[row[1] for row in ISOLATED[:6]])
+def test_isolate_seqlens_hooks_a_transformers_gdn_and_warns_its_conv_leaks_unless_causal_conv1d_imports(
+        name, mixer, monkeypatch):
+    model, _, _ = build_tiny(name)
+    paths = [p for p, m in model.named_modules() if type(m).__name__ == mixer]
+    drop_in = CONV_DROP_IN.get(name)
+    remedy = (f"use swap_mixers(model) (drop-in fla_ac_isolation.mixers.{drop_in})" if drop_in else
+              "no drop-in here: install causal_conv1d (CUDA) and pass seq_idx (DataCollatorWithFlattening("
+              "return_seq_idx=True)), or expect documents to mix in the conv")
+
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)  # not importable: transformers' torch conv
+    with pytest.warns(LeakingMixerWarning) as warned:
+        handle = isolate_seqlens(model)
+    assert [str(w.message) for w in warned if w.category is LeakingMixerWarning] == [
+        f"isolate_seqlens: {mixer} (transformers; {len(paths)} in the model: {', '.join(paths)}) hands FLA its "
+        "offsets, but its short conv runs transformers' torch causal_conv1d_fn across document boundaries (the "
+        f"causal_conv1d package cannot be imported here): documents are not kept apart: {remedy}"]
+    assert handle.paths == paths  # hooked all the same: the AC fault is fixed, the conv leak is not
+    handle.remove()
+
+    monkeypatch.setitem(sys.modules, "causal_conv1d", types.ModuleType("causal_conv1d"))  # a stand-in imports
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = isolate_seqlens(model)
+    assert not [w for w in caught if issubclass(w.category, LeakingMixerWarning)]
+    assert handle.paths == paths
 
 
 # ------------------------------------------------------------------------------------------ leaking rows

@@ -1,5 +1,6 @@
 """flash-linear-attention's own model zoo (``fla.models``, flash-linear-attention 0.6): its config classes by
-``model_type`` and the causal LM each configures, for ``fla-ac-isolation check --config`` and ``doctor``.
+``model_type`` and the causal LM each configures, for ``fla-ac-isolation check --config``; its layer and model
+classes, and what ``fla.layers`` exports, for ``doctor``.
 
 Importing ``fla.models`` also registers FLA's configs and models with transformers' Auto classes. FLA is
 imported on first call, never at import of this module.
@@ -13,7 +14,7 @@ import pathlib
 
 from torch import nn
 
-__all__ = ["fla_causal_lm_class", "fla_config_classes", "fla_layer_and_model_classes"]
+__all__ = ["fla_causal_lm_class", "fla_config_classes", "fla_layer_and_model_classes", "fla_layer_exports"]
 
 
 def fla_config_classes() -> dict[str, type]:
@@ -70,3 +71,12 @@ def fla_layer_and_model_classes() -> list[type[nn.Module]]:
         found += [c for _, c in inspect.getmembers(module, inspect.isclass)
                   if c.__module__ == name and issubclass(c, nn.Module)]
     return found
+
+
+def fla_layer_exports() -> tuple[str, ...]:
+    """The class names ``fla.layers`` exports (its ``__all__``: 45 in flash-linear-attention 0.6).
+
+    Raises:
+        ImportError: flash-linear-attention is not installed.
+    """
+    return tuple(importlib.import_module("fla.layers").__all__)
