@@ -8,8 +8,10 @@ Run from the repository root (about 10 s each on a CPU, where FLA's kernels are 
     fla-ac-isolation check --model examples/check_model.py:fla_gated_deltanet
 
 Both models hand one offsets object to every layer, so both print a DIVERGENT first layer, the fix
-(``isolate_seqlens(model)``) and the same step with the fix applied: aligned. Write your own callable the same
-way: your model, your data loader's first packed batch.
+(``isolate_seqlens(model)``) and the same step with the fix applied: aligned. Qwen3-Next also mixes packed
+documents in its short conv where the ``causal_conv1d`` package cannot be imported (transformers' torch
+fallback): the check names that leak and its fix too. Write your own callable the same way: your model, your
+data loader's first packed batch, with its offsets (``check`` refuses a batch without them).
 """
 
 from __future__ import annotations

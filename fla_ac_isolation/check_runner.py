@@ -8,9 +8,10 @@ The model comes from one of (:class:`CheckSpec`):
   ``(model, batch)``: an ``nn.Module`` (without activation checkpointing: the check applies it) and ONE packed
   batch, a dict of the keyword arguments of ``model(**batch)`` (e.g. transformers' ``input_ids``, ``labels``,
   ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``use_cache=False``; FLA's ``input_ids``,
-  ``labels``, ``cu_seqlens``). ``model(**batch)`` returns the loss: a scalar tensor, or an object with ``.loss``
-  (transformers' and FLA's ``ModelOutput``, OLMo-core's ``LMOutputWithLoss``). The callable is called again
-  (for a fresh model) when the fix is verified.
+  ``labels``, ``cu_seqlens``; OLMo-core's ``cu_doc_lens``): its packed offsets must be there, a 1-D integer
+  tensor (or a NamedTuple holding one), and must reach FLA. ``model(**batch)`` returns the loss: a scalar
+  tensor, or an object with ``.loss`` (transformers' and FLA's ``ModelOutput``, OLMo-core's
+  ``LMOutputWithLoss``). The callable is called again (for a fresh model) when the fix is verified.
 * ``config="<model_type or config class name>"``: a tiny model of transformers or FLA
   (:func:`fla_ac_isolation.foreign_models.build_tiny`).
 
@@ -18,12 +19,16 @@ The step: every layer of the model's layer list (:func:`~fla_ac_isolation.polici
 ``model.layers``, ``model.model.layers``, ``blocks``, ...) checkpointed with the chosen SAC policy (default
 ``save-all-copies``, the field's most sensitive on a CPU) or full AC; model and batch on ``device`` (``cpu``:
 FLA's kernels served by :func:`fla_ac_isolation.reference_kernels.reference_kernels`; ``cuda``: FLA's own);
-FLA's cache cleared first. When a region diverges and a fix exists for the classes found (``swap_mixers``
-for a leaking class with a drop-in, then ``isolate_seqlens``), a fresh model gets it and runs the same step.
+FLA's cache cleared first. Before it, the same step runs once without AC: a batch the model cannot take (a
+wrong keyword, a bad shape) fails there and is bad input, not a divergence. When a region diverges and a fix
+exists for the classes found (``swap_mixers`` for a leaking class with a drop-in, then ``isolate_seqlens``), a
+fresh model gets it and runs the same step.
 
 Outcome (:attr:`CheckResult.exit_code`): 0 when every checkpointed region is aligned, the step ran and no mixer
-is known to leak across packed documents; 1 otherwise. Bad input raises :class:`CheckInputError` (the command
-exits with 2).
+leaks across packed documents here (a class known to drop the offsets, or one that leaks without a package
+missing here: transformers' Gated DeltaNets without ``causal_conv1d``); 1 otherwise. Bad input raises
+:class:`CheckInputError` (the command exits with 2): also a batch without packed offsets (nothing to check) and
+a step that fails without AC.
 """
 
 from __future__ import annotations
@@ -44,7 +49,14 @@ from torch import nn
 from fla_ac_isolation.audit import ReplayAudit
 from fla_ac_isolation.environment import resolve_device
 from fla_ac_isolation.failures import first_line
-from fla_ac_isolation.families import LeakingMixer, UpstreamMixer, drop_in_for, foreign_mixer
+from fla_ac_isolation.families import (
+    FLA_BACKED_MIXERS,
+    ForeignClass,
+    LeakingMixer,
+    UpstreamMixer,
+    drop_in_for,
+    foreign_mixer,
+)
 from fla_ac_isolation.isolate import is_isolated
 from fla_ac_isolation.policies import POLICIES
 
@@ -123,8 +135,10 @@ class MixerFinding:
             documents leak into each other).
         paths: where it sits in the model.
         offsets: the arguments ``isolate_seqlens`` refreshes (exposed, covered).
-        why: how a leaking class loses the offsets.
-        fix: the one-line fix, ``None`` when covered.
+        why: how its packed documents leak into each other here: a leaking class, or an exposed / covered one
+            that leaks without a package missing here (its short conv); ``None``: they do not.
+        fix: the one-line fix (of the fault when exposed, of the leak when leaking), ``None`` when covered.
+        leak_fix: for an exposed or covered class whose documents leak here (``why``), what to do about that.
     """
 
     cls: str
@@ -135,6 +149,7 @@ class MixerFinding:
     offsets: tuple[str, ...] = ()
     why: str | None = None
     fix: str | None = None
+    leak_fix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -153,10 +168,12 @@ class RegionVerdict:
 
 @dataclass(frozen=True)
 class CheckStep:
-    """One audited step: the regions, and the first line of an error the step raised (``None``: it ran)."""
+    """One audited step: the regions, the first line of an error the step raised (``None``: it ran), and how
+    often the regions' forwards called FLA's cached index helpers (0: no packed offsets reached FLA)."""
 
     regions: tuple[RegionVerdict, ...]
     error: str | None = None
+    fla_helper_calls: int = 0
 
     @property
     def aligned(self) -> bool:
@@ -188,11 +205,12 @@ class CheckResult:
 
     @property
     def leaking(self) -> list[MixerFinding]:
-        return [m for m in self.mixers if m.status == "leaking"]
+        """The classes whose packed documents leak into each other here (``status`` leaking, or ``leak_fix``)."""
+        return [m for m in self.mixers if m.status == "leaking" or m.leak_fix is not None]
 
     @property
     def exit_code(self) -> int:
-        """0: aligned and nothing leaks; 1: a region diverged, the step failed, or a mixer leaks."""
+        """0: aligned and nothing leaks; 1: a region diverged, the step failed under AC, or a mixer leaks."""
         return 0 if self.as_given.aligned and not self.leaking else 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,10 +241,40 @@ def _callable(target: str) -> Callable[[], Any]:
         raise
     except Exception as err:
         raise CheckInputError(f"model {target!r}: importing {where} failed: {first_line(err)}") from err
-    fn = getattr(module, name, None)
-    if not callable(fn):
+    if not hasattr(module, name):
         raise CheckInputError(f"model {target!r}: {where} has no callable {name!r}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        shown = f"{where}:{name}" if where.endswith(".py") or "/" in where else f"{where}.{name}"
+        raise CheckInputError(f"model {target!r}: {shown} is not callable ({type(fn).__name__})")
     return fn
+
+
+def _holds_offsets(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        return value.dim() == 1 and integer
+    return isinstance(value, tuple) and any(_holds_offsets(v) for v in value)  # torchtitan's VarlenMetadata
+
+
+def _offsets_keywords() -> str:
+    """The keywords the known classes' models read packed offsets from: ``cu_seq_lens_q (transformers), ...``."""
+    known = {}
+    for entry in FLA_BACKED_MIXERS:
+        known.setdefault(entry.framework, entry.offsets[0])
+    known.setdefault("flash-linear-attention's models", "cu_seqlens")  # what the FLA rule's classes read
+    return ", ".join(f"{keyword} ({framework})" for framework, keyword in known.items())
+
+
+def _require_offsets(batch: dict) -> None:
+    """Refuse a batch without packed offsets: nothing of the fault (or a leak) can show in its step."""
+    if any(_holds_offsets(v) for v in batch.values()):
+        return
+    raise CheckInputError(
+        f"the batch carries no packed offsets (no 1-D integer tensor among model(**batch)'s keywords: "
+        f"{', '.join(batch) or 'none'}), so nothing can be checked: give one packed batch with its offsets under "
+        f"the keyword the model reads: {_offsets_keywords()}"
+    )
 
 
 def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
@@ -234,7 +282,7 @@ def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
 
     Raises:
         CheckInputError: the callable cannot be imported, raises, or returns something else than
-            ``(nn.Module, dict)``.
+            ``(nn.Module, dict)``; the batch holds no packed offsets (no 1-D integer tensor, or tuple holding one).
     """
     if spec.config is not None:
         from fla_ac_isolation.foreign_models import build_tiny
@@ -251,6 +299,7 @@ def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
             raise CheckInputError(f"model {spec.model!r} must return (nn.Module, dict of forward keyword arguments), "
                                   f"got {type(got).__name__}")
         model, batch = got
+        _require_offsets(batch)
     device = torch.device(spec.device)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     return model.to(device).train(), batch
@@ -265,7 +314,18 @@ def _finding(entry: UpstreamMixer | LeakingMixer, status: str, paths: list[str])
     if status == "exposed":
         swap = drop_in_for(entry)
         fix = "isolate_seqlens(model)" + (" (or swap_mixers(model): a drop-in replaces it)" if swap else "")
-    return MixerFinding(entry.qualified, entry.name, entry.framework, status, tuple(paths), entry.offsets, fix=fix)
+    why = entry.leak()  # e.g. transformers' Gated DeltaNets without causal_conv1d: their conv mixes documents
+    return MixerFinding(entry.qualified, entry.name, entry.framework, status, tuple(paths), entry.offsets, why=why,
+                        fix=fix, leak_fix=entry.leak_remedy() if why else None)
+
+
+def _drop_in(cls: type) -> bool:
+    """``cls`` is one of this package's mixers (:mod:`fla_ac_isolation.mixers`' public classes), not one of
+    their sub-modules (gates, norms)."""
+    if not cls.__module__.startswith("fla_ac_isolation.mixers"):
+        return False
+    mixers = importlib.import_module("fla_ac_isolation.mixers")
+    return getattr(mixers, cls.__qualname__, None) is cls
 
 
 def survey(model: nn.Module) -> list[MixerFinding]:
@@ -275,7 +335,7 @@ def survey(model: nn.Module) -> list[MixerFinding]:
     groups: dict[tuple[str, str], tuple[Any, list[str]]] = {}
     for path, module in model.named_modules():
         cls = type(module)
-        if cls.__module__.startswith("fla_ac_isolation.mixers"):
+        if _drop_in(cls):
             key = (f"{cls.__module__}.{cls.__qualname__}", "covered")
             groups.setdefault(key, (cls, []))[1].append(path)
             continue
@@ -311,6 +371,25 @@ def _serving(device: str):
     return reference_kernels()
 
 
+def _without_ac(model: nn.Module, batch: dict, spec: CheckSpec) -> None:
+    """One step of ``model`` as given, before AC is applied; gradients are dropped after it.
+
+    Raises:
+        CheckInputError: the step raised (naming its error: the batch or the model is wrong, not AC), or the
+            forward returns no loss.
+    """
+    model.zero_grad(set_to_none=True)
+    with _serving(spec.device):
+        try:
+            _loss(model(**batch)).backward()
+        except CheckInputError:
+            raise
+        except Exception as err:
+            raise CheckInputError(f"model(**batch) fails without activation checkpointing, so the model or the "
+                                  f"batch is wrong, not AC: {first_line(err)}") from err
+    model.zero_grad(set_to_none=True)
+
+
 def _step(model: nn.Module, batch: dict, spec: CheckSpec) -> CheckStep:
     from fla_ac_isolation.fla_cache import clear_tensor_cache
     from fla_ac_isolation.policies import checkpoint_layers
@@ -334,7 +413,22 @@ def _step(model: nn.Module, batch: dict, spec: CheckSpec) -> CheckStep:
                       tuple(d.helper for d in r.fla), r.where)
         for r in audit.regions
     )
-    return CheckStep(regions, error)
+    calls = sum(n for r in audit.regions for counts in r.forward_cache.values() for n in counts.values())
+    return CheckStep(regions, error, calls)
+
+
+def _require_fla_offsets(step: CheckStep, mixers: list[MixerFinding]) -> None:
+    """Refuse a step in which the model's foreign FLA-backed layers ran but FLA never received packed offsets (no
+    call of its cached index helpers): the offsets sit under a keyword the model does not read (FLA's models
+    take unknown keywords silently), and the batch ran as one sequence. Our drop-ins are left out: on CUDA they
+    hand FLA a precomputed chunk schedule."""
+    takes = [m.name for m in mixers if m.status != "leaking" and m.framework != "fla_ac_isolation"]  # foreign
+    if step.error is None and step.fla_helper_calls == 0 and takes:
+        raise CheckInputError(
+            f"no packed offsets reached FLA: the model's FLA-backed layers ({', '.join(takes)}) called none of "
+            f"FLA's index helpers, so they ran the batch as one sequence and nothing can be checked; give the "
+            f"offsets under the keyword the model reads: {_offsets_keywords()}"
+        )
 
 
 def _apply_fix(model: nn.Module, mixers: list[MixerFinding]) -> tuple[str, ...]:
@@ -343,9 +437,10 @@ def _apply_fix(model: nn.Module, mixers: list[MixerFinding]) -> tuple[str, ...]:
     from fla_ac_isolation.swap import swap_mixers
 
     applied = []
+    leaking = [m for m in mixers if m.status == "leaking" or m.leak_fix is not None]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the leaking classes are reported already
-        if any(m.status == "leaking" and m.fix and m.fix.startswith("use swap_mixers") for m in mixers):
+        if any(drop_in_for(ForeignClass(*m.cls.rsplit(".", 1))) for m in leaking):
             swap_mixers(model)
             applied.append("swap_mixers(model)")
         if any(m.status == "exposed" for m in survey(model)):
@@ -358,7 +453,8 @@ def run_check(spec: CheckSpec) -> CheckResult:
     """Check the model of ``spec``: survey its FLA-backed classes, audit one step, verify the fix.
 
     Raises:
-        CheckInputError: an invalid ``spec``, a model that cannot be loaded, a model without a layer list to
+        CheckInputError: an invalid ``spec``, a model that cannot be loaded, a batch without packed offsets
+            (or whose offsets never reach FLA), a step that fails without AC, a model without a layer list to
             checkpoint, or a forward that returns no loss.
     """
     spec = spec.validate()
@@ -366,9 +462,12 @@ def run_check(spec: CheckSpec) -> CheckResult:
         spec = CheckSpec(**{**asdict(spec), "device": resolve_device("auto")})
     model, batch = load_model(spec)
     mixers = survey(model)
+    _without_ac(model, batch, spec)
     as_given = _step(model, batch, spec)
+    _require_fla_offsets(as_given, mixers)
     result = CheckResult(spec, type(model).__name__, mixers, as_given)
     result.fixes = [f"{m.name}: {m.fix}" for m in mixers if m.fix]
+    result.fixes += [f"{m.name}, to keep packed documents apart: {m.leak_fix}" for m in mixers if m.leak_fix]
     if not as_given.aligned and not any(m.status == "exposed" for m in mixers):
         result.fixes.append(OWN_CODE_FIX)
     if spec.verify_fix and not as_given.aligned:

@@ -12,8 +12,10 @@ Example::
     fla-ac-isolation check --model my_project.train:model_and_batch --policy torchtitan
 
 Exit codes: 0 when every checkpointed region is aligned and no mixer leaks across packed documents; 1 when a
-region diverged, the step failed or a mixer leaks; 2 for bad input (flags, a callable that cannot be loaded or
-returns something else than ``(model, batch)``, a model without a layer list).
+region diverged, the step failed under AC or a mixer leaks (the verdict line names the leaking classes); 2 for
+bad input (flags, a callable that cannot be loaded or returns something else than ``(model, batch)``, a batch
+without packed offsets, a step that fails without AC too, a model without a layer list), printed on stderr and,
+with ``--json``, as ``{"error": ..., "exit_code": 2}`` on stdout.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def _step_lines(title: str, step: CheckStep) -> list[str]:
     for r in step.regions:
         line = f"  {r.label:<{width}}  {r.verdict}"
         if r.verdict == "divergent":
-            line += f" at op #{r.first_diff}: recompute ran {r.recompute_op}, forward ran {r.forward_op}"
+            line += f" at op #{r.first_diff}" + (f" in {r.where}" if r.where else "")
+            line += f": recompute ran {r.recompute_op}, forward ran {r.forward_op}"
             if r.fla_helpers:
                 line += f" (FLA cache: {', '.join(r.fla_helpers)})"
         lines.append(line)
@@ -105,7 +108,13 @@ def render(result: CheckResult) -> str:
     if result.fixes:
         lines += ["", "Fix:", *(f"  {fix}" for fix in result.fixes)]
     verdict = "OK" if result.exit_code == 0 else ("LEAKING" if result.as_given.aligned else "DIVERGENT")
-    lines += ["", f"verdict: {verdict} (exit {result.exit_code})"]
+    leaking = ", ".join(m.name for m in result.leaking)
+    if leaking:
+        verdict += f" (exit 1): packed documents mix in {leaking}" if result.as_given.aligned else (
+            f" (exit 1), and packed documents mix in {leaking}")
+    else:
+        verdict += f" (exit {result.exit_code})"
+    lines += ["", f"verdict: {verdict}"]
     return "\n".join(lines)
 
 
@@ -118,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_check(spec_from_arguments(args))
     except CheckInputError as err:
         print(f"fla-ac-isolation check: error: {err}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": str(err), "exit_code": 2}, indent=1))
         return 2
     print(json.dumps(result.to_dict(), indent=1) if args.json else render(result))
     return result.exit_code
