@@ -86,6 +86,8 @@ def test_report_names_the_parallelism_and_the_cp1_column(nemotron_h):
     text = console.export_text()
     assert "nemotron_h  CP=2 (zigzag) x EP=2  AC selective" in text
     assert "max |grad - CP=1|" in text and "reference (one rank, no CP, no AC)" in text
+    assert ("max |grad - CP=1|: the same to the one-rank run without CP (no-ac-cp1), per step; the verdict (vs CP=1) "
+            "judges the gradients at step 0 only") in " ".join(text.split())
 
 
 def test_a_padded_cp_batch_is_said_in_the_notes(monkeypatch):

@@ -47,9 +47,16 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
     seconds = ", ".join(f"{name} {mode.seconds:.1f}" for name, mode in result.modes.items())
     under = " (under PP: no-ac under the same schedule)" if spec.pp > 1 else ""
     counted = " (under PP, padding and torch's shape-inference pass count as tokens)" if spec.pp > 1 else ""
+    without = "PP" if spec.pp > 1 else ("CP" if spec.cp > 1 else None)
+    judged = (
+        f" max |grad - {without}=1|: the same to the one-rank run without {without} (no-ac-{without.lower()}1), per "
+        f"step; the verdict (vs {without}=1) judges the gradients at step 0 only, relative to the largest "
+        f"{without}=1 gradient, and the loss at every step: AdamW's first update amplifies rounding, so later "
+        "steps can exceed the tolerance;"
+        if without else "")
     caption = (
-        f"max |grad - ref|: largest gradient difference to no-ac{under} over all ranks and parameters; idle experts: "
-        f"most experts without any token in one MoE layer (all ranks){counted}. Seconds per mode: {seconds}."
+        f"max |grad - ref|: largest gradient difference to no-ac{under} over all ranks and parameters;{judged} idle "
+        f"experts: most experts without any token in one MoE layer (all ranks){counted}.\nSeconds per mode: {seconds}."
     )
     table = Table(title=escape(title), title_justify="left", caption=escape(caption), caption_justify="left")
     _add_rows(table, result, found)
