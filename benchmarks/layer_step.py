@@ -177,8 +177,23 @@ def warm_step(group, mode: str, i: int) -> None:
         group.prepare(mode, i)()
 
 
+def elapsed_ms(device: str, run: Callable[[], None]) -> float:
+    """Milliseconds of ``run()``: its wall time (``time.perf_counter``) on ``"cpu"``, its device time between two
+    CUDA events otherwise (synchronised after). The caller synchronises before."""
+    if device == "cpu":
+        start = time.perf_counter()
+        run()
+        return (time.perf_counter() - start) * 1e3
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end)
+
+
 def time_step(group, mode: str, i: int) -> float:
-    """Milliseconds of one step of ``mode`` (CUDA events on a GPU, ``time.perf_counter`` on CPU).
+    """Milliseconds of one step of ``mode`` (:func:`elapsed_ms`).
 
     ``group`` is any group (see the module docstring); so are the other ``*_step`` functions' and
     :func:`measure`'s.
@@ -186,16 +201,7 @@ def time_step(group, mode: str, i: int) -> float:
     with cache_context(mode):
         step = group.prepare(mode, i)
         group.synchronize()  # Group: the device (nothing on CPU); a CP group adds a barrier of its ranks
-        if group.device == "cpu":
-            start = time.perf_counter()
-            step()
-            return (time.perf_counter() - start) * 1e3
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        return begin.elapsed_time(end)
+        return elapsed_ms(group.device, step)
 
 
 def probe_step(group, mode: str, i: int) -> tuple[int, dict[str, int], int]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.layer_step import MIB, Step, build_layer, doc_lengths, paired_ratio, rotated
+from benchmarks.layer_step import MIB, Step, build_layer, doc_lengths, elapsed_ms, paired_ratio, rotated
 from benchmarks.levers import MODES
 from benchmarks.stack import apply_mode, build_stack
 
@@ -135,16 +135,7 @@ class Group:
 
 def _timed(group: Group, run: Callable[[], None]) -> float:
     group.sync()
-    if group.device == "cpu":
-        start = time.perf_counter()
-        run()
-        return (time.perf_counter() - start) * 1e3
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    run()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end)
+    return elapsed_ms(group.device, run)
 
 
 def _syncs(group: Group, step: Step) -> list[str]:
