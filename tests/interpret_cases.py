@@ -20,6 +20,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
+from interpret_compare import compare, scaled_error  # noqa: E402
 
 from fla_ac_isolation.fla_seam import kernels as fla_ops  # noqa: E402
 from fla_ac_isolation.fla_seam.interpreter import interpreter_shims  # noqa: E402
@@ -31,30 +32,6 @@ LENS = [5, 0, 17, 1, 41]
 LONG_LENS = [70, 0, 130, 3]  # documents spanning several 64-token chunks (for chunk_indices cases)
 
 
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
-
-
-def _compare(run_fla, run_reference, inputs: dict[str, torch.Tensor]) -> dict:
-    """Forward and backward both ways on copies of ``inputs``; errors of the output and every grad."""
-
-    def run(fn):
-        leaves = {n: t.detach().clone().requires_grad_(t.is_floating_point()) for n, t in inputs.items()}
-        out = fn(**leaves)
-        weight = torch.cos(torch.arange(out.numel(), dtype=torch.float32)).reshape(out.shape)
-        (out * weight).sum().backward()
-        return out.detach(), {n: t.grad for n, t in leaves.items() if t.grad is not None}
-
-    start = time.time()
-    out_fla, grads_fla = run(run_fla)
-    out_ref, grads_ref = run(run_reference)
-    return {
-        "output": _error(out_fla, out_ref),
-        "grads": {n: _error(grads_fla[n], grads_ref[n]) for n in grads_ref},
-        "seconds": round(time.time() - start, 2),
-    }
-
-
 def case_causal_conv1d(local, chunk_indices=None) -> dict:
     """FLA's conv (given ``chunk_indices`` or computing its own) against the reference, which asks FLA's
     ``prepare_chunk_indices`` for the schedule."""
@@ -63,8 +40,8 @@ def case_causal_conv1d(local, chunk_indices=None) -> dict:
     inputs = {"x": torch.randn(1, T, 24, generator=g), "weight": torch.randn(24, 4, generator=g) * 0.5,
               "bias": torch.randn(24, generator=g) * 0.1}
     varlen = {"cu_seqlens": local.cu_seqlens, "cu_seqlens_cpu": local.cu_seqlens_cpu}
-    return _compare(lambda **a: fla_ops.causal_conv1d(**a, **varlen, chunk_indices=chunk_indices),
-                    lambda **a: reference.causal_conv1d(**a, **varlen), inputs)
+    return compare(lambda **a: fla_ops.causal_conv1d(**a, **varlen, chunk_indices=chunk_indices),
+                   lambda **a: reference.causal_conv1d(**a, **varlen), inputs)
 
 
 def case_gated_delta_rule_gva(local, chunk_indices=None) -> dict:
@@ -76,8 +53,8 @@ def case_gated_delta_rule_gva(local, chunk_indices=None) -> dict:
         "beta": torch.rand(1, T, 4, generator=g),
     }
     varlen = {"cu_seqlens": local.cu_seqlens, "cu_seqlens_cpu": local.cu_seqlens_cpu}
-    return _compare(lambda **a: fla_ops.chunk_gated_delta_rule(**a, **varlen, chunk_indices=chunk_indices),
-                    lambda **a: reference.chunk_gated_delta_rule(**a, **varlen), inputs)
+    return compare(lambda **a: fla_ops.chunk_gated_delta_rule(**a, **varlen, chunk_indices=chunk_indices),
+                   lambda **a: reference.chunk_gated_delta_rule(**a, **varlen), inputs)
 
 
 def case_ssd_on_simple_gla(local) -> dict:
@@ -90,7 +67,7 @@ def case_ssd_on_simple_gla(local) -> dict:
         "dt_bias": torch.randn(4, generator=g) * 0.1,
     }
     varlen = {"cu_seqlens": local.cu_seqlens, "cu_seqlens_cpu": local.cu_seqlens_cpu, "dt_limit": (0.001, float("inf"))}
-    return _compare(lambda **a: fla_ops.ssd(**a, **varlen), lambda **a: reference.ssd(**a, **varlen), inputs)
+    return compare(lambda **a: fla_ops.ssd(**a, **varlen), lambda **a: reference.ssd(**a, **varlen), inputs)
 
 
 def case_mixer(name: str, seqlens) -> dict:
@@ -108,9 +85,9 @@ def case_mixer(name: str, seqlens) -> dict:
             for mixer in (fla_mixer, ref_mixer):
                 mixer.A_log.copy_(torch.linspace(-2.0, 0.0, mixer.A_log.numel()))
     x = 0.5 * torch.randn(1, seqlens.num_tokens, 64, generator=torch.Generator().manual_seed(4))
-    result = _compare(lambda x: fla_mixer(x, seqlens), lambda x: ref_mixer(x, seqlens), {"x": x})
+    result = compare(lambda x: fla_mixer(x, seqlens), lambda x: ref_mixer(x, seqlens), {"x": x})
     params_ref = dict(ref_mixer.named_parameters())
-    result["grads"].update({n: _error(p.grad, params_ref[n].grad) for n, p in fla_mixer.named_parameters()})
+    result["grads"].update({n: scaled_error(p.grad, params_ref[n].grad) for n, p in fla_mixer.named_parameters()})
     return result
 
 

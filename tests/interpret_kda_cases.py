@@ -19,6 +19,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
+from interpret_compare import compare, scaled_error  # noqa: E402
 
 from fla_ac_isolation import ops  # noqa: E402
 from fla_ac_isolation.fla_cache import probe_tensor_cache  # noqa: E402
@@ -27,28 +28,6 @@ from fla_ac_isolation.seqlens import LayerLocalSeqlens  # noqa: E402
 
 LENS = [70, 0, 17, 1, 41]  # a two-chunk document, an empty one, a one-token one
 MIXER_LENS = [5, 0, 17, 1, 41]
-
-
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
-
-
-def _compare(run_fla, run_reference, inputs: dict[str, torch.Tensor]) -> dict:
-    def run(fn):
-        leaves = {n: t.detach().clone().requires_grad_(t.is_floating_point()) for n, t in inputs.items()}
-        out = fn(**leaves)
-        weight = torch.cos(torch.arange(out.numel(), dtype=torch.float32)).reshape(out.shape)
-        (out * weight).sum().backward()
-        return out.detach(), {n: t.grad for n, t in leaves.items() if t.grad is not None}
-
-    start = time.time()
-    out_fla, grads_fla = run(run_fla)
-    out_ref, grads_ref = run(run_reference)
-    return {
-        "output": _error(out_fla, out_ref),
-        "grads": {n: _error(grads_fla[n], grads_ref[n]) for n in grads_ref},
-        "seconds": round(time.time() - start, 2),
-    }
 
 
 def case_chunk_kda_gva() -> dict:
@@ -69,7 +48,7 @@ def case_chunk_kda_gva() -> dict:
                                  backend=backend)
         return call
 
-    result = _compare(run("fla"), run("reference"), inputs)
+    result = compare(run("fla"), run("reference"), inputs)
     lookups = {}
     for backend in ("fla", "reference"):  # the forward's FLA index lookups, fresh offsets
         with torch.no_grad(), probe_tensor_cache() as probe:
@@ -88,9 +67,9 @@ def case_mixer(name: str) -> dict:
     fla_mixer, ref_mixer = family.build(seed=3, backend="fla"), family.build(seed=3, backend="reference")
     seqlens = LayerLocalSeqlens.from_seq_lens(MIXER_LENS)
     x = 0.5 * torch.randn(1, seqlens.num_tokens, 64, generator=torch.Generator().manual_seed(4))
-    result = _compare(lambda x: fla_mixer(x, seqlens), lambda x: ref_mixer(x, seqlens), {"x": x})
+    result = compare(lambda x: fla_mixer(x, seqlens), lambda x: ref_mixer(x, seqlens), {"x": x})
     params_ref = dict(ref_mixer.named_parameters())
-    result["grads"].update({n: _error(p.grad, params_ref[n].grad) for n, p in fla_mixer.named_parameters()})
+    result["grads"].update({n: scaled_error(p.grad, params_ref[n].grad) for n, p in fla_mixer.named_parameters()})
     return result
 
 
