@@ -233,16 +233,22 @@ def memory_step(group, mode: str, i: int) -> tuple[float, float]:
         if group.device == "cpu":
             step()
             return 0.0, 0.0
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = step.forward()
-        torch.cuda.synchronize()
-        held = (torch.cuda.memory_allocated() - base) / MIB
-        step.backward(out)
-        del out
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / MIB, held
+        return peak_and_held_mib(step)
+
+
+def peak_and_held_mib(step: Step) -> tuple[float, float]:
+    """``(peak, held)`` MiB of one CUDA step above what was allocated before it: ``held`` after its forward
+    (what it keeps for its backward, its output included), ``peak`` its maximum."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = step.forward()
+    torch.cuda.synchronize()
+    held = (torch.cuda.memory_allocated() - base) / MIB
+    step.backward(out)
+    del out
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / MIB, held
 
 
 def measure(group, modes: list[str], warmup: int, iters: int) -> tuple[dict, dict, dict]:

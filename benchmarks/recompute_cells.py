@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.layer_step import MIB, Step, build_layer, doc_lengths, elapsed_ms, paired_ratio, rotated
+from benchmarks.layer_step import (
+    Step,
+    build_layer,
+    doc_lengths,
+    elapsed_ms,
+    paired_ratio,
+    peak_and_held_mib,
+    rotated,
+)
 from benchmarks.levers import MODES
 from benchmarks.stack import apply_mode, build_stack
 
@@ -155,16 +163,7 @@ def _memory(group: Group, step: Step) -> tuple[float | None, float | None]:
     if group.device == "cpu":
         step()
         return None, None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = step.forward()
-    torch.cuda.synchronize()
-    held = (torch.cuda.memory_allocated() - base) / MIB
-    step.backward(out)
-    del out
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / MIB, held
+    return peak_and_held_mib(step)
 
 
 def _failure(error: BaseException) -> str:
