@@ -51,7 +51,7 @@ class FlaGatedRMSNorm(GroupedGatedRMSNorm):
         self.norm_before_gate = norm_before_gate
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """``hidden_states [..., I]``, ``gate [..., I]`` or ``None`` -> ``[..., I]`` in the dtype of ``hidden_states``."""
+        """``hidden_states [..., I]``, ``gate [..., I]`` or ``None`` -> ``[..., I]``, dtype of ``hidden_states``."""
         dtype = hidden_states.dtype
         x = hidden_states.float()
         if gate is not None and not self.norm_before_gate:
