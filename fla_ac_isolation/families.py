@@ -349,6 +349,9 @@ FAMILIES: dict[str, Family] = {
                 # OLMo-core 3.0: pure-torch SSD that drops cu_doc_lens; configured by its attributes
                 UpstreamMixer("olmo_core.nn.attention.recurrent", "NemotronMamba2Mixer", None,
                               replacement="OlmoNemotronMamba2Mixer"),
+                # flash-linear-attention 0.6: never reads cu_seqlens (the FLA rule names it leaking); configured by
+                # its attributes (fla.models' Mamba2Block builds it from keywords)
+                UpstreamMixer("fla.layers.mamba2", "Mamba2", None, replacement="FlaMamba2"),
             ),
             layer="mamba2", fla_cp=False, tiny=TinyRecipe("nemotron_h"),
         ),

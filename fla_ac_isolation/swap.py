@@ -17,6 +17,7 @@ transformers class                                   replaced by (``fla_ac_isola
 ``qwen4_exp.Qwen4ExpTextGatedDeltaNet``               ``Qwen3_8FlashNextGatedDeltaNet``
 ``nemotron_h.NemotronHMamba2Mixer``                   ``NemotronHMamba2Mixer``
 OLMo-core ``recurrent.NemotronMamba2Mixer``            ``OlmoNemotronMamba2Mixer`` (OLMo-core's interface)
+flash-linear-attention ``fla.layers.Mamba2``          ``FlaMamba2`` (FLA's interface)
 ``kimi_linear.KimiLinearDeltaAttention``              ``KimiLinearDeltaAttention``
 ``glm5_next.Glm5NextTextLinearAttention``             ``Glm5NextTextLinearAttention``
 ``bailing_hybrid.BailingHybridDeltaAttention``        ``BailingHybridDeltaAttention``
@@ -161,12 +162,13 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
         model: a transformers model (``Qwen3_5MoeForCausalLM``, ``Qwen3_5ForCausalLM``,
             ``Qwen4ExpForCausalLM``/``Qwen4ExpForConditionalGeneration``, ``NemotronHForCausalLM``,
             ``KimiLinearForCausalLM``, ``Glm5NextTextModel``, ``BailingHybridForCausalLM``, their
-            base models, or any module containing their mixers), or an OLMo-core ``Transformer`` with
-            ``NemotronMamba2Mixer`` blocks, on any device including ``meta``.
+            base models, or any module containing their mixers), an OLMo-core ``Transformer`` with
+            ``NemotronMamba2Mixer`` blocks, or flash-linear-attention's ``Mamba2ForCausalLM`` (any model holding
+            ``fla.layers.Mamba2``), on any device including ``meta``.
         backend: the mixers' kernels: ``"auto"`` (FLA on CUDA tensors, the pure-torch reference elsewhere),
             ``"fla"`` or ``"reference"``.
         config: the text config the mixers were built from; found on the mixer or the nearest module
-            above it when ``None`` (OLMo-core's mixers carry their configuration: ``config`` is not used).
+            above it when ``None`` (OLMo-core's and FLA's Mamba2 carry their configuration: ``config`` is not used).
 
     Returns:
         The module paths swapped (e.g. ``["model.layers.0.linear_attn", ...]``). A second call finds only

@@ -262,6 +262,7 @@ def test_olmo_cores_nemotron_mamba2_is_named_and_its_gated_deltanet_still_hooked
 
 
 FLA_DROPS = ["BasedLinearAttention", "ReBasedLinearAttention", "Mamba", "Mamba2", "LogLinearMamba2"]
+FLA_DROP_INS = {"Mamba2": "FlaMamba2"}  # swap_mixers' drop-ins (tests/test_fla_mamba2_swap.py)
 
 
 @pytest.mark.parametrize("name", FLA_DROPS)
@@ -271,10 +272,12 @@ def test_flas_layers_without_a_varlen_path_are_named_as_leaking(name):
     layer = fla_layer(name)
     entry = fla_layer_mixer(type(layer))
     model = nn.ModuleDict({"mixer": layer})
+    remedy = (f"use swap_mixers(model) (drop-in fla_ac_isolation.mixers.{FLA_DROP_INS[name]})" if name in FLA_DROP_INS
+              else "no drop-in here: train it on unpacked batches (one document per row), or use an FLA layer that "
+                   "reads cu_seqlens")
     with pytest.warns(LeakingMixerWarning, match=re.escape(
             f"isolate_seqlens: {name} (flash-linear-attention; 1 in the model: mixer) takes **kwargs but its forward "
-            "never reads cu_seqlens (no varlen path): documents are not kept apart: no drop-in here: train it on "
-            "unpacked batches (one document per row), or use an FLA layer that reads cu_seqlens")), \
+            f"never reads cu_seqlens (no varlen path): documents are not kept apart: {remedy}")), \
             pytest.raises(ValueError, match="found no FLA-backed mixer in ModuleDict"):
         isolate_seqlens(model)
     assert isinstance(entry, LeakingMixer) and entry.qualified == f"{type(layer).__module__}.{name}"

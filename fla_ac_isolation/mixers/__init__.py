@@ -4,6 +4,7 @@
 * :class:`Qwen3_8FlashNextGatedDeltaNet` - for ``Qwen4ExpTextGatedDeltaNet`` (Qwen3.8-Flash-Next).
 * :class:`NemotronHMamba2Mixer` - for ``NemotronHMamba2Mixer``.
 * :class:`OlmoNemotronMamba2Mixer` - the same Mamba2 with OLMo-core's interface, for its ``NemotronMamba2Mixer``.
+* :class:`FlaMamba2` - the same Mamba2 with flash-linear-attention's interface, for ``fla.layers.Mamba2``.
 * :class:`KimiLinearDeltaAttention` - for ``KimiLinearDeltaAttention`` (Kimi-Linear).
 * :class:`Glm5NextTextLinearAttention` - for ``Glm5NextTextLinearAttention`` (GLM-5-next).
 * :class:`BailingHybridDeltaAttention` - for ``BailingHybridDeltaAttention`` (Bailing hybrid).
@@ -17,6 +18,7 @@ its own ``cu_seqlens`` objects. ``hidden_states`` must have the weights' dtype (
 otherwise; nothing is cast) unless ``torch.autocast`` is active, which casts per op as in transformers.
 """
 
+from fla_ac_isolation.mixers.fla_mamba2 import FlaMamba2
 from fla_ac_isolation.mixers.gated_deltanet import GatedDeltaNet
 from fla_ac_isolation.mixers.kda import (
     BailingHybridDeltaAttention,
@@ -31,6 +33,7 @@ from fla_ac_isolation.mixers.qwen3_8 import Qwen3_8FlashNextGatedDeltaNet
 
 __all__ = [
     "BailingHybridDeltaAttention",
+    "FlaMamba2",
     "GatedDeltaNet",
     "Glm5NextTextLinearAttention",
     "KimiDeltaAttention",

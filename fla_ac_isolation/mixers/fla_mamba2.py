@@ -1,0 +1,222 @@
+"""Drop-in for flash-linear-attention's ``fla.layers.Mamba2``: our packed-correct Mamba2 behind FLA's interface.
+
+flash-linear-attention 0.6's ``fla.layers.mamba2.Mamba2`` takes ``**kwargs`` and never reads ``cu_seqlens``
+(its mamba_ssm path hard-codes ``seq_idx=None``, its torch path scans the packed row), so
+``fla.models.Mamba2ForCausalLM``, which hands one ``cu_seqlens`` to every block, mixes packed documents. Its
+parameters are those of transformers' Nemotron-H mixer (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``,
+``norm``, ``D``, ``out_proj``, same order and shapes), so :class:`FlaMamba2` is
+:class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` (conv and SSD restarted at every document,
+``cu_seqlens`` localised inside ``forward``) with FLA's configuration names, its gated norm (both gate orders,
+or none) and its call convention (``forward(hidden_states, attention_mask, past_key_values, use_cache,
+output_attentions, **kwargs) -> (out, None, past_key_values)``, offsets from the ``cu_seqlens`` keyword).
+:func:`~fla_ac_isolation.swap_mixers` puts it in place of FLA's class, on the same tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fla_ac_isolation.mixers.nemotron_h import GroupedGatedRMSNorm, NemotronHMamba2Mixer
+from fla_ac_isolation.seqlens import LayerLocalSeqlens
+
+__all__ = ["FlaGatedRMSNorm", "FlaMamba2"]
+
+_FIELDS = ("hidden_size", "num_heads", "head_dim", "state_size", "expand", "n_groups", "conv_kernel",
+           "use_conv_bias", "hidden_act", "D_has_hdim", "rmsnorm", "norm_before_gate", "dt_limit", "use_bias",
+           "norm_eps", "chunk_size")
+_INIT_FIELDS = {"A_init_range": (1, 16), "dt_min": 0.001, "dt_max": 0.1, "dt_init_floor": 1e-4}
+
+
+class FlaGatedRMSNorm(GroupedGatedRMSNorm):
+    """FLA's ``RMSNormGated`` (``fla.modules.layernorm_gated``, no bias) in torch: grouped RMS norm of
+    ``x [..., I]`` with the gate ``silu(z)`` applied before (``norm_before_gate=False``, FLA's default) or after
+    it, computed in float32 (the weight too) and cast to the dtype of ``x``, as FLA's ``rms_norm_ref``.
+
+    Args:
+        hidden_size: channels ``I`` (``weight [I]``).
+        group_size: channels per group (``I // n_groups``).
+        eps: added to each group's mean square.
+        norm_before_gate: normalise first, then multiply by ``silu(z)``.
+    """
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float, norm_before_gate: bool) -> None:
+        super().__init__(hidden_size, group_size, eps)
+        self.register_parameter("bias", None)  # FLA's slot (always None there): the module declares the same names
+        self.norm_before_gate = norm_before_gate
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden_states [..., I]``, ``gate [..., I]`` or ``None`` -> ``[..., I]``, dtype of ``hidden_states``."""
+        dtype = hidden_states.dtype
+        x = hidden_states.float()
+        if gate is not None and not self.norm_before_gate:
+            x = x * F.silu(gate.float())
+        grouped = x.unflatten(-1, (-1, self.group_size))
+        out = (grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + self.variance_epsilon)).flatten(-2)
+        out = out * self.weight.float()
+        if gate is not None and self.norm_before_gate:
+            out = out * F.silu(gate.float())
+        return out.to(dtype)
+
+
+class _SiluGate(nn.Module):
+    """FLA's ``rmsnorm=False`` output: ``y * silu(gate)`` (no parameters)."""
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return hidden_states * F.silu(gate)
+
+
+class FlaMamba2(NemotronHMamba2Mixer):
+    """Our Mamba2 with flash-linear-attention's interface; replaces ``fla.layers.Mamba2`` (FLA 0.6).
+
+    Args:
+        config: FLA's field names, as ``fla.models.Mamba2Config`` has them (the model's config can be passed
+            as is): ``hidden_size`` (``D``), ``num_heads`` (``H``; ``None``/0: ``expand * D // head_dim``),
+            ``head_dim`` (``P``), ``state_size`` (``N``), ``expand``, ``n_groups`` (``G``), ``conv_kernel``
+            (``W``), ``use_conv_bias``, ``hidden_act`` (the conv's activation: SiLU only), ``D_has_hdim``
+            (must be false), ``rmsnorm``, ``norm_before_gate``, ``dt_limit`` (``(lo, hi)`` clamp of the time
+            step), ``use_bias``, ``norm_eps``, ``chunk_size`` (kept; both backends chunk by 64 tokens, which
+            changes rounding only); optional ``A_init_range``, ``dt_min``, ``dt_max``, ``dt_init_floor`` (the
+            initialisation). :meth:`config_from` reads them off an FLA layer.
+        layer_idx: the layer's index (``layer_idx`` of FLA's module).
+        backend: ``"auto"`` (default) | ``"fla"`` | ``"reference"``, keyword only.
+        saveable: as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`, keyword only.
+
+    Parameters (FLA's names, shapes and ``state_dict`` order; ``I = H * P``, ``E = I + 2*G*N``):
+    ``conv1d.weight [E, 1, W]`` (+ ``conv1d.bias [E]``), ``in_proj.weight [I + E + H, D]`` (+ bias if
+    ``use_bias``), ``dt_bias [H]``, ``A_log [H]``, ``norm.weight [I]`` (if ``rmsnorm``), ``D [H]``,
+    ``out_proj.weight [D, I]`` (+ bias). Built on a real device they are initialised as FLA's constructor
+    does (``A_log = log(U(A_init_range))``, ``D = 1``, ``dt_bias`` the inverse softplus of a log-uniform
+    ``dt`` in ``[dt_min, dt_max]``); FLA's ``_init_weights`` of its model may overwrite them, as for FLA's layer.
+
+    Numerics against FLA's torch path: the same maths; the SSD chunks by 64 tokens (FLA's ``chunk_size``,
+    default 256), so results agree up to rounding (``docs/models/fla_mamba2.md``).
+
+    Raises:
+        ValueError: a missing field; ``expand * hidden_size`` not a multiple of ``head_dim``; ``num_heads``
+            not ``expand * hidden_size // head_dim``; ``num_heads`` not a multiple of ``n_groups``;
+            ``hidden_act`` other than SiLU; ``dt_limit`` not two numbers ``lo <= hi``.
+        NotImplementedError: ``D_has_hdim=True`` (``D [H * P]``; the SSD op takes ``D [H]``).
+    """
+
+    def __init__(self, config: Any, layer_idx: int | None = None, *, backend: str = "auto",
+                 saveable: bool = False) -> None:
+        missing = [name for name in _FIELDS if not hasattr(config, name)]
+        if missing:
+            raise ValueError(f"config ({type(config).__name__}) has no field(s) {missing}, which FlaMamba2 needs")
+        hidden, head_dim = config.hidden_size, config.head_dim
+        intermediate = int(config.expand * hidden)
+        if intermediate % head_dim:
+            raise ValueError(f"expand * hidden_size ({intermediate}) must be a multiple of head_dim ({head_dim})")
+        heads = config.num_heads or intermediate // head_dim
+        if heads * head_dim != intermediate:
+            raise ValueError(f"num_heads * head_dim ({heads * head_dim}) must equal expand * hidden_size "
+                             f"({intermediate})")
+        if config.D_has_hdim:
+            raise NotImplementedError("FlaMamba2 takes D [num_heads] only (D_has_hdim=False); got D_has_hdim=True")
+        low, high = _dt_limit(config.dt_limit)
+        nemotron = types.SimpleNamespace(
+            hidden_size=hidden, mamba_num_heads=heads, mamba_head_dim=head_dim, n_groups=config.n_groups,
+            ssm_state_size=config.state_size, conv_kernel=config.conv_kernel, use_conv_bias=config.use_conv_bias,
+            use_bias=config.use_bias, mamba_hidden_act=config.hidden_act, chunk_size=config.chunk_size,
+            time_step_min=low, layer_norm_epsilon=config.norm_eps,
+        )
+        super().__init__(nemotron, layer_idx, initialize_mixer_weights=False, backend=backend, saveable=saveable)
+        self.config = config
+        self.time_step_limit = (low, high)
+        self.rmsnorm, self.norm_before_gate = bool(config.rmsnorm), bool(config.norm_before_gate)
+        self.norm = (FlaGatedRMSNorm(intermediate, intermediate // config.n_groups, config.norm_eps,
+                                     self.norm_before_gate) if self.rmsnorm else _SiluGate())
+        if self.dt_bias.device.type != "meta":
+            self.init_fla_weights()
+
+    @staticmethod
+    def config_from(upstream: nn.Module) -> types.SimpleNamespace:
+        """The configuration of an FLA ``Mamba2`` layer, read from its attributes.
+
+        Raises:
+            AttributeError: ``upstream`` lacks one (not flash-linear-attention 0.6's class).
+        """
+        return types.SimpleNamespace(
+            hidden_size=upstream.hidden_size, num_heads=upstream.num_heads, head_dim=upstream.head_dim,
+            state_size=upstream.ssm_state_size, expand=upstream.expand, n_groups=upstream.n_groups,
+            conv_kernel=upstream.conv_kernel_size, use_conv_bias=upstream.use_conv_bias,
+            hidden_act=upstream.activation, D_has_hdim=upstream.D_has_hdim, rmsnorm=upstream.rmsnorm,
+            norm_before_gate=upstream.norm_before_gate, dt_limit=tuple(upstream.dt_limit),
+            use_bias=upstream.use_bias, norm_eps=upstream.norm_eps, chunk_size=upstream.chunk_size,
+            A_init_range=tuple(upstream.A_init_range), dt_min=upstream.dt_min, dt_max=upstream.dt_max,
+        )
+
+    @torch.no_grad()
+    def init_fla_weights(self) -> None:
+        """FLA's constructor initialisation of ``A_log``, ``D`` and ``dt_bias`` (config's ``A_init_range``,
+        ``dt_min``, ``dt_max``, ``dt_init_floor``; FLA's defaults where absent)."""
+        get = {name: getattr(self.config, name, default) for name, default in _INIT_FIELDS.items()}
+        device = self.A_log.device
+        self.A_log.copy_(torch.empty(self.num_heads, device=device).uniform_(*get["A_init_range"]).log())
+        self.D.fill_(1.0)
+        log_min, log_max = math.log(get["dt_min"]), math.log(get["dt_max"])
+        dt = torch.exp(torch.rand(self.num_heads, device=device) * (log_max - log_min) + log_min)
+        dt = dt.clamp(min=get["dt_init_floor"])
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = False,
+        output_attentions: bool | None = False,
+        *,
+        seqlens: LayerLocalSeqlens | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None, Any]:
+        """Mix ``hidden_states [B, T, D]`` along time, documents kept apart; returns ``(out [B, T, D], None,
+        past_key_values)`` as FLA's layer does.
+
+        Args:
+            hidden_states: ``[B, T, D]``; ``B == 1`` when packed; the dtype of the weights (or under autocast).
+            attention_mask: ``None`` or a ``[B, T]`` padding mask (FLA's models pass the model's).
+            past_key_values: must be ``None`` (no cached decoding; FLA's models pass ``None`` with
+                ``use_cache=False``).
+            use_cache: must be false.
+            output_attentions: ignored (FLA's layer returns no attentions either).
+            seqlens: a :class:`~fla_ac_isolation.LayerLocalSeqlens` for the whole model forward (passed to the
+                model as a keyword, FLA's models hand it on); ``.local()`` is called here.
+            cu_seqlens: FLA's packed offsets (``[N + 1]`` int32/int64), the keyword FLA's models hand every
+                layer; used when ``seqlens`` is ``None``, wrapped and localised per call.
+            max_seqlen: the longest document, if the caller passes it with ``cu_seqlens``.
+            **kwargs: other keywords FLA's models hand on, ignored as FLA's layer ignores them.
+
+        Raises:
+            NotImplementedError: ``use_cache`` or ``past_key_values`` given.
+            ValueError, TypeError: as :meth:`NemotronHMamba2Mixer.forward` (bad offsets, shapes, dtypes, mask).
+        """
+        if use_cache or past_key_values is not None:
+            raise NotImplementedError("FlaMamba2 does not implement cached decoding: call the model with "
+                                      "use_cache=False (and no past_key_values)")
+        if hidden_states.shape[1] == 0 and seqlens is None and cu_seqlens is None:
+            return hidden_states, None, past_key_values  # FLA's layer returns an empty input as is
+        out = super().forward(hidden_states, seqlens, cu_seq_lens_q=cu_seqlens, max_length_q=max_seqlen,
+                              attention_mask=attention_mask, **kwargs)
+        return out, None, past_key_values
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.rmsnorm else ", rmsnorm=False")
+
+
+def _dt_limit(value: Any) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"dt_limit must be two numbers (lo, hi), got {value!r}") from None
+    if not low <= high:
+        raise ValueError(f"dt_limit must have lo <= hi, got {value!r}")
+    return low, high
