@@ -8,9 +8,10 @@ Public names:
 * :func:`tensor_cache_disabled`, :func:`probe_tensor_cache` - FLA's cache seam (``fla_cache``).
 * :mod:`fla_ac_isolation.policies` - SAC policies from the field and :func:`checkpoint_layers`.
 
-Further names are imported lazily (on first access) so that ``import fla_ac_isolation`` stays light; they
-are listed by ``dir(fla_ac_isolation)`` and ``__all__``: ``ReplayAudit`` and ``ReplayDivergenceError``
-(``audit``), ``CPConfig`` (``parallel``), ``swap_mixers`` / ``restore_mixers`` (``swap``),
+Every name is imported on first access, so that ``import fla_ac_isolation`` imports nothing else (not even torch:
+pytest imports :mod:`fla_ac_isolation.pytest_plugin`, and so this package, in every run once it is installed);
+they are listed by ``dir(fla_ac_isolation)`` and ``__all__``: the names above and ``ReplayAudit`` and
+``ReplayDivergenceError`` (``audit``), ``CPConfig`` (``parallel``), ``swap_mixers`` / ``restore_mixers`` (``swap``),
 ``isolate_seqlens`` / ``IsolationHandle`` / ``LeakingMixerWarning`` (``isolate``) and the drop-in mixers (``mixers``).
 """
 
@@ -19,16 +20,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fla_ac_isolation.fla_cache import probe_tensor_cache, tensor_cache_disabled
-from fla_ac_isolation.local_seqlens import LocalSeqlens
-from fla_ac_isolation.policies import checkpoint_layers
-from fla_ac_isolation.seqlens import LayerLocalSeqlens
-from fla_ac_isolation.static_seqlens import StaticSeqlens
-
 __version__ = "0.3.0"
 
 # name -> module that defines it; resolved on first access (PEP 562)
 _LAZY = {
+    "LayerLocalSeqlens": "fla_ac_isolation.seqlens",
+    "LocalSeqlens": "fla_ac_isolation.local_seqlens",
+    "StaticSeqlens": "fla_ac_isolation.static_seqlens",
+    "checkpoint_layers": "fla_ac_isolation.policies",
+    "probe_tensor_cache": "fla_ac_isolation.fla_cache",
+    "tensor_cache_disabled": "fla_ac_isolation.fla_cache",
     "CPConfig": "fla_ac_isolation.parallel",
     "ReplayAudit": "fla_ac_isolation.audit",
     "ReplayDivergenceError": "fla_ac_isolation.audit",
@@ -42,15 +43,7 @@ _LAZY = {
     "NemotronHMamba2Mixer": "fla_ac_isolation.mixers",
 }
 
-__all__ = [
-    "LayerLocalSeqlens",
-    "LocalSeqlens",
-    "StaticSeqlens",
-    "checkpoint_layers",
-    "probe_tensor_cache",
-    "tensor_cache_disabled",
-    *_LAZY,
-]
+__all__ = [*_LAZY]
 
 
 def __getattr__(name: str) -> Any:

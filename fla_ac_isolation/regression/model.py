@@ -15,7 +15,8 @@ layers, its own config fields); this module holds the layouts:
   (Nemotron-H's attention has no positional encoding). Its MoE uses a sigmoid router as the real
   model does; the experts are torchtitan's SwiGLU experts (the real ones use squared ReLU).
 
-Token mixers are this package's drop-ins (:mod:`fla_ac_isolation.mixers`), chosen by ``backend``. The MoE
+Token mixers are this package's drop-ins (:mod:`fla_ac_isolation.mixers`), chosen by ``backend``, or a user's
+own class (``mixer=``, its contract in :mod:`.user_mixer`). The MoE
 is torchtitan's (:mod:`.expert_parallel`). Attention is causal *per document* (block-diagonal over
 ``cu_seqlens``), written with plain ``scaled_dot_product_attention`` and a boolean mask.
 
@@ -326,12 +327,24 @@ def _partial_rotary_factor(config: Any) -> float:
     return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.25)))
 
 
-def _qwen_blocks(family: Family, config: Any, size: ModelSize, backend: str, ep_enabled: bool) -> list[DecoderBlock]:
-    mixer_cls = family.mixer_class()
+def _make_mixer(family: Family, backend: str, mixer: str | None) -> Any:
+    """``(config, layer_idx) -> module`` of the linear-attention slots: our drop-in with ``backend``, or the user's
+    class ``mixer`` (:mod:`.user_mixer`: ``cls(config, layer_idx)``)."""
+    if mixer is None:
+        ours = family.mixer_class()
+        return lambda config, i: ours(config, i, backend=backend)
+    from fla_ac_isolation.regression.user_mixer import load_mixer
+
+    return load_mixer(mixer)
+
+
+def _qwen_blocks(family: Family, config: Any, size: ModelSize, backend: str, ep_enabled: bool,
+                 mixer: str | None = None) -> list[DecoderBlock]:
+    mixer_cls = _make_mixer(family, backend, mixer)
     blocks = []
     for i, kind in enumerate(config.layer_types):
         if kind == "linear_attention":
-            mixer = mixer_cls(config, i, backend=backend)
+            mixer = mixer_cls(config, i)
             name = "gdn+moe"
         else:
             mixer = _qwen_attention(config)
@@ -353,13 +366,13 @@ def _nemotron_h_config(family: Family, size: ModelSize) -> Any:
 
 
 def _nemotron_h_blocks(family: Family, config: Any, size: ModelSize, backend: str,
-                       ep_enabled: bool) -> list[DecoderBlock]:
-    mamba2_cls = family.mixer_class()
+                       ep_enabled: bool, mixer: str | None = None) -> list[DecoderBlock]:
+    mamba2_cls = _make_mixer(family, backend, mixer)
     eps = config.layer_norm_epsilon
     blocks = []
     for i, kind in enumerate(config.layers_block_type):
         if kind == "linear_attention":
-            blocks.append(DecoderBlock("mamba2", mamba2_cls(config, i, backend=backend), None,
+            blocks.append(DecoderBlock("mamba2", mamba2_cls(config, i), None,
                                        config.hidden_size, eps))
         elif kind == family.tiny.attention_type:
             attention = PackedAttention(
@@ -384,7 +397,7 @@ def _nemotron_h_blocks(family: Family, config: Any, size: ModelSize, backend: st
 
 class _Layout(NamedTuple):
     config: Any  # (family, size) -> transformers config
-    blocks: Any  # (family, config, size, backend, ep_enabled) -> [DecoderBlock]
+    blocks: Any  # (family, config, size, backend, ep_enabled, mixer) -> [DecoderBlock]
     eps: str  # the config's norm epsilon field
 
 
@@ -396,7 +409,8 @@ LAYOUTS: dict[str, _Layout] = {
 
 
 def build_model(
-    family: str, size: ModelSize = ModelSize(), *, backend: str = "auto", ep_enabled: bool = False
+    family: str, size: ModelSize = ModelSize(), *, backend: str = "auto", ep_enabled: bool = False,
+    mixer: str | None = None,
 ) -> TinyDecoder:
     """Build the tiny ``family`` decoder on the CPU in float32, initialised from the global RNG.
 
@@ -409,9 +423,12 @@ def build_model(
         size: model sizes.
         backend: the mixers' backend, ``"auto"`` | ``"fla"`` | ``"reference"``.
         ep_enabled: build the MoEs' expert-parallel sharding plan (EP > 1).
+        mixer: ``"module:qualname"`` of a user's mixer class for the linear-attention slots, built as
+            ``cls(config, layer_idx)`` (:mod:`.user_mixer`: the contract); ``None``: the family's drop-in.
 
     Raises:
-        ValueError: unknown ``family``; ``num_experts`` smaller than ``top_k``.
+        ValueError: unknown ``family``; ``num_experts`` smaller than ``top_k``; a ``mixer`` that cannot be
+            imported or built as ``cls(config, layer_idx)``.
     """
     if family not in FAMILIES:
         raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {family!r}")
@@ -420,7 +437,7 @@ def build_model(
     entry = FAMILIES[family]
     layout = LAYOUTS[entry.tiny.layout]
     config = layout.config(entry, size)
-    blocks = layout.blocks(entry, config, size, backend, ep_enabled)
+    blocks = layout.blocks(entry, config, size, backend, ep_enabled, mixer)
     model = TinyDecoder(family, config, blocks, size.vocab_size, getattr(config, layout.eps))
     with torch.no_grad():
         nn.init.normal_(model.embed_tokens.weight, std=0.02)

@@ -56,6 +56,11 @@ class RegressionSpec:
 
     Attributes:
         model: family name, a key of :data:`fla_ac_isolation.families.FAMILIES`.
+        mixer: a user's own mixer class for the family's linear-attention slots, given as the class or as
+            ``"module:qualname"`` (kept as that string: the rank processes import it by module path); built as
+            ``cls(config, layer_idx)`` and called as ``mixer(hidden_states [1, T, D], seqlens)``, the contract of
+            :mod:`fla_ac_isolation.regression.user_mixer`. ``None``: the family's drop-in (with ``backend``).
+            Needs ``backend="auto"`` (the mixer picks its own) and ``cp == 1``.
         ep: expert-parallel degree; ``None``: 2 without context or pipeline parallelism, 1 with either. Without CP
             the ``ep`` ranks are data-parallel ranks (one process each; under PP, of each stage); with CP the EP
             ranks are borrowed from the CP ranks (as torchtitan does): ``ep`` is 1 (experts replicated) or ``cp``.
@@ -116,6 +121,7 @@ class RegressionSpec:
     """
 
     model: str = "qwen3_5_moe"
+    mixer: str | type | None = None
     ep: int | None = None
     cp: int = 1
     cp_layout: str = "contiguous"
@@ -152,6 +158,8 @@ class RegressionSpec:
 
         cp = self.cp > 1 if isinstance(self.cp, int) else False
         pp = self.pp > 1 if isinstance(self.pp, int) and not isinstance(self.pp, bool) else False
+        if isinstance(self.mixer, type):  # kept as "module:qualname" (validate() checks it imports)
+            resolve("mixer", f"{self.mixer.__module__}:{self.mixer.__qualname__}")
         if self.ep is None:
             resolve("ep", 1 if cp or pp else 2)
         if self.steps is None:
@@ -205,6 +213,7 @@ class RegressionSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self._validate_width()
+        self._validate_mixer()
         if self.ac not in ("full", "selective"):
             raise ValueError(f"ac must be 'full' or 'selective', got {self.ac!r}")
         if self.ac == "selective" and self.policy not in POLICIES:
@@ -251,6 +260,19 @@ class RegressionSpec:
                 f"hidden_size must be a multiple of {2 * head_dim} (an even number of {head_dim}-channel heads at "
                 f"this width), got {self.hidden_size}"
             )
+
+    def _validate_mixer(self) -> None:
+        """A user's mixer: importable here by module path, an ``nn.Module`` built as ``cls(config, layer_idx)``."""
+        if self.mixer is None:
+            return
+        from fla_ac_isolation.regression.user_mixer import load_mixer
+
+        load_mixer(self.mixer)
+        if self.backend != "auto":
+            raise ValueError(f"backend applies to this package's mixers; with mixer={self.mixer!r} it must be 'auto' "
+                             f"(your mixer picks its own kernels), got {self.backend!r}")
+        if self.cp > 1:
+            raise ValueError(f"mixer={self.mixer!r} runs without context parallelism: cp must be 1, got {self.cp}")
 
     def _validate_fail_on(self) -> None:
         if self.fail_on is None:

@@ -1,0 +1,170 @@
+"""The pytest plugin (``fla_ac_isolation.pytest_plugin``): a user's test files, as ``docs/pytest-plugin.md`` shows
+them, run by pytest's own ``pytester`` with the plugin loaded by ``-p`` (as the installed ``pytest11`` entry point
+loads it): the check passes a safe model and fails an unsafe one and a blind one with the report; the EP=2
+regression with a user's mixer class passes this package's GDN and fails a mixer that shares its offsets; the
+pages' printed outputs are what these runs print; loading the plugin imports nothing heavy."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from page_output import assert_printed_as_on_page
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = "docs/pytest-plugin.md"
+PLUGIN = "fla_ac_isolation.pytest_plugin"
+# the pytester runs: the plugin by name, no cache folder, and the page leaves pytest's warnings summary out
+RUN = ("-p", PLUGIN, "-p", "no:cacheprovider")
+
+
+def _page_python(index: int) -> str:
+    return re.findall(r"```python\n(.*?)```", (ROOT / PAGE).read_text(), re.S)[index]
+
+
+# ------------------------------------------------------------------------------------------- loading
+def test_pyproject_registers_the_plugin_module_in_pytest11_under_its_own_name():
+    """The name is the module's own: ``-p fla_ac_isolation.pytest_plugin`` then finds the entry point (pytest
+    looks entry points up by the ``-p`` name) instead of registering the module a second time under another name."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["pytest11"] == {PLUGIN: PLUGIN}
+    module = __import__(PLUGIN, fromlist=["_"])
+    assert {"fla_ac_check", "fla_ac_regression", "assert_ac_safe", "assert_regression_safe"} <= set(module.__all__)
+
+
+def test_the_installed_distribution_registers_the_same_entry_point():
+    dist = metadata.distribution("fla-ac-isolation")
+    direct = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    if direct != ROOT.as_uri():
+        pytest.skip(f"the installed fla-ac-isolation is built from {direct or 'an index'}, not from {ROOT}: its entry "
+                    "points are that tree's (reinstall to check this one's)")
+    found = {ep.name: ep.value for ep in dist.entry_points if ep.group == "pytest11"}
+    assert found == {PLUGIN: PLUGIN}
+
+
+_IMPORTS = r"""
+import json, sys
+import fla_ac_isolation.pytest_plugin
+heavy = ("torch", "fla", "transformers", "torchtitan", "numpy", "fla_ac_isolation.check_runner",
+         "fla_ac_isolation.regression")
+print(json.dumps(sorted(m for m in heavy if m in sys.modules)))
+"""
+
+
+def test_loading_the_plugin_imports_neither_torch_nor_the_check():
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == []
+
+
+def test_the_fixtures_are_offered_once_the_plugin_is_loaded(pytester):
+    pytester.makepyfile(test_fixtures="""
+        from fla_ac_isolation.pytest_plugin import assert_ac_safe, assert_regression_safe
+
+        def test_fixtures(fla_ac_check, fla_ac_regression):
+            assert fla_ac_check is assert_ac_safe and fla_ac_regression is assert_regression_safe
+    """)
+    pytester.runpytest(*RUN).assert_outcomes(passed=1)
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(errors=1)  # not loaded: no such fixture
+
+
+# ------------------------------------------------------------------------------------------ the check
+@pytest.mark.usefixtures("single_thread")
+def test_the_check_passes_the_isolated_model_and_fails_the_shared_and_the_blind_one_with_the_report(pytester):
+    pytester.makepyfile(test_ac_safety=_page_python(0))
+    result = pytester.runpytest(*RUN, "-q")
+    result.assert_outcomes(passed=1, failed=2)
+    out = result.stdout.str()
+    assert "PASSED" not in out and "test_isolated_model" not in out  # -q: a passing test prints no line
+    result.stdout.fnmatch_lines([
+        "*_ test_shared_offsets_model _*",
+        "fla-ac-isolation check: Model (given to assert_ac_safe) | SAC policy save-all-copies | cpu (FLA served by "
+        "reference_kernels)",
+        "as given: 1 of 2 checkpointed region(s) aligned, 1 DIVERGENT",
+        "  layers.0  divergent at op #30 in layers.0: recompute ran aten.new_zeros.default -> [[]1, 2, 16, 16[]] "
+        "float32 cpu, forward ran aten.slice.Tensor -> [[]2[]] int32 cpu (FLA cache: prepare_chunk_indices, "
+        "prepare_chunk_offsets)",
+        "  layers.1  aligned",
+        "Fix:",
+        "  your own FLA-calling code: build a LayerLocalSeqlens once per forward*",
+        "verdict: DIVERGENT (exit 1)",
+        "*_ test_model_without_fla _*",
+        "as given: 2 of 2 checkpointed region(s) aligned",
+        "verdict: OK (exit 0)",
+        "NOT JUDGED: the step found no FLA-backed class and its checkpointed regions called none of FLA's index "
+        "helpers: no packed offsets reached FLA, so nothing of the fault was judged",
+    ])
+    assert_printed_as_on_page(out, PAGE, "$ python -m pytest -q test_ac_safety.py", skip=("passed",))
+
+
+def test_a_refused_input_fails_the_test_with_the_checks_error_and_a_wrong_kind_is_a_type_error():
+    import torch
+
+    from fla_ac_isolation.pytest_plugin import assert_ac_safe
+
+    with pytest.raises(pytest.fail.Exception) as info:
+        assert_ac_safe(torch.nn.Linear(2, 2), {"input": torch.zeros(1, 2)})
+    assert str(info.value).startswith("fla-ac-isolation check refused the model: the batch carries no packed "
+                                      "offsets (no 1-D integer tensor among model(**batch)'s keywords: input)")
+    with pytest.raises(TypeError, match=r"^batch must be a dict of model\(\*\*batch\)'s keyword arguments when model "
+                                        r"is an nn.Module, got NoneType$"):
+        assert_ac_safe(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"^model must be an nn.Module \(with batch\), a callable returning \(model, "
+                                        r"batch\), or 'module:callable', got int$"):
+        assert_ac_safe(3)
+    import fla_ac_isolation.pytest_plugin as plugin
+
+    assert not hasattr(plugin, "_fla_ac_check_target")  # the model served to the check is not kept
+
+
+# ------------------------------------------------------------------------------- the EP=2 regression
+def test_a_mixer_defined_inside_a_function_is_refused_before_any_rank_starts():
+    from torch import nn
+
+    from fla_ac_isolation.regression import RegressionSpec
+
+    class Local(nn.Module):
+        pass
+
+    name = f"{__name__}:test_a_mixer_defined_inside_a_function_is_refused_before_any_rank_starts.<locals>.Local"
+    with pytest.raises(ValueError, match=re.escape(
+            f"mixer {name!r} is defined inside a function: the rank processes import the mixer class by module "
+            "path, so define it at module level")):
+        RegressionSpec(mixer=Local).validate()
+    with pytest.raises(ValueError, match=re.escape("mixer 'fla_ac_isolation.mixers:Nope': fla_ac_isolation.mixers "
+                                                   "has no attribute 'Nope'")):
+        RegressionSpec(mixer="fla_ac_isolation.mixers:Nope").validate()
+    with pytest.raises(ValueError, match=re.escape(
+            "backend applies to this package's mixers; with mixer='fla_ac_isolation.mixers:Qwen3_5MoeGatedDeltaNet' "
+            "it must be 'auto' (your mixer picks its own kernels), got 'reference'")):
+        RegressionSpec(mixer="fla_ac_isolation.mixers:Qwen3_5MoeGatedDeltaNet", backend="reference").validate()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ep2_with_our_gdn_passes_and_with_a_mixer_sharing_its_offsets_fails_as_the_shared_path_does(pytester):
+    """The user's file of the page: its mixer classes are imported by the rank processes from the test module."""
+    pytester.makepyfile(test_mixer_ep2=_page_python(1))
+    result = pytester.runpytest(*RUN, "-q", "-p", "no:warnings")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*_ test_kept_offsets_under_ep2 _*",
+        "fla-ac-isolation regress: qwen3_5_moe with mixer test_mixer_ep2:KeptOffsetsGatedDeltaNet | EP=2 | SAC "
+        "policy save-all-copies | cpu, float32",
+        "           no-ac: reference",
+        "          shared: FAILED: rank [01]: RuntimeError: Autograd not support dtype: Int (unsafe)",
+        "        isolated: FAILED: rank [01]: RuntimeError: Autograd not support dtype: Int (required)",
+        "  global-disable: matches (bit for bit) (required)",
+        "verdict: FAILED (a required mode does not match no-ac)",
+    ])
+    assert "test_gated_deltanet_under_ep2" not in result.stdout.str()  # it passed (its own assert included)
+    assert_printed_as_on_page(result.stdout.str(), PAGE, "$ python -m pytest -q test_mixer_ep2.py", skip=("passed",),
+                              varies=("rank",))
