@@ -28,13 +28,16 @@ Outcome (:attr:`CheckResult.exit_code`): 0 when every checkpointed region is ali
 leaks across packed documents here (a class known to drop the offsets, or one that leaks without a package
 missing here: transformers' Gated DeltaNets without ``causal_conv1d``); 1 otherwise. Bad input raises
 :class:`CheckInputError` (the command exits with 2): also a batch without packed offsets (nothing to check) and
-a step that fails without AC.
+a step that fails without AC. A step that fails without AC because FLA refuses this environment (its #640 guard:
+the gated backward on a Hopper GPU with Triton >= 3.4 and < 3.7.1) raises :class:`CheckEnvironmentError` instead,
+naming what to install (the command exits with 3): neither the model nor AC is at fault.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import importlib.util
 import pathlib
 import sys
@@ -60,8 +63,8 @@ from fla_ac_isolation.families import (
 from fla_ac_isolation.isolate import is_isolated
 from fla_ac_isolation.policies import POLICIES
 
-__all__ = ["CheckInputError", "CheckResult", "CheckSpec", "CheckStep", "MixerFinding", "RegionVerdict",
-           "load_model", "run_check", "survey"]
+__all__ = ["CheckEnvironmentError", "CheckInputError", "CheckResult", "CheckSpec", "CheckStep", "MixerFinding",
+           "RegionVerdict", "load_model", "run_check", "survey"]
 
 OWN_CODE_FIX = ("your own FLA-calling code: build a LayerLocalSeqlens once per forward and hand each layer "
                 "seqlens.local() inside its forward (docs/own-model.md)")
@@ -70,6 +73,12 @@ OWN_CODE_FIX = ("your own FLA-calling code: build a LayerLocalSeqlens once per f
 class CheckInputError(ValueError):
     """What the check was given cannot be checked: the spec, the callable, what it returned, or the model's
     layers (the message names which)."""
+
+
+class CheckEnvironmentError(RuntimeError):
+    """The environment cannot run the check: FLA refuses it (its #640 guard, recognised by
+    :func:`fla_ac_isolation.fla_seam.versions.is_hopper_gdn_refusal`); the message names what to install and
+    FLA's own error. Not the model's fault, nor AC's (the command exits with 3)."""
 
 
 @dataclass(frozen=True)
@@ -385,9 +394,28 @@ def _without_ac(model: nn.Module, batch: dict, spec: CheckSpec) -> None:
         except CheckInputError:
             raise
         except Exception as err:
+            _refuse_environment(err)
             raise CheckInputError(f"model(**batch) fails without activation checkpointing, so the model or the "
                                   f"batch is wrong, not AC: {first_line(err)}") from err
     model.zero_grad(set_to_none=True)
+
+
+def _refuse_environment(err: Exception) -> None:
+    """Raise :class:`CheckEnvironmentError` when ``err`` is FLA's #640 refusal (the seam recognises it)."""
+    from fla_ac_isolation.fla_seam.versions import HOPPER_GDN_REMEDY, fla_version, is_hopper_gdn_refusal
+
+    if not is_hopper_gdn_refusal(err):
+        return
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = "(version unknown)"
+    raise CheckEnvironmentError(
+        f"FLA refuses this environment, not the model: FLA {fla_version()} refuses the gated backward "
+        f"(chunk_bwd_dqkwg: gated delta rule, simple GLA) on a Hopper GPU with Triton {triton} (Triton >= 3.4.0 and "
+        f"< 3.7.1 miscompile it, FLA issue #640); {HOPPER_GDN_REMEDY}, then run check again; FLA's error: "
+        f"{first_line(err)}"
+    ) from err
 
 
 def _step(model: nn.Module, batch: dict, spec: CheckSpec) -> CheckStep:
@@ -456,6 +484,7 @@ def run_check(spec: CheckSpec) -> CheckResult:
         CheckInputError: an invalid ``spec``, a model that cannot be loaded, a batch without packed offsets
             (or whose offsets never reach FLA), a step that fails without AC, a model without a layer list to
             checkpoint, or a forward that returns no loss.
+        CheckEnvironmentError: the step without AC fails because FLA refuses this environment (#640).
     """
     spec = spec.validate()
     if spec.device == "auto":

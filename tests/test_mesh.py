@@ -63,6 +63,14 @@ def test_coordinates_are_torchs_row_major_device_mesh_layout(kwargs):
         mesh.coordinates(mesh.world)
 
 
+@pytest.mark.parametrize("rank", [-1, -4, 4, True, 1.0, "0"], ids=["-1", "-world", "world", "bool", "float", "str"])
+def test_coordinates_refuse_a_rank_outside_the_world_naming_the_argument_and_the_range(rank):
+    mesh = ParallelMesh(dp=2, pp=2)  # world 4: a negative rank would otherwise index from the end
+    with pytest.raises(ValueError) as info:
+        mesh.coordinates(rank)
+    assert str(info.value) == f"rank must be an int in [0, 4) (the mesh's world), got {rank!r}"
+
+
 def test_build_needs_a_process_group_of_its_world():
     with pytest.raises(RuntimeError, match=r"the mesh \(1, 2, 1\) of \('pp', 'dp', 'cp'\) needs a default process "
                                            r"group of 2 ranks, found no process group"):

@@ -15,7 +15,9 @@ Exit codes: 0 when every checkpointed region is aligned and no mixer leaks acros
 region diverged, the step failed under AC or a mixer leaks (the verdict line names the leaking classes); 2 for
 bad input (flags, a callable that cannot be loaded or returns something else than ``(model, batch)``, a batch
 without packed offsets, a step that fails without AC too, a model without a layer list), printed on stderr and,
-with ``--json``, as ``{"error": ..., "exit_code": 2}`` on stdout.
+with ``--json``, as ``{"error": ..., "exit_code": 2}`` on stdout; 3 when FLA refuses this environment (its #640
+guard: the gated backward on a Hopper GPU with Triton < 3.7.1), the message naming what to install, printed and
+with ``--json`` shown the same way (``"exit_code": 3``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ import dataclasses
 import json
 import sys
 
-from fla_ac_isolation.check_runner import CheckInputError, CheckResult, CheckSpec, CheckStep, run_check
+from fla_ac_isolation.check_runner import (
+    CheckEnvironmentError,
+    CheckInputError,
+    CheckResult,
+    CheckSpec,
+    CheckStep,
+    run_check,
+)
 
 __all__ = ["HELP", "add_arguments", "render", "run", "spec_from_arguments"]
 
@@ -119,16 +128,18 @@ def render(result: CheckResult) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the check for parsed ``args``; print the report (or JSON); return the exit code (2: bad input)."""
+    """Run the check for parsed ``args``; print the report (or JSON); return the exit code (2: bad input, 3: FLA
+    refuses this environment)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
     try:
         result = run_check(spec_from_arguments(args))
-    except CheckInputError as err:
+    except (CheckInputError, CheckEnvironmentError) as err:
+        code = 3 if isinstance(err, CheckEnvironmentError) else 2
         print(f"fla-ac-isolation check: error: {err}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"error": str(err), "exit_code": 2}, indent=1))
-        return 2
+            print(json.dumps({"error": str(err), "exit_code": code}, indent=1))
+        return code
     print(json.dumps(result.to_dict(), indent=1) if args.json else render(result))
     return result.exit_code

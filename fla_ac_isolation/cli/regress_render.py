@@ -101,7 +101,8 @@ def _add_rows(table, result: RegressionResult, found: dict[str, Verdict]) -> Non
     for name, mode in result.modes.items():
         verdict = found[name]
         text = escape(verdict.text)
-        style = {"matches": "green", "reference": "cyan", "failed": "red", "diverged": "red"}.get(verdict.status, "")
+        style = {"matches": "green", "reference": "cyan", "failed": "red", "diverged": "red",
+                 "incomplete": "red"}.get(verdict.status, "")
         rows = max(len(mode.losses), 1)
         for i in range(rows):
             done = i < len(mode.losses)

@@ -7,6 +7,7 @@
   (gated delta rule, simple GLA) on this machine: Hopper GPUs with Triton >= 3.4 and < 3.7.1 (FLA issue
   #640, ``fla/ops/common/chunk_o.py``). A GPU test harness may lift it (the project's test support does,
   announcing it); library code never does.
+* :func:`is_hopper_gdn_refusal` - whether an exception is that refusal (what to install: :data:`HOPPER_GDN_REMEDY`).
 
 Nothing here imports FLA at import time.
 """
@@ -14,9 +15,16 @@ Nothing here imports FLA at import time.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
+import traceback
 
-__all__ = ["fla_version", "hopper_gdn_guard_active", "tested_range"]
+__all__ = ["HOPPER_GDN_REMEDY", "fla_version", "hopper_gdn_guard_active", "is_hopper_gdn_refusal", "tested_range"]
+
+HOPPER_GDN_REMEDY = "install triton >= 3.7.1 (pip install 'triton>=3.7.1'), or tilelang (pip install tilelang)"
+"""What lifts FLA's #640 refusal, as FLA's own message says (``fla/ops/common/chunk_o.py``, FLA 0.5.2 and 0.6)."""
+
+_GUARD_FILE = os.path.join("fla", "ops", "common", "chunk_o.py")
 
 
 def tested_range() -> str:
@@ -59,3 +67,23 @@ def hopper_gdn_guard_active() -> bool:
         and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
         and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
     )
+
+
+def is_hopper_gdn_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is FLA's #640 refusal, so the environment (Triton on a Hopper GPU) is at fault.
+
+    All three must hold: the guard is active here (:func:`hopper_gdn_guard_active`), ``error`` is a
+    ``RuntimeError`` naming ``#640`` and ``Hopper`` (FLA 0.5.2 and 0.6: "Triton >= 3.4.0 and < 3.7.1 on Hopper
+    GPUs produces incorrect results for gated chunk_bwd_dqkwg (see #640). ..."), and it was raised in
+    ``fla/ops/common/chunk_o.py`` (the innermost frame of its traceback). Never raises: ``False`` where FLA's
+    kernels do not import.
+    """
+    if not isinstance(error, RuntimeError) or "#640" not in str(error) or "Hopper" not in str(error):
+        return False
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or not frames[-1].filename.endswith(_GUARD_FILE):
+        return False
+    try:
+        return hopper_gdn_guard_active()
+    except Exception:  # FLA's kernels do not import here: not FLA's guard
+        return False

@@ -33,10 +33,14 @@ def default_cp_rtol(device: str, dtype: str) -> float:
 
 
 def cp1_deviation(mode: ModeResult, cp1: ModeResult) -> tuple[float, str]:
-    """``(deviation, "loss" | "grad")`` of ``mode`` from the CP=1 reference (see the module docstring)."""
+    """``(deviation, "loss" | "grad" | "nan" | "missing")`` of ``mode`` from the CP=1 reference (see the module
+    docstring); ``(inf, "missing")`` when ``mode`` has no gradient difference at step 0 (never judged on the loss
+    alone)."""
     loss_dev = max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(mode.losses, cp1.losses)), default=0.0)
     scale, diff = (mode.cp1_ref_grad_max or [None])[0], (mode.cp1_grad_diffs or [None])[0]
-    grad_dev = math.inf if diff is None else (diff / scale if scale else diff)
+    if diff is None:
+        return math.inf, "missing"
+    grad_dev = diff / scale if scale else diff
     if math.isnan(loss_dev) or math.isnan(grad_dev):
         return math.inf, "nan"
     return (loss_dev, "loss") if loss_dev >= grad_dev else (grad_dev, "grad")

@@ -48,8 +48,10 @@ class Verdict:
 
     Attributes:
         mode: the mode.
-        status: ``reference`` | ``matches`` | ``diverged`` | ``failed`` | ``no reference``.
-        text: what the table prints (``matches``, ``DIVERGED by X``, ``FAILED: <first line>``).
+        status: ``reference`` | ``matches`` | ``diverged`` | ``failed`` | ``incomplete`` (no error, but data
+            to judge it is missing: fewer steps than ``no-ac``, or no gradient difference against the run without
+            CP / PP) | ``no reference``.
+        text: what the table prints (``matches``, ``DIVERGED by X``, ``FAILED: <first line>``, ``INCOMPLETE: ...``).
         deviation: relative deviation from ``no-ac`` (``None`` when not computable).
         ok: ``status`` is ``matches`` or ``reference``.
     """
@@ -115,9 +117,12 @@ def verdicts(result: RegressionResult, rtol: float | None = None, cp_rtol: float
             out[name] = Verdict(name, "reference", "reference", 0.0)
         elif ref is None or ref.error is not None or len(ref.losses) < spec.steps:
             out[name] = Verdict(name, "no reference", "no reference (no-ac failed)", None)
+        elif len(mode.losses) != len(ref.losses):
+            out[name] = Verdict(name, "incomplete", f"INCOMPLETE: ran {len(mode.losses)} of {len(ref.losses)} "
+                                                    "steps and reported no error", None)
         else:
             dev, what = _deviation(mode, ref)
-            if dev <= rtol and len(mode.losses) == len(ref.losses):
+            if dev <= rtol:
                 text = "matches (bit for bit)" if dev == 0 else f"matches (within {dev:.1e} <= rtol {rtol:g})"
                 out[name] = Verdict(name, "matches", text, dev)
             else:
@@ -148,7 +153,10 @@ def _apply_whole_verdicts(found: dict[str, Verdict], result: RegressionResult, r
             found[name] = Verdict(name, "no reference", f"no reference ({reference} failed)", None)
             continue
         dev, kind = deviation(result.modes[name], whole)
-        if dev <= rtol:
+        if kind == "missing":
+            found[name] = Verdict(name, "incomplete", f"INCOMPLETE: no gradient difference from {what}=1 at step 0 "
+                                                      f"(cannot be judged against {what}=1)", None)
+        elif dev <= rtol:
             found[name] = Verdict(name, verdict.status, f"{verdict.text}; vs {what}=1 {dev:.1e} <= {rtol:g}",
                                   verdict.deviation)
         else:
@@ -167,11 +175,11 @@ def fault_reproduced(result: RegressionResult, rtol: float | None = None, mode: 
     """Whether the unsafe ``mode`` (``shared``, or ``field`` under CP) failed or diverged.
 
     ``None`` (not judged) when it did not run, when ``no-ac`` did not complete (a failure of every mode
-    says nothing about the fault) or when the mode was stopped by the timeout.
+    says nothing about the fault), when the mode was stopped by the timeout or its data is incomplete.
     """
     found = verdicts(result, rtol)
     verdict, reference = found.get(mode), found.get("no-ac")
-    if verdict is None or verdict.status == "no reference" or reference is None or not reference.ok:
+    if verdict is None or verdict.status in ("no reference", "incomplete") or reference is None or not reference.ok:
         return None
     if result.modes[mode].timed_out:
         return None
