@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import datetime
 import inspect
 import json
 import os
@@ -60,13 +61,14 @@ from fla_ac_isolation.parallel import PackedMicrobatches, split_packed_microbatc
 __all__ = ["CHECKPOINTED", "POLICY_NAMES", "SCHEDULES", "Cell", "main", "parse_args", "run_group"]
 
 SCHEDULES: dict[str, tuple[str, tuple[int, ...], bool]] = {
+    "gpipe": ("ScheduleGPipe", (1,), False),
+    "1f1b": ("Schedule1F1B", (1,), False),
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", (2, 4), False),
     "looped-bfs": ("ScheduleLoopedBFS", (2, 4), False),
     "interleaved-zero-bubble": ("ScheduleInterleavedZeroBubble", (2,), True),
-    "gpipe": ("ScheduleGPipe", (1,), False),
-    "1f1b": ("Schedule1F1B", (1,), False),
 }
-"""Schedule name -> (torch's class, local stage counts run, zero bubble: full AC only)."""
+"""Schedule name -> (torch's class, local stage counts run, zero bubble: full AC only). The single-stage ones run
+first: they send nothing, while torch 2.11 opens a multi-stage schedule with sends to the rank itself."""
 
 POLICY_NAMES = ("save-d2h-copies", "save-all-copies", "full-ac")
 CHECKPOINTED = ("isolated", "global-disable", "shared")
@@ -369,7 +371,7 @@ def main(argv=None) -> int:
     store_dir = tempfile.mkdtemp(prefix="pp_one_gpu_")
     store_path = os.path.join(store_dir, "store")
     dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.FileStore(store_path, 1),
-                            rank=0, world_size=1)
+                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))  # a hung send ends
     results: dict[str, Any] = {"meta": {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "versions": versions(),
         "world_size": 1, "backend": args.backend, "model": args.model, "hidden": args.hidden, "layers": args.layers,
