@@ -27,10 +27,12 @@ fresh model gets it and runs the same step.
 Outcome (:attr:`CheckResult.exit_code`): 0 when every checkpointed region is aligned, the step ran and no mixer
 leaks across packed documents here (a class known to drop the offsets, or one that leaks without a package
 missing here: transformers' Gated DeltaNets without ``causal_conv1d``); 1 otherwise. Bad input raises
-:class:`CheckInputError` (the command exits with 2): also a batch without packed offsets (nothing to check) and
-a step that fails without AC. A step that fails without AC because FLA refuses this environment (its #640 guard:
-the gated backward on a Hopper GPU with Triton >= 3.4 and < 3.7.1) raises :class:`CheckEnvironmentError` instead,
-naming what to install (the command exits with 3): neither the model nor AC is at fault.
+:class:`CheckInputError` (the command exits with 2): also a batch without packed offsets (nothing to check), a
+step that fails without AC, and a step the audit could not judge (no checkpointed region recomputed, or regions run
+as reentrant checkpoints, which it cannot look into). A step that fails without AC because FLA refuses this
+environment (its #640 guard: the gated backward on a Hopper GPU with Triton >= 3.4 and < 3.7.1) raises
+:class:`CheckEnvironmentError` instead, naming what to install (the command exits with 3): neither the model nor AC
+is at fault.
 """
 
 from __future__ import annotations
@@ -177,12 +179,16 @@ class RegionVerdict:
 
 @dataclass(frozen=True)
 class CheckStep:
-    """One audited step: the regions, the first line of an error the step raised (``None``: it ran), and how
-    often the regions' forwards called FLA's cached index helpers (0: no packed offsets reached FLA)."""
+    """One audited step: the regions, the first line of an error the step raised (``None``: it ran), how
+    often the regions' forwards called FLA's cached index helpers (0: no packed offsets reached FLA), and why
+    the audit could not judge some or all of what was checkpointed (:attr:`ReplayAudit.why_blind
+    <fla_ac_isolation.ReplayAudit.why_blind>`: no region recomputed, reentrant regions; ``None``: every region
+    that ran was looked into, or none ran)."""
 
     regions: tuple[RegionVerdict, ...]
     error: str | None = None
     fla_helper_calls: int = 0
+    blind: str | None = None
 
     @property
     def aligned(self) -> bool:
@@ -442,7 +448,19 @@ def _step(model: nn.Module, batch: dict, spec: CheckSpec) -> CheckStep:
         for r in audit.regions
     )
     calls = sum(n for r in audit.regions for counts in r.forward_cache.values() for n in counts.values())
-    return CheckStep(regions, error, calls)
+    blind = audit.why_blind if audit.regions or audit.unaudited else None  # none ran: CheckStep.aligned's rule
+    return CheckStep(regions, error, calls, blind)
+
+
+def _require_judged(step: CheckStep) -> None:
+    """Refuse a step that ran but in which the audit could not judge every checkpointed region (none was
+    recomputed, or some ran as reentrant checkpoints it cannot look into): passing it would call unseen
+    regions aligned."""
+    if step.error is None and step.blind is not None:
+        raise CheckInputError(
+            f"the audit could not judge this step ({step.blind}), so nothing can be passed: checkpoint with "
+            f"use_reentrant=False and make the loss depend on every checkpointed layer"
+        )
 
 
 def _require_fla_offsets(step: CheckStep, mixers: list[MixerFinding]) -> None:
@@ -482,7 +500,8 @@ def run_check(spec: CheckSpec) -> CheckResult:
 
     Raises:
         CheckInputError: an invalid ``spec``, a model that cannot be loaded, a batch without packed offsets
-            (or whose offsets never reach FLA), a step that fails without AC, a model without a layer list to
+            (or whose offsets never reach FLA), a step the audit could not judge (no region recomputed, or
+            reentrant regions), a step that fails without AC, a model without a layer list to
             checkpoint, or a forward that returns no loss.
         CheckEnvironmentError: the step without AC fails because FLA refuses this environment (#640).
     """
@@ -493,6 +512,7 @@ def run_check(spec: CheckSpec) -> CheckResult:
     mixers = survey(model)
     _without_ac(model, batch, spec)
     as_given = _step(model, batch, spec)
+    _require_judged(as_given)
     _require_fla_offsets(as_given, mixers)
     result = CheckResult(spec, type(model).__name__, mixers, as_given)
     result.fixes = [f"{m.name}: {m.fix}" for m in mixers if m.fix]

@@ -7,6 +7,8 @@ by the benchmarks (their JSON files). Nothing here renders; everything returns p
 * :func:`versions` - ``{distribution: version}`` of torch and the libraries the checks run on.
 * :func:`torch_features` - what each known feature needs from torch, and whether this torch has it.
 * :func:`sac_replay_semantics` - ``"(op, index)"`` (torch >= 2.13) or ``"per-op FIFO"`` (2.11/2.12).
+* :func:`audit_self_probe` - whether :class:`~fla_ac_isolation.ReplayAudit` sees checkpoints on this torch: a
+  2-op function checkpointed under it, non-reentrant (recorded and compared) and reentrant (reported).
 * :func:`environment_report` - all of the above, with the device, FLA's cache state and whether the packages
   some classes need to keep packed documents apart import (``causal_conv1d``), as ``{label: text}``.
 * :func:`fla_backed_classes` - every FLA-backed class of other libraries this package knows
@@ -39,8 +41,10 @@ from fla_ac_isolation.fla_seam import versions as fla_versions
 
 __all__ = [
     "DISTRIBUTIONS",
+    "AuditProbe",
     "ForeignClassStatus",
     "TorchFeature",
+    "audit_self_probe",
     "environment_report",
     "fla_backed_classes",
     "missing_torch_features",
@@ -134,6 +138,73 @@ def sac_replay_semantics() -> str:
     return "(op, index)" if "func_counter" in source else "per-op FIFO"
 
 
+@dataclass(frozen=True)
+class AuditProbe:
+    """What :func:`audit_self_probe` saw.
+
+    Attributes:
+        sees: the non-reentrant checkpoint was recorded (one region, its 2 forward ops, recomputed and compared,
+            aligned) and the reentrant one was reported (one unaudited region, one warning).
+        regions: regions recorded for the non-reentrant checkpoint (expected 1).
+        forward_ops: ops recorded in its forward (expected 2: ``aten.mul.Tensor``, ``aten.sin.default``).
+        verdict: that region's verdict (expected ``"aligned"``).
+        reentrant_reported: unaudited regions reported for the reentrant checkpoint (expected 1).
+        error: the error entering the audit raised (``UnsupportedTorchCheckpointError``: unknown torch), else ``None``.
+    """
+
+    sees: bool
+    regions: int
+    forward_ops: int
+    verdict: str | None
+    reentrant_reported: int
+    error: str | None = None
+
+    def line(self) -> str:
+        """``"yes (...)"`` or ``"NO: <what was not seen>"``, for ``doctor``."""
+        if self.error is not None:
+            return f"NO: {self.error}"
+        if self.sees:
+            return ("yes (non-reentrant recorded: 1 region, 2 ops, recompute compared; reentrant reported, not "
+                    "audited)")
+        missed = []
+        if (self.regions, self.forward_ops, self.verdict) != (1, 2, "aligned"):
+            missed.append(f"a non-reentrant checkpoint of 2 ops gave {self.regions} region(s), {self.forward_ops} "
+                          f"forward op(s), verdict {self.verdict} (expected 1, 2, aligned)")
+        if self.reentrant_reported != 1:
+            missed.append(f"a reentrant checkpoint was reported {self.reentrant_reported} time(s) (expected 1)")
+        return f"NO: on torch {torch.__version__}, " + "; ".join(missed)
+
+
+def audit_self_probe() -> AuditProbe:
+    """Checkpoint ``(x * 2).sin()`` (``x``: ``[4]`` float32 on the CPU) under a ``ReplayAudit``, once with
+    ``use_reentrant=False`` and once with ``use_reentrant=True``, and say what the audit saw (a few milliseconds).
+    Never raises for what it finds: an unknown torch is reported in :attr:`AuditProbe.error`."""
+    import warnings
+
+    from torch.utils.checkpoint import checkpoint
+
+    from fla_ac_isolation.audit import ReplayAudit, UnauditedCheckpointWarning, UnsupportedTorchCheckpointError
+
+    def two_ops(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).sin()
+
+    x = torch.ones(4, requires_grad=True)
+    try:
+        with ReplayAudit(on_divergence="record", probe_fla=False) as audit:
+            checkpoint(two_ops, x, use_reentrant=False).sum().backward()
+            regions = audit.regions
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UnauditedCheckpointWarning)
+                checkpoint(two_ops, x, use_reentrant=True).sum().backward()
+    except UnsupportedTorchCheckpointError as err:
+        return AuditProbe(False, 0, 0, None, 0, str(err))
+    forward_ops = regions[0].forward_ops if regions else 0
+    verdict = regions[0].verdict if regions else None
+    reported = len(audit.unaudited)
+    sees = (len(regions), forward_ops, verdict, reported) == (1, 2, "aligned", 1)
+    return AuditProbe(sees, len(regions), forward_ops, verdict, reported)
+
+
 def versions() -> dict[str, str]:
     """``{"torch": ..., distribution: version}`` for the installed ones of :data:`DISTRIBUTIONS`."""
     out = {"torch": torch.__version__}
@@ -172,7 +243,8 @@ def _device() -> str:
 
 
 def environment_report() -> dict[str, str]:
-    """Versions, device, SAC replay semantics, torch feature gaps and FLA's cache state, as ``{label: text}``."""
+    """Versions, device, SAC replay semantics, whether the audit sees checkpoints here (:func:`audit_self_probe`),
+    torch feature gaps and FLA's cache state, as ``{label: text}``."""
     installed = versions()
     shown = {
         "python": platform.python_version(),
@@ -185,6 +257,7 @@ def environment_report() -> dict[str, str]:
         "OLMo-core (ai2-olmo-core)": installed.get("ai2-olmo-core", "not installed"),
         "device": _device(),
         "SAC replay semantics": sac_replay_semantics(),
+        "audit sees checkpoints": audit_self_probe().line(),
     }
     for feature in TORCH_FEATURES:
         if not feature.available:

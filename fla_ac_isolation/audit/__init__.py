@@ -52,7 +52,21 @@ What it sees and does not see:
 * torch 2.11 (SAC replays from one FIFO queue per op) and torch >= 2.13 (by op and invocation index):
   the recorder does not depend on how SAC replays; any divergence it reports shifts both.
 * Checkpoint calls traced *into* a compiled graph (``torch.compile`` around the checkpoint call) do not
-  reach torch's eager checkpoint and are not audited (nor are reentrant checkpoints).
+  reach torch's eager checkpoint and are not audited.
+* Reentrant checkpoints (``use_reentrant=True``) recompute inside autograd with no ``context_fn``: the audit
+  cannot look into them. Each one that runs is reported: an :class:`UnauditedCheckpointWarning`, a row
+  ``reentrant checkpoint: not audited`` in :meth:`ReplayAudit.summary`, an entry of
+  :attr:`ReplayAudit.unaudited`, and the verdict ``"blind"``; never counted clean. Likewise a checkpoint in
+  torch's debug mode (it takes no ``context_fn``).
+* Which torch function to intercept differs between torch releases
+  (:mod:`fla_ac_isolation.audit.torch_checkpoint`, which knows torch 2.11 to 2.15); on a torch whose internals
+  it does not recognise, entering the audit raises :class:`UnsupportedTorchCheckpointError` (naming the torch
+  version and what was not found) instead of recording nothing.
+
+Verdict: :attr:`ReplayAudit.ok` is "no region diverged" (as before); :attr:`ReplayAudit.verdict` is
+``"divergent"``, ``"aligned"`` (at least one region recomputed and compared, none diverged, none unaudited) or
+``"blind"`` (nothing was judged, or some checkpointed region ran unaudited; :attr:`ReplayAudit.why_blind`
+says which).
 
 Modes (``on_divergence``):
 
@@ -75,10 +89,11 @@ with the audit. Outside checkpointed regions nothing is recorded. A debugging to
 """
 
 from fla_ac_isolation.audit.recorder import ReplayDivergenceError, ReplayDivergenceWarning
-from fla_ac_isolation.audit.records import CacheDifference
-from fla_ac_isolation.audit.replay_audit import ReplayAudit
+from fla_ac_isolation.audit.records import CacheDifference, UnauditedRegion
+from fla_ac_isolation.audit.replay_audit import ReplayAudit, UnauditedCheckpointWarning
 from fla_ac_isolation.audit.report import RegionReport
 from fla_ac_isolation.audit.session import OnDivergence
+from fla_ac_isolation.audit.torch_checkpoint import UnsupportedTorchCheckpointError
 
 __all__ = [
     "CacheDifference",
@@ -87,4 +102,7 @@ __all__ = [
     "ReplayAudit",
     "ReplayDivergenceError",
     "ReplayDivergenceWarning",
+    "UnauditedCheckpointWarning",
+    "UnauditedRegion",
+    "UnsupportedTorchCheckpointError",
 ]

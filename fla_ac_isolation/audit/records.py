@@ -3,6 +3,7 @@
 * :data:`OpRecord` - one recorded op: ``(op overload, per output leaf (shape, dtype, device) or type name)``;
   plain tuples keep the per-op cost and memory low, and nothing refers to a tensor.
 * :class:`Pass` / :class:`Region` - one forward or recompute, and one checkpointed call with its passes.
+* :class:`UnauditedRegion` - a checkpointed call the audit saw but cannot look into (reentrant, torch's debug mode).
 * :class:`CacheDifference` and :func:`cache_differences` - FLA helpers whose hit/miss differed between the
   forward and a recompute (the n-th call of each helper in one pass against its n-th call in the other);
   :func:`implicating_fla` - whether those differences implicate FLA's cache or only a path change.
@@ -25,6 +26,7 @@ __all__ = [
     "OpRecord",
     "Pass",
     "Region",
+    "UnauditedRegion",
     "by_helper",
     "cache_differences",
     "format_op",
@@ -140,6 +142,21 @@ class Region:
     label: str | None
     forward: Pass | None = None
     recomputes: list[Pass] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class UnauditedRegion:
+    """A checkpointed region that ran under the audit but that the audit cannot look into.
+
+    Attributes:
+        label: the region's name, as a recorded region's (module path, ``region #i (ClassName)``, ``region #i``).
+        reason: why it was not audited: ``"reentrant checkpoint: not audited"`` (``use_reentrant=True``: its
+            recompute runs inside autograd with no ``context_fn``) or ``"debug checkpoint: not audited"`` (torch's
+            checkpoint debug mode takes no ``context_fn``).
+    """
+
+    label: str
+    reason: str
 
 
 def by_helper(events: list[CacheEvent]) -> dict[str, dict[str, int]]:

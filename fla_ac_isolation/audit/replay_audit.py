@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,12 +12,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fla_ac_isolation.audit.labels import RegionNamer
 from fla_ac_isolation.audit.recorder import PassRecorder
-from fla_ac_isolation.audit.records import Region, ignored_ops
+from fla_ac_isolation.audit.records import Region, UnauditedRegion, ignored_ops
 from fla_ac_isolation.audit.report import RegionReport, region_report, summary_table
 from fla_ac_isolation.audit.session import AuditSession, OnDivergence
+from fla_ac_isolation.audit.torch_checkpoint import intercept_checkpoints
 from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
 
-__all__ = ["ReplayAudit"]
+__all__ = ["ReplayAudit", "UnauditedCheckpointWarning"]
+
+
+class UnauditedCheckpointWarning(UserWarning):
+    """A checkpointed region ran under :class:`ReplayAudit` that it cannot look into (a reentrant checkpoint,
+    or one in torch's debug mode); it is listed in :attr:`ReplayAudit.unaudited` and makes the verdict
+    ``"blind"``."""
 
 _ON_DIVERGENCE = ("raise", "warn", "record")
 
@@ -50,7 +57,14 @@ class ReplayAudit:
             pipeline schedule pass :class:`~fla_ac_isolation.parallel.StageRegionTags` (stage, microbatch and
             the shape-inference pass).
 
+    Verdict: :attr:`ok` is "no region diverged"; :attr:`verdict` (``"aligned"``, ``"divergent"``, ``"blind"``)
+    also says whether anything was judged: ``"blind"`` when no region was recomputed and compared, or when a
+    checkpointed region ran that the audit cannot look into (a reentrant checkpoint: :attr:`unaudited`).
+
     Raises:
+        UnsupportedTorchCheckpointError: on entering the block, when the installed torch's checkpoint internals are
+            not ones the audit knows (:mod:`fla_ac_isolation.audit.torch_checkpoint`; the message names the torch
+            version and what was not found).
         ValueError: unknown ``on_divergence``.
         TypeError: ``model`` is not an ``nn.Module``; ``region_tag`` is not callable (or, when a region starts,
             returns something other than a string or ``None``).
@@ -113,39 +127,36 @@ class ReplayAudit:
 
     @contextlib.contextmanager
     def _patched_checkpoint(self) -> Iterator[None]:
-        """Route every non-reentrant checkpoint call through :meth:`context_fn` inside the block."""
+        """Route every checkpoint call inside the block through the audit (:mod:`.torch_checkpoint` knows how)."""
         import torch.utils.checkpoint as cp
 
-        targets = [cp]
-        composable = sys.modules.get("torch.distributed._composable.checkpoint_activation")
-        if composable is not None and hasattr(composable, "_checkpoint_without_reentrant_generator"):
-            targets.append(composable)
-        originals = [t._checkpoint_without_reentrant_generator for t in targets]
-        audit = self
+        def non_reentrant(fn: Any, context_fn: Callable[[], Any], debug: bool) -> Callable[[], Any]:
+            if getattr(context_fn, "_replay_audit", False):
+                return context_fn
+            if debug:  # torch's debug mode refuses any context_fn
+                self._unaudited(fn, "debug checkpoint: not audited",
+                                "torch's checkpoint debug mode (debug=True or set_checkpoint_debug_enabled) takes "
+                                "no context_fn")
+                return context_fn
+            return self.context_fn(None if context_fn is cp.noop_context_fn else context_fn, _label_from=fn)
 
-        def make(original):
-            def audited_generator(
-                fn, preserve_rng_state=True, context_fn=cp.noop_context_fn, determinism_check=None,
-                debug=False, early_stop=True, *args, **kwargs,
-            ):
-                if determinism_check is None:
-                    determinism_check = cp._DEFAULT_DETERMINISM_MODE
-                if not getattr(context_fn, "_replay_audit", False) and not debug:
-                    inner = None if context_fn is cp.noop_context_fn else context_fn
-                    context_fn = audit.context_fn(inner, _label_from=fn)
-                return original(
-                    fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args, **kwargs
-                )
+        def reentrant(run_function: Any) -> None:
+            self._unaudited(run_function, "reentrant checkpoint: not audited",
+                            "use_reentrant=True recomputes inside autograd with no context_fn; checkpoint with "
+                            "use_reentrant=False to audit it")
 
-            return audited_generator
-
-        for t, original in zip(targets, originals):
-            t._checkpoint_without_reentrant_generator = make(original)
-        try:
+        with intercept_checkpoints(non_reentrant, reentrant):
             yield
-        finally:
-            for t, original in zip(targets, originals):
-                t._checkpoint_without_reentrant_generator = original
+
+    def _unaudited(self, fn: Any, reason: str, why: str) -> None:
+        session = self._session
+        index = len(session.unaudited)
+        label = session.namer.label_for(fn, index)
+        if label.startswith(f"region #{index}"):
+            label = f"unaudited {label}"
+        session.unaudited.append(UnauditedRegion(session.namer.tagged(label), reason))
+        warnings.warn(f"ReplayAudit: {label}: {reason} ({why})",
+                      UnauditedCheckpointWarning, stacklevel=2)
 
     # -- context_fn
     def context_fn(
@@ -198,12 +209,43 @@ class ReplayAudit:
 
     @property
     def ok(self) -> bool:
-        """No region diverged (regions that were not recomputed do not count against it)."""
+        """No region diverged (regions that were not recomputed, and unaudited ones, do not count against it: read
+        :attr:`verdict` to know whether anything was judged)."""
         return not self.divergent
+
+    @property
+    def unaudited(self) -> list[UnauditedRegion]:
+        """The checkpointed regions that ran but that the audit cannot look into (reentrant checkpoints, torch's
+        checkpoint debug mode), in the order they ran; each also emitted an :class:`UnauditedCheckpointWarning`."""
+        return list(self._session.unaudited)
+
+    @property
+    def verdict(self) -> str:
+        """``"divergent"``: some region diverged. ``"blind"``: none diverged, but no region was recomputed and
+        compared, or some checkpointed region ran unaudited (:attr:`unaudited`; :attr:`why_blind` says which).
+        ``"aligned"``: at least one region was recomputed and compared, none diverged, none ran unaudited."""
+        if self.divergent:
+            return "divergent"
+        return "blind" if self.why_blind is not None else "aligned"
+
+    @property
+    def why_blind(self) -> str | None:
+        """Why nothing (or not everything) checkpointed here was judged, in one line; ``None`` when every
+        checkpointed region that ran was looked into and at least one was recomputed and compared."""
+        reasons = []
+        if not any(r.verdict == "aligned" or r.verdict == "divergent" for r in self.regions):
+            reasons.append("no checkpointed region ran" if not self._session.regions
+                           else f"none of the {len(self._session.regions)} recorded region(s) was recomputed")
+        unaudited = self._session.unaudited
+        if unaudited:
+            kinds = sorted({u.reason for u in unaudited})
+            names = ", ".join(dict.fromkeys(u.label for u in unaudited))
+            reasons.append(f"{len(unaudited)} checkpointed region run(s) not audited ({'; '.join(kinds)}): {names}")
+        return "; ".join(reasons) or None
 
     def _report(self, region: Region) -> RegionReport:
         return region_report(region)
 
     def summary(self, *, messages: bool = True) -> str:
         """A plain-text table of every region's verdict and FLA cache telemetry (+ divergence messages)."""
-        return summary_table(self.regions, messages=messages)
+        return summary_table(self.regions, messages=messages, unaudited=self.unaudited)

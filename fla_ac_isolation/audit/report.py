@@ -8,6 +8,7 @@ from fla_ac_isolation.audit.explain import explain
 from fla_ac_isolation.audit.records import (
     CacheDifference,
     Region,
+    UnauditedRegion,
     by_helper,
     cache_differences,
     format_op,
@@ -106,8 +107,11 @@ def region_report(region: Region) -> RegionReport:
     )
 
 
-def summary_table(reports: list[RegionReport], *, messages: bool = True) -> str:
-    """A plain-text table of every region's verdict and FLA cache telemetry (+ divergence messages)."""
+def summary_table(reports: list[RegionReport], *, messages: bool = True,
+                  unaudited: list[UnauditedRegion] = ()) -> str:
+    """A plain-text table of every region's verdict and FLA cache telemetry (+ divergence messages); each
+    checkpointed region the audit could not look into is a row whose verdict is its reason
+    (``reentrant checkpoint: not audited``)."""
     rows = [("region", "fwd ops", "rec ops", "verdict", "FLA fwd hit/miss", "FLA rec hit/miss")]
 
     def hm(cache: dict[str, dict[str, int]]) -> str:
@@ -129,9 +133,11 @@ def summary_table(reports: list[RegionReport], *, messages: bool = True) -> str:
             r.label, str(r.forward_ops), "-" if r.recompute_ops is None else str(r.recompute_ops), verdict,
             hm(r.forward_cache), hm(r.recompute_cache) if r.recompute_ops is not None else "-",
         ))
+    for u in unaudited:
+        rows.append((u.label, "-", "-", u.reason, "-", "-"))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    if not reports:
+    if not reports and not unaudited:
         lines.append("(no checkpointed region ran)")
     if messages:
         for r in reports:

@@ -2,7 +2,8 @@
 
 The audit owns the session; each :class:`~fla_ac_isolation.audit.recorder.PassRecorder` receives it and
 reads nothing else of the audit. The session holds the divergence mode, the ops SAC ignores, the region
-namer, the FLA cache probe of the active ``with`` block (``None`` outside one) and the regions recorded so far.
+namer, the FLA cache probe of the active ``with`` block (``None`` outside one), the regions recorded so far and
+the checkpointed regions it could not look into.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from fla_ac_isolation.audit.labels import RegionNamer
-    from fla_ac_isolation.audit.records import CacheEvent, Region
+    from fla_ac_isolation.audit.records import CacheEvent, Region, UnauditedRegion
 
 __all__ = ["AuditSession", "OnDivergence"]
 
@@ -29,6 +30,7 @@ class AuditSession:
         ignored: ops neither SAC nor the audit counts (:func:`~fla_ac_isolation.audit.records.ignored_ops`).
         probe: FLA's cache probe while the audit's ``with`` block is active (its ``events`` list), else ``None``.
         regions: every region whose forward was recorded, in forward order (index = position).
+        unaudited: every checkpointed region that ran but could not be looked into (reentrant, debug mode).
     """
 
     on_divergence: OnDivergence
@@ -36,6 +38,7 @@ class AuditSession:
     ignored: frozenset
     probe: Any = None
     regions: list[Region] = field(default_factory=list)
+    unaudited: list[UnauditedRegion] = field(default_factory=list)
 
     def probe_events(self) -> list[CacheEvent] | None:
         """The live event list of the active FLA cache probe, or ``None`` (no shared probe: no FLA telemetry)."""

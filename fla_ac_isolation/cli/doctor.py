@@ -11,14 +11,15 @@ from fla_ac_isolation.environment import environment_report, fla_backed_classes
 
 __all__ = ["HELP", "add_arguments", "run"]
 
-HELP = ("versions, device, FLA cache state, torch's SAC replay semantics, missing torch features and the installed "
-        "FLA-backed classes")
+HELP = ("versions, device, FLA cache state, torch's SAC replay semantics, whether the audit sees checkpoints, missing "
+        "torch features and the installed FLA-backed classes")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``doctor`` subcommand takes no options."""
     parser.description = (
-        "Print versions, device, FLA cache state, torch's SAC replay semantics and the features the installed "
+        "Print versions, device, FLA cache state, torch's SAC replay semantics, whether ReplayAudit sees "
+        "checkpoints on this torch (a self-probe of a few milliseconds) and the features the installed "
         "torch lacks, then the FLA-backed classes of the installed libraries (transformers, flash-linear-attention, "
         "torchtitan, OLMo-core) with their status: covered by isolate_seqlens, or leaking across packed documents "
         "(and whether swap_mixers has a drop-in) (fla_ac_isolation.environment)."
