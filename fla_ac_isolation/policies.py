@@ -329,6 +329,11 @@ class _without_autocast_cache:  # noqa: N801 - used like a function
         finally:
             torch.set_autocast_cache_enabled(self.enabled.pop())
 
+    def __getattr__(self, name: str) -> Any:  # torch's mode's own state (e.g. SAC's ``storage``)
+        if name in ("mode", "enabled"):
+            raise AttributeError(name)
+        return getattr(self.mode, name)
+
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 

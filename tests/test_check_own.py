@@ -59,10 +59,22 @@ def test_check_runs_the_users_own_policy_from_a_file_and_finds_the_shared_offset
     assert code == 1 and lines[-1] == "verdict: DIVERGENT (exit 1)" and err == ""
 
 
-def test_the_spec_takes_the_policy_function_itself():
+def test_the_spec_takes_the_policy_function_itself_and_the_step_runs_it():
+    from fla_ac_isolation.check_runner import run_check
+
     policy = _example().my_policy
+    asked = []
+
+    def counting(ctx, op, *args, **kwargs):
+        asked.append((ctx.is_recompute, op))
+        return policy(ctx, op, *args, **kwargs)
+
     assert resolve_policy(policy) is policy
     assert CheckSpec(model="a:b", policy=policy).validate().policy_name == "my_policy"
+    result = run_check(CheckSpec(model=f"{EXAMPLE}:plain", policy=counting, verify_fix=False))
+    forward = {op for recompute, op in asked if not recompute}  # torch >= 2.13 asks in forwards only (replay by
+    assert torch.ops.aten.native_layer_norm.default in forward  # index); torch 2.11 asks again in recomputes
+    assert result.to_dict()["spec"]["policy"].endswith("counting") and result.exit_code == 1
 
 
 def _not_a_policy():  # a constructor (takes no ctx, op), as save_all_copies uncalled
