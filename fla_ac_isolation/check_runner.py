@@ -195,9 +195,10 @@ class MixerFinding:
         fix: the one-line fix (of the fault when exposed, of the leak when leaking), ``None`` when covered.
         leak_fix: for an exposed or covered class whose documents leak here (``why``), what to do about that.
         observed: ``"fresh offsets"``: the class is of those that take shared offsets, but in the audited step
-            every call of every instance handed FLA's index helpers an offsets object no other call (another
+            every call of every instance handed FLA's kernels a ``cu_seqlens`` object no other call (another
             layer, or its forward / recompute) handed them (``LayerLocalSeqlens.local()``, a hook, the user's
-            own copy): covered by what the step observed. ``None``: decided from the class (and its hook).
+            own copy): covered by what the step observed (on a CPU, where the served kernels record what they
+            receive). ``None``: decided from the class (and its hook).
     """
 
     cls: str
@@ -232,7 +233,7 @@ class CheckStep:
     often the regions' forwards called FLA's cached index helpers (0: no packed offsets reached FLA), the
     largest absolute difference of its gradients from the step without AC (``None``: not compared: the model
     checkpoints itself, or the step failed), and the paths of the FLA-backed modules every call of which
-    handed FLA's helpers an offsets object of its own (:attr:`MixerFinding.observed`)."""
+    handed FLA's kernels an offsets object of its own (:attr:`MixerFinding.observed`; CPU only)."""
 
     regions: tuple[RegionVerdict, ...]
     error: str | None = None
@@ -535,35 +536,37 @@ def _dry_run(model: nn.Module, batch: dict, spec: CheckSpec) -> tuple[bool, dict
 
 
 class _OffsetsSeen:
-    """The offsets objects FLA's cached helpers were asked about during each call of each watched module
-    (``{(path, n-th call): {id: object}}``): a forward and each recompute are separate calls."""
+    """The offsets objects (``cu_seqlens``) FLA's kernels received during each call of each watched module
+    (``{(path, n-th call): {id: object}}``; a forward and each recompute are separate calls), as the CPU's
+    served kernels record them (:func:`~fla_ac_isolation.reference_kernels.reference_kernels`); on CUDA nothing
+    is recorded and nothing is judged fresh."""
 
-    def __init__(self, model: nn.Module, paths: list[str], probe: Any) -> None:
-        self.probe = probe
+    def __init__(self, model: nn.Module, paths: list[str], served: Any) -> None:
+        self.calls = getattr(served, "calls", None)
         self.seen: dict[tuple[str, int], dict[int, Any]] = {}
-        self.started: dict[str, int] = {}  # path -> the probe's mark when its running call began
+        self.started: dict[str, int] = {}  # path -> how many kernel calls were recorded when its call began
         self.handles = []
-        for path in paths:
+        for path in paths if self.calls is not None else ():
             module = model.get_submodule(path)
             self.handles.append(module.register_forward_pre_hook(self._pre(path)))
             self.handles.append(module.register_forward_hook(self._post(path)))
 
     def _pre(self, path: str):
         def hook(module, args):
-            self.started[path] = self.probe.mark()
+            self.started[path] = len(self.calls)
         return hook
 
     def _post(self, path: str):
         def hook(module, args, output):
             start = self.started.pop(path)
             n = sum(p == path for p, _ in self.seen)
-            self.seen[(path, n)] = {id(e.offsets): e.offsets for e in self.probe.events[start:]
-                                    if e.offsets is not None}
+            self.seen[(path, n)] = {id(c.cu_seqlens): c.cu_seqlens for c in self.calls[start:]
+                                    if c.cu_seqlens is not None}
         return hook
 
     def fresh(self) -> tuple[str, ...]:
-        """The watched paths every call of which asked about objects of their own, none another call asked
-        about (a path whose calls asked about none is left out: nothing to judge)."""
+        """The watched paths every call of which handed FLA objects of their own, none another call handed it
+        (a path one of whose calls handed FLA no offsets is left out: nothing to judge)."""
         owner: dict[int, set[tuple[str, int]]] = {}
         for key, objects in self.seen.items():
             for i in objects:
@@ -586,7 +589,6 @@ def _step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpointed: 
     it checkpoints itself; ``watch``: the FLA-backed modules whose offsets objects are recorded
     (:attr:`CheckStep.fresh_offsets`); ``reference``: the gradients without AC to compare with."""
     from fla_ac_isolation.fla_cache import clear_tensor_cache
-    from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
     from fla_ac_isolation.policies import checkpoint_layers
 
     if not self_checkpointed:
@@ -597,8 +599,8 @@ def _step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpointed: 
     clear_tensor_cache()
     model.zero_grad(set_to_none=True)
     error = None
-    with _serving(spec), probe_tensor_cache() as probe, ReplayAudit(model, on_divergence="record") as audit:
-        seen = _OffsetsSeen(model, list(watch), probe)
+    with _serving(spec) as served, ReplayAudit(model, on_divergence="record") as audit:
+        seen = _OffsetsSeen(model, list(watch), served)
         try:
             _loss(model(**batch)).backward()
         except CheckInputError:

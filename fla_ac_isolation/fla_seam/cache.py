@@ -170,13 +170,10 @@ def tensor_cache_size(size: int) -> Iterator[None]:
 # ------------------------------------------------------------------------------------------- probe
 @dataclass(frozen=True)
 class CacheEvent:
-    """One call of an FLA cached helper: its name, whether it hit, missed or bypassed the cache, and the object
-    it was asked about (its first argument: ``cu_seqlens`` for FLA's index helpers; held for the probe's life,
-    so identities stay unique; not compared)."""
+    """One call of an FLA cached helper: its name and whether it hit, missed or bypassed the cache."""
 
     helper: str
     outcome: Outcome
-    offsets: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -218,9 +215,9 @@ class _ProbeState:
         self.sinks: list[list[CacheEvent]] = []  # the ``events`` lists of the active probes
         self.installed: list[tuple[_Helper, deque, Callable[..., Any]]] = []
 
-    def emit(self, helper: str, outcome: Outcome, offsets: Any = None) -> list[tuple[list[CacheEvent], int]]:
+    def emit(self, helper: str, outcome: Outcome) -> list[tuple[list[CacheEvent], int]]:
         """Append an event to every active probe; return where it went, so it can be amended."""
-        event = CacheEvent(helper, outcome, offsets)
+        event = CacheEvent(helper, outcome)
         where = []
         for sink in self.sinks:
             where.append((sink, len(sink)))
@@ -234,7 +231,7 @@ _probe_state = _ProbeState()
 class _ProbingDeque(deque):
     """A helper's queue that reports each lookup: running off its end is a miss, else a hit."""
 
-    def __init__(self, items, maxlen: int, name: str, pending: list) -> None:
+    def __init__(self, items, maxlen: int, name: str, pending: list[bool]) -> None:
         super().__init__(items, maxlen)
         self._name = name
         self._pending = pending  # set on a miss, consumed by the wrapped fn to tell a miss from a bypass
@@ -242,40 +239,25 @@ class _ProbingDeque(deque):
     def __iter__(self):
         # Recorded as a hit at lookup time (so nested helper calls come after it) ...
         where = _probe_state.emit(self._name, "hit")
-        entry = None
-        try:
-            for entry in deque.__iter__(self):
-                yield entry
-        except GeneratorExit:  # FLA's wrapper returned the entry it matched: a hit on that entry's arguments
-            _amend(where, self._name, "hit", _first_argument(*entry[:2]))
-            raise
-        # ... and amended when FLA's wrapper runs off the end: no entry matched, the helper will run (its
-        # arguments are filled in by the wrapped fn).
-        _amend(where, self._name, "miss", None)
-        self._pending.append(where)
-
-
-def _first_argument(args: tuple, kwargs: dict) -> Any:
-    return args[0] if args else next(iter(kwargs.values()), None)
-
-
-def _amend(where: list[tuple[list[CacheEvent], int]], helper: str, outcome: Outcome, offsets: Any) -> None:
-    for sink, pos in where:
-        sink[pos] = CacheEvent(helper, outcome, offsets)
+        yield from super().__iter__()
+        # ... and amended when FLA's wrapper runs off the end: no entry matched, the helper will run.
+        for sink, pos in where:
+            sink[pos] = CacheEvent(self._name, "miss")
+        self._pending.append(True)
 
 
 def _install() -> None:
     for helper in cached_helpers():
         original = helper.cached_cell.cell_contents
         fn = helper.fn_cell.cell_contents
-        pending: list = []
+        pending: list[bool] = []
         probing = _ProbingDeque(original, original.maxlen, helper.name, pending)
 
         def counting_fn(*args, _fn=fn, _name=helper.name, _pending=pending, **kwargs):
             if _pending:
-                _amend(_pending.pop(), _name, "miss", _first_argument(args, kwargs))
+                _pending.pop()
             else:
-                _probe_state.emit(_name, "bypass", _first_argument(args, kwargs))
+                _probe_state.emit(_name, "bypass")
             return _fn(*args, **kwargs)
 
         helper.cached_cell.cell_contents = probing
