@@ -41,11 +41,12 @@ import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import pathlib
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -66,7 +67,8 @@ from fla_ac_isolation.isolate import is_isolated
 from fla_ac_isolation.policies import POLICIES
 
 __all__ = ["CheckEnvironmentError", "CheckInputError", "CheckResult", "CheckSpec", "CheckStep", "MixerFinding",
-           "RegionVerdict", "load_model", "run_check", "survey"]
+           "RegionVerdict", "autotune_notice", "load_callable", "load_model", "resolve_policy", "run_check",
+           "survey"]
 
 OWN_CODE_FIX = ("your own FLA-calling code: build a LayerLocalSeqlens once per forward and hand each layer "
                 "seqlens.local() inside its forward (docs/own-model.md)")
@@ -90,20 +92,28 @@ class CheckSpec:
     Attributes:
         model: ``"module:callable"`` or ``"path/to/file.py:callable"`` returning ``(model, batch)``.
         config: a tiny model instead (:func:`fla_ac_isolation.foreign_models.tiny_names`); exactly one of the two.
-        ac: ``"selective"`` (with ``policy``) or ``"full"``.
-        policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`).
+        ac: ``"selective"`` (with ``policy``) or ``"full"``. Ignored for a model that checkpoints itself (its
+            factory's model already calls ``checkpoint``): it is audited as it is, with its own policy.
+        policy: the SAC policy: a name (:data:`fla_ac_isolation.policies.POLICIES`), ``"module:callable"`` /
+            ``"path/to/file.py:callable"`` naming the user's own policy function, or that function itself: a
+            function as ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` takes it,
+            ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` (one with a ``fresh()`` method is renewed for
+            every checkpointed call).
         device: ``cpu``, ``cuda`` or ``auto`` (``cuda`` when a GPU is visible).
         seed: the tiny model's weights and batch (``config`` only).
         verify_fix: when the model diverges, run the fix on a fresh model too.
+        first_config: on CUDA, every Triton autotuner of FLA keeps its first config (no autotuning: the first
+            step takes seconds, not minutes; the kernels run untuned, the verdict is the same). No effect on CPU.
     """
 
     model: str | None = None
     config: str | None = None
     ac: str = "selective"
-    policy: str = "save-all-copies"
+    policy: str | Callable = "save-all-copies"
     device: str = "auto"
     seed: int = 0
     verify_fix: bool = True
+    first_config: bool = False
 
     def validate(self) -> CheckSpec:
         """Return self after checking every field.
@@ -124,15 +134,61 @@ class CheckSpec:
                 raise CheckInputError(f"config must be one of {sorted(names)}, got {self.config!r}")
         if self.ac not in ("full", "selective"):
             raise CheckInputError(f"ac must be 'full' or 'selective', got {self.ac!r}")
-        if self.ac == "selective" and self.policy not in POLICIES:
-            raise CheckInputError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.ac == "selective":
+            resolve_policy(self.policy)
         try:
             resolve_device(self.device)
         except ValueError as err:
             raise CheckInputError(str(err)) from None
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise CheckInputError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.first_config, bool):
+            raise CheckInputError(f"first_config must be a bool, got {self.first_config!r}")
         return self
+
+    @property
+    def policy_name(self) -> str:
+        """How the report names the policy: its name, its ``module:callable``, or the function's name."""
+        if isinstance(self.policy, str):
+            return self.policy
+        return getattr(self.policy, "__qualname__", None) or type(self.policy).__name__
+
+
+POLICY_EXPECTED = ("one of {names}, 'module:callable' or 'path/to/file.py:callable' naming your own SAC policy, or "
+                   "that function: (ctx, op, *args, **kwargs) -> CheckpointPolicy, as "
+                   "torch.utils.checkpoint.create_selective_checkpoint_contexts takes it")
+
+
+def resolve_policy(policy: Any) -> Callable:
+    """The SAC policy function of ``policy`` (:attr:`CheckSpec.policy`): a named policy is built fresh, a
+    ``module:callable`` is imported (:func:`load_callable`), a function is returned as it is.
+
+    Raises:
+        CheckInputError: naming ``policy`` and what it must be: an unknown name, a target that cannot be
+            imported, or a function that does not take ``(ctx, op, ...)`` (e.g. a policy constructor uncalled).
+    """
+    from fla_ac_isolation.policies import sac_context_fn
+
+    expected = POLICY_EXPECTED.format(names=sorted(POLICIES))
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]()
+    if isinstance(policy, str):
+        if policy.count(":") != 1 or not all(policy.split(":")):
+            raise CheckInputError(f"policy must be {expected}, got {policy!r}")
+        fn = load_callable(policy, "policy")
+    elif callable(policy):
+        fn = policy
+    else:
+        raise CheckInputError(f"policy must be {expected}, got {type(policy).__name__}")
+    try:
+        sac_context_fn(fn)
+    except TypeError as err:
+        raise CheckInputError(f"policy {_shown(policy)}: {err}") from None
+    return fn
+
+
+def _shown(policy: Any) -> str:
+    return repr(policy) if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
 
 
 @dataclass(frozen=True)
@@ -150,6 +206,11 @@ class MixerFinding:
             that leaks without a package missing here (its short conv); ``None``: they do not.
         fix: the one-line fix (of the fault when exposed, of the leak when leaking), ``None`` when covered.
         leak_fix: for an exposed or covered class whose documents leak here (``why``), what to do about that.
+        observed: ``"fresh offsets"``: the class is of those that take shared offsets, but in the audited step
+            every call of every instance handed FLA's kernels a ``cu_seqlens`` object no other call (another
+            layer, or its forward / recompute) handed them (``LayerLocalSeqlens.local()``, a hook, the user's
+            own copy): covered by what the step observed (on a CPU, where the served kernels record what they
+            receive). ``None``: decided from the class (and its hook).
     """
 
     cls: str
@@ -161,6 +222,7 @@ class MixerFinding:
     why: str | None = None
     fix: str | None = None
     leak_fix: str | None = None
+    observed: str | None = None
 
 
 @dataclass(frozen=True)
@@ -180,15 +242,20 @@ class RegionVerdict:
 @dataclass(frozen=True)
 class CheckStep:
     """One audited step: the regions, the first line of an error the step raised (``None``: it ran), how
-    often the regions' forwards called FLA's cached index helpers (0: no packed offsets reached FLA), and why
-    the audit could not judge some or all of what was checkpointed (:attr:`ReplayAudit.why_blind
+    often the regions' forwards called FLA's cached index helpers (0: no packed offsets reached FLA), why the
+    audit could not judge some or all of what was checkpointed (:attr:`ReplayAudit.why_blind
     <fla_ac_isolation.ReplayAudit.why_blind>`: no region recomputed, reentrant regions; ``None``: every region
-    that ran was looked into, or none ran)."""
+    that ran was looked into, or none ran), the largest absolute difference of its gradients from the step
+    without AC (``None``: not compared: the model checkpoints itself, or the step failed), and the paths of the
+    FLA-backed modules every call of which handed FLA's kernels an offsets object of its own
+    (:attr:`MixerFinding.observed`; CPU only)."""
 
     regions: tuple[RegionVerdict, ...]
     error: str | None = None
     fla_helper_calls: int = 0
     blind: str | None = None
+    grad_diff: float | None = None
+    fresh_offsets: tuple[str, ...] = ()
 
     @property
     def aligned(self) -> bool:
@@ -208,6 +275,8 @@ class CheckResult:
         fixed: the same step after ``fix_applied``, or ``None`` (not needed, or no fix this package applies).
         fix_applied: the calls made for ``fixed`` (``"swap_mixers(model)"``, ``"isolate_seqlens(model)"``).
         fixes: the one-line fixes to apply, in order.
+        self_checkpointed: the model checkpoints itself (its blocks call ``checkpoint``): audited as it is,
+            under its own policy (``spec.ac`` / ``spec.policy`` are not applied).
     """
 
     spec: CheckSpec
@@ -217,6 +286,7 @@ class CheckResult:
     fixed: CheckStep | None = None
     fix_applied: tuple[str, ...] = ()
     fixes: list[str] = field(default_factory=list)
+    self_checkpointed: bool = False
 
     @property
     def leaking(self) -> list[MixerFinding]:
@@ -224,13 +294,26 @@ class CheckResult:
         return [m for m in self.mixers if m.status == "leaking" or m.leak_fix is not None]
 
     @property
+    def harmless_under_full_ac(self) -> bool:
+        """Under full AC (applied by the check) a region diverged, yet the step ran and its gradients equal
+        those of the step without AC: full AC replays nothing by index, so the op sequence changed no result;
+        under SAC the same divergence hands the recompute other ops' saved outputs."""
+        step = self.as_given
+        return (self.spec.ac == "full" and not self.self_checkpointed and step.error is None and bool(step.regions)
+                and not step.aligned and step.grad_diff == 0.0)
+
+    @property
     def exit_code(self) -> int:
-        """0: aligned and nothing leaks; 1: a region diverged, the step failed under AC, or a mixer leaks."""
-        return 0 if self.as_given.aligned and not self.leaking else 1
+        """0: aligned and nothing leaks, or (full AC) divergent but with the gradients of the step without AC
+        (:attr:`harmless_under_full_ac`) and nothing leaks; 1: a region diverged (under SAC, or with other
+        gradients), the step failed under AC, or a mixer leaks."""
+        return 0 if (self.as_given.aligned or self.harmless_under_full_ac) and not self.leaking else 1
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON: every field, ``aligned`` per step and the exit code."""
         out = asdict(self)
+        out["spec"]["policy"] = self.spec.policy_name
+        out["harmless_under_full_ac"] = self.harmless_under_full_ac
         out["as_given"]["aligned"] = self.as_given.aligned
         if self.fixed is not None:
             out["fixed"]["aligned"] = self.fixed.aligned
@@ -239,29 +322,50 @@ class CheckResult:
 
 
 # ------------------------------------------------------------------------------------------- loading
-def _callable(target: str) -> Callable[[], Any]:
+def _module_not_found_hint(err: BaseException, where: str) -> str:
+    top = where.split(".")[0]
+    if not isinstance(err, ModuleNotFoundError) or err.name is None or err.name.split(".")[0] != top:
+        return ""
+    return (f" (module:callable imports from the working directory {os.getcwd()} and sys.path: run from the "
+            f"folder that holds {top}.py or the {top}/ package, or give path/to/file.py:callable)")
+
+
+def load_callable(target: str, argument: str = "model") -> Callable:
+    """The callable of ``target``: ``"path/to/file.py:callable"`` (the file, run as a module) or
+    ``"module:callable"``, imported with the working directory on ``sys.path`` (first, as pytest and uvicorn
+    put it; it stays there), so a module next to where the command runs is found.
+
+    Raises:
+        CheckInputError: naming ``argument`` and ``target``: no such file, the import fails (a
+            ``ModuleNotFoundError`` of the module itself says where modules are looked up), no such attribute,
+            or it is not callable.
+    """
     where, _, name = target.partition(":")
     try:
         if where.endswith(".py") or "/" in where:
             path = pathlib.Path(where)
             if not path.is_file():
-                raise CheckInputError(f"model {target!r}: no file {where}")
+                raise CheckInputError(f"{argument} {target!r}: no file {where}")
             spec = importlib.util.spec_from_file_location(f"_fla_ac_isolation_check_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module  # dataclasses look their module up while a class is created
             spec.loader.exec_module(module)
         else:
+            cwd = os.getcwd()
+            if cwd not in sys.path and "" not in sys.path:
+                sys.path.insert(0, cwd)
             module = importlib.import_module(where)
     except CheckInputError:
         raise
     except Exception as err:
-        raise CheckInputError(f"model {target!r}: importing {where} failed: {first_line(err)}") from err
+        raise CheckInputError(f"{argument} {target!r}: importing {where} failed: {first_line(err)}"
+                              f"{_module_not_found_hint(err, where)}") from err
     if not hasattr(module, name):
-        raise CheckInputError(f"model {target!r}: {where} has no callable {name!r}")
+        raise CheckInputError(f"{argument} {target!r}: {where} has no callable {name!r}")
     fn = getattr(module, name)
     if not callable(fn):
         shown = f"{where}:{name}" if where.endswith(".py") or "/" in where else f"{where}.{name}"
-        raise CheckInputError(f"model {target!r}: {shown} is not callable ({type(fn).__name__})")
+        raise CheckInputError(f"{argument} {target!r}: {shown} is not callable ({type(fn).__name__})")
     return fn
 
 
@@ -304,7 +408,7 @@ def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
 
         model, batch, _ = build_tiny(spec.config, seed=spec.seed)
     else:
-        fn = _callable(spec.model)
+        fn = load_callable(spec.model)
         try:
             got = fn()
         except Exception as err:
@@ -378,32 +482,75 @@ def _loss(out: Any) -> torch.Tensor:
     return loss
 
 
-def _serving(device: str):
-    if device != "cpu":
-        return contextlib.nullcontext()
+def autotune_notice(device: str, first_config: bool) -> str | None:
+    """What the check tells the user before a step on ``device`` (``None``: nothing to tell: a CPU, whose FLA
+    kernels are served by reference stand-ins and never autotune)."""
+    if device == "cpu":
+        return None
+    if first_config:
+        return ("FLA's Triton autotuners keep their first config (--first-config): kernels compile once per "
+                "shape, untuned; the verdict does not depend on it")
+    return ("FLA compiles and autotunes its Triton kernels on first use: the first step can take minutes with no "
+            "output (rerun with --first-config, or CheckSpec(first_config=True), to keep each autotuner's first "
+            "config: seconds, untuned kernels, the same verdict)")
+
+
+def _serving(spec: CheckSpec):
+    if spec.device != "cpu":
+        if not spec.first_config:
+            return contextlib.nullcontext()
+        from fla_ac_isolation.fla_seam.interpreter import first_autotune_config
+
+        return first_autotune_config()
     from fla_ac_isolation.reference_kernels import reference_kernels
 
     return reference_kernels()
 
 
-def _without_ac(model: nn.Module, batch: dict, spec: CheckSpec) -> None:
-    """One step of ``model`` as given, before AC is applied; gradients are dropped after it.
+def _grads(model: nn.Module) -> dict[int, torch.Tensor]:
+    """The gradients by parameter object (checkpoint wrappers rename parameters, they keep the objects)."""
+    return {id(p): p.grad.detach().clone() for p in model.parameters() if p.grad is not None}
+
+
+def _grad_diff(model: nn.Module, reference: dict[int, torch.Tensor] | None) -> float | None:
+    if reference is None:
+        return None
+    got = _grads(model)
+    if got.keys() != reference.keys():
+        return float("inf")
+    return max((float((got[n].double() - reference[n].double()).abs().max()) for n in got), default=0.0)
+
+
+def _dry_run(model: nn.Module, batch: dict, spec: CheckSpec) -> tuple[bool, dict[int, torch.Tensor] | None]:
+    """One step of ``model`` as given, before the check applies AC, under a :class:`ReplayAudit` that sees
+    whether the model checkpoints itself; gradients are dropped after it.
+
+    Returns:
+        ``(self_checkpointed, gradients)``: whether a checkpointed region ran (the model's own ``checkpoint``
+        calls), and the gradients of the step when it ran without AC (``None`` when it checkpoints itself).
 
     Raises:
-        CheckInputError: the step raised (naming its error: the batch or the model is wrong, not AC), or the
-            forward returns no loss.
+        CheckInputError: the step raised without AC (naming its error: the batch or the model is wrong, not
+            AC), or the forward returns no loss.
     """
     model.zero_grad(set_to_none=True)
-    with _serving(spec.device):
+    error = None
+    with _serving(spec), ReplayAudit(model, on_divergence="record") as audit:
         try:
             _loss(model(**batch)).backward()
         except CheckInputError:
             raise
         except Exception as err:
-            _refuse_environment(err)
-            raise CheckInputError(f"model(**batch) fails without activation checkpointing, so the model or the "
-                                  f"batch is wrong, not AC: {first_line(err)}") from err
+            error = err
+    self_checkpointed = bool(audit.regions)
+    if error is not None:
+        _refuse_environment(error)
+    if error is not None and not self_checkpointed:
+        raise CheckInputError(f"model(**batch) fails without activation checkpointing, so the model or the "
+                              f"batch is wrong, not AC: {first_line(error)}") from error
+    grads = None if self_checkpointed else _grads(model)
     model.zero_grad(set_to_none=True)
+    return self_checkpointed, grads
 
 
 def _refuse_environment(err: Exception) -> None:
@@ -424,24 +571,80 @@ def _refuse_environment(err: Exception) -> None:
     ) from err
 
 
-def _step(model: nn.Module, batch: dict, spec: CheckSpec) -> CheckStep:
+class _OffsetsSeen:
+    """The offsets objects (``cu_seqlens``) FLA's kernels received during each call of each watched module
+    (``{(path, n-th call): {id: object}}``; a forward and each recompute are separate calls), as the CPU's
+    served kernels record them (:func:`~fla_ac_isolation.reference_kernels.reference_kernels`); on CUDA nothing
+    is recorded and nothing is judged fresh."""
+
+    def __init__(self, model: nn.Module, paths: list[str], served: Any) -> None:
+        self.calls = getattr(served, "calls", None)
+        self.seen: dict[tuple[str, int], dict[int, Any]] = {}
+        self.started: dict[str, int] = {}  # path -> how many kernel calls were recorded when its call began
+        self.handles = []
+        for path in paths if self.calls is not None else ():
+            module = model.get_submodule(path)
+            self.handles.append(module.register_forward_pre_hook(self._pre(path)))
+            self.handles.append(module.register_forward_hook(self._post(path)))
+
+    def _pre(self, path: str):
+        def hook(module, args):
+            self.started[path] = len(self.calls)
+        return hook
+
+    def _post(self, path: str):
+        def hook(module, args, output):
+            start = self.started.pop(path)
+            n = sum(p == path for p, _ in self.seen)
+            self.seen[(path, n)] = {id(c.cu_seqlens): c.cu_seqlens for c in self.calls[start:]
+                                    if c.cu_seqlens is not None}
+        return hook
+
+    def fresh(self) -> tuple[str, ...]:
+        """The watched paths every call of which handed FLA objects of their own, none another call handed it
+        (a path one of whose calls handed FLA no offsets is left out: nothing to judge)."""
+        owner: dict[int, set[tuple[str, int]]] = {}
+        for key, objects in self.seen.items():
+            for i in objects:
+                owner.setdefault(i, set()).add(key)
+        out = []
+        for path in dict.fromkeys(p for p, _ in self.seen):
+            keys = [k for k in self.seen if k[0] == path]
+            if all(self.seen[k] and all(owner[i] == {k} for i in self.seen[k]) for k in keys):
+                out.append(path)
+        return tuple(out)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpointed: bool = False,
+          watch: tuple[str, ...] = (), reference: dict[int, torch.Tensor] | None = None) -> CheckStep:
+    """One audited step: ``model`` checkpointed by the check (``spec.ac``, ``spec.policy``), or as it is when
+    it checkpoints itself; ``watch``: the FLA-backed modules whose offsets objects are recorded
+    (:attr:`CheckStep.fresh_offsets`); ``reference``: the gradients without AC to compare with."""
     from fla_ac_isolation.fla_cache import clear_tensor_cache
     from fla_ac_isolation.policies import checkpoint_layers
 
-    try:
-        checkpoint_layers(model, spec.ac, POLICIES[spec.policy]() if spec.ac == "selective" else None)
-    except ValueError as err:
-        raise CheckInputError(f"cannot checkpoint the model's layers: {err}") from err
+    if not self_checkpointed:
+        try:
+            checkpoint_layers(model, spec.ac, resolve_policy(spec.policy) if spec.ac == "selective" else None)
+        except ValueError as err:
+            raise CheckInputError(f"cannot checkpoint the model's layers: {err}") from err
     clear_tensor_cache()
     model.zero_grad(set_to_none=True)
     error = None
-    with _serving(spec.device), ReplayAudit(model, on_divergence="record") as audit:
+    with _serving(spec) as served, ReplayAudit(model, on_divergence="record") as audit:
+        seen = _OffsetsSeen(model, list(watch), served)
         try:
             _loss(model(**batch)).backward()
         except CheckInputError:
             raise
         except Exception as err:
             error = first_line(err)
+        finally:
+            seen.remove()
     regions = tuple(
         RegionVerdict(r.label, r.verdict, r.first_diff, r.forward_op, r.recompute_op,
                       tuple(d.helper for d in r.fla), r.where)
@@ -449,7 +652,8 @@ def _step(model: nn.Module, batch: dict, spec: CheckSpec) -> CheckStep:
     )
     calls = sum(n for r in audit.regions for counts in r.forward_cache.values() for n in counts.values())
     blind = audit.why_blind if audit.regions or audit.unaudited else None  # none ran: CheckStep.aligned's rule
-    return CheckStep(regions, error, calls, blind)
+    diff = _grad_diff(model, reference) if error is None else None
+    return CheckStep(regions, error, calls, blind=blind, grad_diff=diff, fresh_offsets=seen.fresh())
 
 
 def _require_judged(step: CheckStep) -> None:
@@ -495,8 +699,23 @@ def _apply_fix(model: nn.Module, mixers: list[MixerFinding]) -> tuple[str, ...]:
     return tuple(applied)
 
 
+def _observed_covered(mixers: list[MixerFinding], fresh: tuple[str, ...]) -> list[MixerFinding]:
+    """An exposed class every instance of which the step saw hand FLA fresh offsets in every call is covered."""
+    out = []
+    for m in mixers:
+        if m.status == "exposed" and m.paths and all(p in fresh for p in m.paths):
+            m = replace(m, status="covered", fix=None, observed="fresh offsets")
+        out.append(m)
+    return out
+
+
 def run_check(spec: CheckSpec) -> CheckResult:
     """Check the model of ``spec``: survey its FLA-backed classes, audit one step, verify the fix.
+
+    A model that checkpoints itself (its dry step runs checkpointed regions) is audited as it is, under its
+    own policy; otherwise the check checkpoints its layers with ``spec.ac`` / ``spec.policy``. An exposed
+    class whose every call the audited step saw hand FLA an offsets object of its own is reported covered
+    (:attr:`MixerFinding.observed`).
 
     Raises:
         CheckInputError: an invalid ``spec``, a model that cannot be loaded, a batch without packed offsets
@@ -507,14 +726,16 @@ def run_check(spec: CheckSpec) -> CheckResult:
     """
     spec = spec.validate()
     if spec.device == "auto":
-        spec = CheckSpec(**{**asdict(spec), "device": resolve_device("auto")})
+        spec = replace(spec, device=resolve_device("auto"))
     model, batch = load_model(spec)
     mixers = survey(model)
-    _without_ac(model, batch, spec)
-    as_given = _step(model, batch, spec)
+    self_checkpointed, reference = _dry_run(model, batch, spec)
+    watch = tuple(p for m in mixers if m.status == "exposed" for p in m.paths)
+    as_given = _step(model, batch, spec, self_checkpointed=self_checkpointed, watch=watch, reference=reference)
     _require_judged(as_given)
     _require_fla_offsets(as_given, mixers)
-    result = CheckResult(spec, type(model).__name__, mixers, as_given)
+    mixers = _observed_covered(mixers, as_given.fresh_offsets)
+    result = CheckResult(spec, type(model).__name__, mixers, as_given, self_checkpointed=self_checkpointed)
     result.fixes = [f"{m.name}: {m.fix}" for m in mixers if m.fix]
     result.fixes += [f"{m.name}, to keep packed documents apart: {m.leak_fix}" for m in mixers if m.leak_fix]
     if not as_given.aligned and not any(m.status == "exposed" for m in mixers):
@@ -523,5 +744,6 @@ def run_check(spec: CheckSpec) -> CheckResult:
         fresh, fresh_batch = load_model(spec)
         applied = _apply_fix(fresh, mixers)
         if applied:
-            result.fixed, result.fix_applied = _step(fresh, fresh_batch, spec), applied
+            result.fixed = _step(fresh, fresh_batch, spec, self_checkpointed=self_checkpointed)
+            result.fix_applied = applied
     return result

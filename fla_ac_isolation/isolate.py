@@ -369,7 +369,7 @@ def isolate_seqlens(
         if _MARK in vars(module):  # hooked already, by this call (a module listed twice) or an earlier one
             continue
         _warn_if_forward_overridden(path, module, known)
-        registry = known[0].offsets if known is not None and tuple(offsets) != known[0].offsets else ()
+        registry = known[0].offsets if known is not None else ()
         hook = module.register_forward_pre_hook(
             OffsetsHook(path or type(module).__name__, module, tuple(offsets), tuple(fla_keywords), host,
                         handle._counter, registry),

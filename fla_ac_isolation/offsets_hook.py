@@ -142,8 +142,8 @@ class OffsetsHook:
         fla_keywords: FLA keywords (``cu_seqlens_cpu``, ``chunk_indices``) to add next to ``names[0]``.
         host: the handle's :class:`HostOffsets`.
         counter: the handle's :class:`CallCounter`.
-        registry_names: the registry's offsets names for the mixer's class, when it knows the class and the
-            caller chose other names (for the message of a call that passed none of ``names``).
+        registry_names: the registry's offsets names for the mixer's class, when it knows the class (for the
+            message of a call that passed none of ``names``: the keyword FLA reads, or the registry's names).
     """
 
     def __init__(self, where: str, module: nn.Module, names: tuple[str, ...], fla_keywords: tuple[str, ...],
@@ -167,14 +167,22 @@ class OffsetsHook:
                 or (n in self.positions and self.positions[n] < len(args) and args[self.positions[n]] is not None)]
 
     def _refuse(self, arrived: list[str]) -> None:
-        hint = (f"call isolate_seqlens(model) without arg_names: the registry knows {self.cls} and refreshes "
-                f"{list(self.registry_names)}" if self.registry_names else
-                f"pass arg_names={arrived} (the names this call carries) for {self.cls}")
-        raise ValueError(
-            f"isolate_seqlens: {self.where} ({self.cls}) is hooked to refresh {list(self.names)}, but this call "
-            f"passed none of them and passed the offsets-like keyword(s) {arrived}: the shared offsets would "
-            f"reach FLA unchanged (the fault stays); {hint}"
-        )
+        head = (f"isolate_seqlens: {self.where} ({self.cls}) is hooked to refresh {list(self.names)}, but this call "
+                f"passed none of them and passed the offsets-like keyword(s) {arrived}: ")
+        if self.registry_names and tuple(self.registry_names) == tuple(self.names):
+            # a known class hooked with its own names: the call's keyword is one FLA never reads for it
+            raise ValueError(
+                head + f"{self.cls} hands FLA its offsets only from {list(self.names)}, so FLA would never see "
+                f"these and would run the packed documents as one sequence (they mix); fix the call: pass the "
+                f"offsets as {self.names[0]}=..."
+            )
+        if self.registry_names:
+            hint = (f"call isolate_seqlens(model) without arg_names: the registry knows {self.cls} and refreshes "
+                    f"{list(self.registry_names)}")
+        else:
+            hint = (f"if {self.cls}.forward hands {arrived} to FLA, hook it with arg_names={arrived}; if it is a "
+                    f"misspelling of {list(self.names)}, fix the call")
+        raise ValueError(head + f"the shared offsets would reach FLA unchanged (the fault stays); {hint}")
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self._present(args, kwargs):

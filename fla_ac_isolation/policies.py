@@ -285,16 +285,54 @@ def sac_context_fn(policy: Policy) -> Callable[[], tuple]:
     Works with transformers too:
     ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
     "context_fn": sac_context_fn(save_all_copies())})``. A stateful policy (one with a ``fresh()``
-    method, e.g. :class:`torchtitan_selective`) is renewed for every checkpointed call.
+    method, e.g. :class:`torchtitan_selective`) is renewed for every checkpointed call. Inside each region
+    (forward and recompute, eager) ``torch.autocast``'s weight-cast cache is off, so a backward run inside an
+    autocast block recomputes the casts its forward ran (with torch's contexts alone it skips them, and SAC
+    misaligns every saved ``_to_copy`` after the first).
     """
 
     _check_policy(policy)
 
     def context_fn():
         p = policy.fresh() if hasattr(policy, "fresh") else policy
-        return create_selective_checkpoint_contexts(p)
+        forward, recompute = create_selective_checkpoint_contexts(p)
+        if torch.compiler.is_compiling():  # compiled regions take torch's modes as they are
+            return forward, recompute
+        return _without_autocast_cache(forward), _without_autocast_cache(recompute)
 
     return context_fn
+
+
+class _without_autocast_cache:  # noqa: N801 - used like a function
+    """``mode`` entered with ``torch.autocast``'s weight-cast cache off (re-enterable: a region may recompute
+    more than once). That cache is process-wide: a weight cast in a region's forward is a cache hit in its
+    recompute when the backward runs inside the same autocast block (or a second region uses the weight), so the
+    recompute skips an ``aten._to_copy`` the forward ran and SAC hands every later saved ``_to_copy`` the wrong
+    tensor (torch issue #193338). Off inside the region, both passes cast."""
+
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+        self.enabled: list[bool] = []
+
+    def __enter__(self) -> Any:
+        self.enabled.append(torch.is_autocast_cache_enabled())
+        torch.set_autocast_cache_enabled(False)
+        try:
+            return self.mode.__enter__()
+        except BaseException:
+            torch.set_autocast_cache_enabled(self.enabled.pop())
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.mode.__exit__(*exc)
+        finally:
+            torch.set_autocast_cache_enabled(self.enabled.pop())
+
+    def __getattr__(self, name: str) -> Any:  # torch's mode's own state (e.g. SAC's ``storage``)
+        if name in ("mode", "enabled"):
+            raise AttributeError(name)
+        return getattr(self.mode, name)
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)

@@ -210,14 +210,14 @@ def test_the_users_own_divergent_code_is_pointed_at_layer_local_seqlens(capsys, 
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--config", "qwen4"], "config must be one of ["),
+    (["--model", "qwen4"], "--model must be a built-in tiny model (one of ['"),
     (["--model", "no_such_module:build"], "model 'no_such_module:build': importing no_such_module failed: "
                                           "ModuleNotFoundError: No module named 'no_such_module'"),
     (["--model", f"{EXAMPLE}:nothing"], f"model '{EXAMPLE}:nothing': {EXAMPLE} has no callable 'nothing'"),
     (["--model", "examples/nothing.py:build"], "model 'examples/nothing.py:build': no file examples/nothing.py"),
-    (["--model", "build"], "model must be 'module:callable' or 'path/to/file.py:callable', got 'build'"),
-    (["--config", "qwen3_next", "--freq", "2"], "check checkpoints every layer: --freq must be 1"),
-], ids=["config", "module", "callable", "file", "form", "freq"])
+    (["--model", "build:"], "model must be 'module:callable' or 'path/to/file.py:callable', got 'build:'"),
+    (["--model", "qwen3_next", "--freq", "2"], "check checkpoints every layer: --freq must be 1"),
+], ids=["name", "module", "callable", "file", "form", "freq"])
 def test_bad_input_exits_2_naming_what_is_wrong(capsys, argv, message):
     code, out, err = _check(capsys, *argv)
     assert code == 2 and out == ""

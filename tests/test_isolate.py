@@ -185,7 +185,8 @@ def test_a_hook_whose_names_never_arrive_raises_at_the_call_naming_what_arrived_
     assert str(err.value) == (
         "isolate_seqlens: mixer (KwargsRecorder) is hooked to refresh ['cu_seqlens'], but this call passed none of "
         "them and passed the offsets-like keyword(s) ['cu_doc_lens']: the shared offsets would reach FLA unchanged "
-        "(the fault stays); pass arg_names=['cu_doc_lens'] (the names this call carries) for KwargsRecorder"
+        "(the fault stays); if KwargsRecorder.forward hands ['cu_doc_lens'] to FLA, hook it with "
+        "arg_names=['cu_doc_lens']; if it is a misspelling of ['cu_seqlens'], fix the call"
     )
     assert len(model["mixer"].seen) == 2 and handle.rewritten == 1
     assert repr(handle) == "IsolationHandle(1 hooked, 1 calls rewritten: mixer)"
@@ -344,3 +345,33 @@ def test_arg_names_are_not_checked_against_a_forward_taking_kwargs(qwen):
     assert isolate_seqlens(model, arg_names=["cu_seq_lens_q", "my_offsets"]).paths == GDN_PATHS
     with pytest.raises(ValueError, match=r"arg_names \['cu_seqlen'\] are not arguments of the forward of 'mixer'"):
         isolate_seqlens(_holder(Recorder()), modules=["mixer"], arg_names=["cu_seqlens", "cu_seqlen"])
+
+
+def test_a_known_fla_layer_called_with_a_misspelt_keyword_is_told_the_keyword_fla_reads():
+    """flash-linear-attention's GatedDeltaNet reads ``cu_seqlens`` only: a call with ``cu_seq_lens=`` would run the
+    packed batch as one sequence (the keyword never reaches FLA), so the advice is to fix the call, never to hook
+    the misspelt name (``arg_names=['cu_seq_lens']`` would refresh a keyword FLA ignores, and documents mix)."""
+    from fla.layers import GatedDeltaNet
+
+    from fla_ac_isolation.reference_kernels import reference_kernels
+
+    torch.manual_seed(0)
+    model = _holder(GatedDeltaNet(hidden_size=32, num_heads=2, head_dim=16, expand_v=1, mode="chunk"))
+    handle = isolate_seqlens(model)
+    x, cu = torch.randn(1, 22, 32), _offsets()
+    with reference_kernels(), pytest.raises(ValueError) as err:
+        model["mixer"](x, cu_seq_lens=cu)
+    assert str(err.value) == (
+        "isolate_seqlens: mixer (GatedDeltaNet) is hooked to refresh ['cu_seqlens'], but this call passed none of "
+        "them and passed the offsets-like keyword(s) ['cu_seq_lens']: GatedDeltaNet hands FLA its offsets only from "
+        "['cu_seqlens'], so FLA would never see these and would run the packed documents as one sequence (they "
+        "mix); fix the call: pass the offsets as cu_seqlens=..."
+    )
+    with reference_kernels(), torch.no_grad():
+        packed = model["mixer"](x, cu_seqlens=cu)[0]  # the advice followed: documents kept apart
+        one_sequence = model["mixer"](x)[0]
+        handle.remove()
+        isolate_seqlens(model, modules=["mixer"], arg_names=["cu_seq_lens"])  # the old advice, followed
+        misspelt = model["mixer"](x, cu_seq_lens=cu)[0]
+    assert torch.equal(misspelt, one_sequence)  # FLA never read cu_seq_lens: document 3 sees documents 1 and 2
+    assert (packed[0, 5:] - one_sequence[0, 5:]).abs().max() > 1e-3

@@ -1,0 +1,247 @@
+"""``check`` your way (issue 30): the user's own SAC policy, a model that checkpoints itself, offsets made fresh by
+the user's own ``LayerLocalSeqlens``, what a divergence means under full AC, ``module:callable`` from the working
+directory, one meaning of ``--model``, the autotune notice, and a backward inside ``torch.autocast``.
+
+The model is ``examples/own_decoder.py``: the trial's decoder (FLA's ``GatedDeltaNet`` and ``KimiDeltaAttention``
+with an MLP, one ``cu_seqlens`` for every layer, its own policy saving every ``_to_copy`` and ``mm``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+
+import pytest
+import torch
+
+from fla_ac_isolation.check_runner import CheckInputError, CheckSpec, autotune_notice, resolve_policy
+from fla_ac_isolation.cli import main
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+EXAMPLE = "examples/own_decoder.py"
+POLICY_EXPECTED = ("one of ['save-all-copies', 'save-d2h-copies', 'torchtitan'], 'module:callable' or "
+                   "'path/to/file.py:callable' naming your own SAC policy, or that function: (ctx, op, *args, "
+                   "**kwargs) -> CheckpointPolicy, as torch.utils.checkpoint.create_selective_checkpoint_contexts "
+                   "takes it")
+DIVERGENT_0 = ("  layers.0  divergent at op #6 in layers.0.mixer.q_conv1d: recompute ran aten.slice.Tensor -> "
+               "[1, 70, 64] float32 cpu, forward ran aten.slice.Tensor -> [3] int32 cpu (FLA cache: "
+               "prepare_chunk_indices, prepare_chunk_offsets)")
+EXPOSED = ["  exposed  GatedDeltaNet (flash-linear-attention) x2: layers.0.mixer, layers.2.mixer; offsets cu_seqlens",
+           "  exposed  KimiDeltaAttention (flash-linear-attention) x2: layers.1.mixer, layers.3.mixer; offsets "
+           "cu_seqlens"]
+FIXES = ["  GatedDeltaNet: isolate_seqlens(model)", "  KimiDeltaAttention: isolate_seqlens(model)"]
+
+
+def _check(capsys, *argv: str) -> tuple[int, list[str], str]:
+    code = main(["check", *argv])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("_own_decoder", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------------------ item 1: own policy
+def test_check_runs_the_users_own_policy_from_a_file_and_finds_the_shared_offsets(capsys):
+    code, lines, err = _check(capsys, "--model", f"{EXAMPLE}:plain", "--policy", f"{EXAMPLE}:my_policy")
+
+    assert lines[0] == (f"fla-ac-isolation check: Decoder (--model {EXAMPLE}:plain) | SAC policy "
+                        f"{EXAMPLE}:my_policy | cpu (FLA served by reference_kernels)")
+    assert lines[3:5] == EXPOSED
+    assert "as given: 3 of 4 checkpointed region(s) aligned, 1 DIVERGENT" in lines and DIVERGENT_0 in lines
+    assert "with isolate_seqlens(model): 4 of 4 checkpointed region(s) aligned" in lines
+    assert lines[lines.index("Fix:") + 1:lines.index("Fix:") + 3] == FIXES
+    assert code == 1 and lines[-1] == "verdict: DIVERGENT (exit 1)" and err == ""
+
+
+def test_the_spec_takes_the_policy_function_itself_and_the_step_runs_it():
+    from fla_ac_isolation.check_runner import run_check
+
+    policy = _example().my_policy
+    asked = []
+
+    def counting(ctx, op, *args, **kwargs):
+        asked.append((ctx.is_recompute, op))
+        return policy(ctx, op, *args, **kwargs)
+
+    assert resolve_policy(policy) is policy
+    assert CheckSpec(model="a:b", policy=policy).validate().policy_name == "my_policy"
+    result = run_check(CheckSpec(model=f"{EXAMPLE}:plain", policy=counting, verify_fix=False))
+    forward = {op for recompute, op in asked if not recompute}  # torch >= 2.13 asks in forwards only (replay by
+    assert torch.ops.aten.native_layer_norm.default in forward  # index); torch 2.11 asks again in recomputes
+    assert result.to_dict()["spec"]["policy"].endswith("counting") and result.exit_code == 1
+
+
+def _not_a_policy():  # a constructor (takes no ctx, op), as save_all_copies uncalled
+    return None
+
+
+@pytest.mark.parametrize(("policy", "message"), [
+    ("bogus", f"policy must be {POLICY_EXPECTED}, got 'bogus'"),
+    (3, f"policy must be {POLICY_EXPECTED}, got int"),
+    (f"{EXAMPLE}:nothing", f"policy '{EXAMPLE}:nothing': {EXAMPLE} has no callable 'nothing'"),
+    (f"{EXAMPLE}:SAVE", f"policy '{EXAMPLE}:SAVE': {EXAMPLE}:SAVE is not callable (set)"),
+    (_not_a_policy, "policy _not_a_policy: policy must be a SAC policy function (ctx, op, *args, **kwargs), but "
+                    "_not_a_policy does not take (ctx, op); did you mean _not_a_policy() (policy constructors "
+                    "return the policy)?"),
+], ids=["name", "type", "attribute", "not-callable", "constructor"])
+def test_a_bad_policy_is_refused_naming_policy_and_what_it_must_be(policy, message):
+    with pytest.raises(CheckInputError) as err:
+        CheckSpec(model="a:b", policy=policy).validate()
+    assert str(err.value) == message
+
+
+def test_a_bad_policy_flag_exits_2(capsys):
+    code, lines, err = _check(capsys, "--model", f"{EXAMPLE}:plain", "--policy", "bogus")
+    assert code == 2 and lines == []
+    assert err == f"fla-ac-isolation check: error: policy must be {POLICY_EXPECTED}, got 'bogus'\n"
+
+
+# ------------------------------------------------------------------------- item 2: a model that checkpoints itself
+def test_a_model_that_checkpoints_itself_is_audited_as_it_is_and_the_report_says_so(capsys):
+    code, lines, _ = _check(capsys, "--model", f"{EXAMPLE}:own_ckpt")
+
+    assert lines[0].endswith("| its own checkpointing | cpu (FLA served by reference_kernels)")
+    assert lines[2] == ("the model checkpoints itself: audited as it is (its own policy; --ac and --policy not "
+                        "applied)")
+    # wrapped once (not 8 regions with layers.0 twice): the model's own four checkpoints
+    assert "as given: 3 of 4 checkpointed region(s) aligned, 1 DIVERGENT" in lines and DIVERGENT_0 in lines
+    start = lines.index("as given: 3 of 4 checkpointed region(s) aligned, 1 DIVERGENT")
+    assert [line.split()[0] for line in lines[start + 1:start + 5]] == [f"layers.{i}" for i in range(4)]
+    assert "with isolate_seqlens(model): 4 of 4 checkpointed region(s) aligned" in lines
+    assert code == 1 and lines[-1] == "verdict: DIVERGENT (exit 1)"
+
+
+# ------------------------------------------------------------- item 3: fresh offsets observed: covered, no Fix line
+def test_a_model_whose_blocks_call_layer_local_seqlens_is_covered_by_what_the_step_saw(capsys):
+    code, lines, _ = _check(capsys, "--model", f"{EXAMPLE}:local")
+
+    observed = "; every call handed FLA offsets of its own (observed in the step)"
+    assert lines[5:7] == [line.replace("exposed  ", "covered  ") + observed for line in EXPOSED]
+    assert "as given: 4 of 4 checkpointed region(s) aligned" in lines
+    assert "Fix:" not in lines and not any(line.startswith("with ") for line in lines)
+    assert code == 0 and lines[-1] == "verdict: OK (exit 0)"
+
+
+# ------------------------------------------------------------------------------ item 4: full AC, judged by grads
+def test_full_ac_says_the_gradients_are_right_and_what_sac_would_do_exit_0(capsys):
+    code, lines, _ = _check(capsys, "--model", f"{EXAMPLE}:plain", "--ac", "full")
+
+    assert lines[3:5] == EXPOSED and DIVERGENT_0 in lines
+    assert ("under full AC nothing is replayed by index: torch recomputes every op and keeps only what the "
+            "recompute returns, so a recompute that runs other ops still gives these gradients: bit-equal to the "
+            "step without AC (compared). Under SAC (--ac selective) the same recompute would hand the ops after #6 "
+            "other ops' saved outputs (wrong gradients, or an error): fix it before you use SAC") in lines
+    assert lines[lines.index("Fix (before you use SAC):") + 1:][:2] == FIXES
+    assert code == 0
+    assert lines[-1] == ("verdict: OK under full AC (exit 0): the gradients are right, but SAC would misalign "
+                         "(see above)")
+
+
+def test_the_same_model_under_sac_is_divergent_exit_1_and_full_ac_gradients_were_compared(monkeypatch):
+    """The full-AC exit 0 rests on the gradients compared: with a no-AC reference that differs (a gradient
+    nudged by 1e-6), the same divergence is exit 1."""
+    from fla_ac_isolation import check_runner
+
+    dry = check_runner._dry_run
+
+    def nudged(model, batch, spec):
+        own, grads = dry(model, batch, spec)
+        first = next(iter(grads))
+        grads[first] = grads[first] + 1e-6
+        return own, grads
+
+    monkeypatch.setattr(check_runner, "_dry_run", nudged)
+    result = check_runner.run_check(CheckSpec(model=f"{EXAMPLE}:plain", ac="full", verify_fix=False))
+    assert result.as_given.grad_diff == pytest.approx(1e-6, rel=1e-3)
+    assert not result.harmless_under_full_ac and result.exit_code == 1
+
+
+# --------------------------------------------------------------------------- item 5: module:callable from the cwd
+def test_module_callable_resolves_from_the_working_directory(capsys, tmp_path, monkeypatch):
+    shutil.copy(EXAMPLE, tmp_path / "trial_decoder.py")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "trial_decoder", raising=False)
+    with pytest.raises(CheckInputError, match="no callable 'nothing'"):  # imported: only the attribute is missing
+        CheckSpec(model="a:b", policy="trial_decoder:nothing").validate()
+    assert sys.path[0] == str(tmp_path)
+
+
+def test_a_module_not_found_is_told_where_modules_are_looked_up(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, lines, err = _check(capsys, "--model", "absent_decoder:plain")
+    assert code == 2 and lines == []
+    assert err == (f"fla-ac-isolation check: error: model 'absent_decoder:plain': importing absent_decoder failed: "
+                   f"ModuleNotFoundError: No module named 'absent_decoder' (module:callable imports from the working "
+                   f"directory {tmp_path} and sys.path: run from the folder that holds absent_decoder.py or the "
+                   f"absent_decoder/ package, or give path/to/file.py:callable)\n")
+
+
+# ---------------------------------------------------------------------------- item 6: one meaning of --model
+def test_config_is_a_deprecated_spelling_of_model_name(capsys):
+    code, lines, err = _check(capsys, "--config", "qwen4")
+    assert code == 2 and lines == []
+    first, second = err.splitlines()
+    assert first == "fla-ac-isolation check: --config is deprecated: use --model qwen4"
+    assert second.startswith("fla-ac-isolation check: error: config must be one of [")
+
+
+@pytest.mark.parametrize("command", ["audit", "regress"])
+def test_audit_and_regress_refuse_a_users_model_naming_check(capsys, command):
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--model", f"{EXAMPLE}:plain"])
+    _, err = capsys.readouterr()
+    assert exited.value.code == 2
+    assert f"argument --model: {command} runs the built-in tiny models only (" in err
+    assert err.rstrip().endswith(f"got '{EXAMPLE}:plain': to run your own model, use: fla-ac-isolation check "
+                                 f"--model {EXAMPLE}:plain")
+
+
+# --------------------------------------------------------------------------------- item 9: the autotune notice
+def test_the_autotune_notice_is_given_on_cuda_only_and_names_the_shortcut():
+    assert autotune_notice("cpu", False) is None and autotune_notice("cpu", True) is None
+    assert autotune_notice("cuda", False) == (
+        "FLA compiles and autotunes its Triton kernels on first use: the first step can take minutes with no output "
+        "(rerun with --first-config, or CheckSpec(first_config=True), to keep each autotuner's first config: "
+        "seconds, untuned kernels, the same verdict)")
+    assert autotune_notice("cuda", True).startswith("FLA's Triton autotuners keep their first config (--first-config)")
+    with pytest.raises(CheckInputError, match="first_config must be a bool, got 1"):
+        CheckSpec(model="a:b", first_config=1).validate()
+
+
+# ------------------------------------------------------------------------------- item 8b: backward in autocast
+def _autocast_step(model, batch):
+    from fla_ac_isolation.reference_kernels import reference_kernels
+
+    with reference_kernels(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch)
+        loss.backward()  # inside the autocast block, as the trial did
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def test_a_backward_inside_autocast_is_bit_exact_to_no_ac_with_sac_context_fn_and_fails_with_torchs_alone():
+    """torch.autocast's weight-cast cache: the forward casts each weight (``_to_copy``), the recompute (run inside
+    the same autocast block) hits the cache and skips it, so a policy saving ``_to_copy`` replays shifted outputs
+    (a [T, D] cast lands where the [1, T, D] one was). ``sac_context_fn`` turns the cache off inside regions."""
+    from fla_ac_isolation import isolate_seqlens
+    from fla_ac_isolation.policies import checkpoint_layers
+
+    example = _example()
+    loss0, grads0 = _autocast_step(*example.plain())
+
+    model, batch = example.plain()
+    isolate_seqlens(model)
+    checkpoint_layers(model, "selective", example.my_policy)  # our context_fn, the user's policy
+    loss1, grads1 = _autocast_step(model, batch)
+    assert torch.equal(loss0, loss1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
+
+    model, batch = example.isolated()  # the user's own checkpoint(context_fn=create_selective_checkpoint_contexts)
+    with pytest.raises(ValueError, match=r"^x must have batch size 1 when cu_seqlens is given \(packed input\), "
+                                         r"got shape \(134, 64\)$"):
+        _autocast_step(model, batch)
