@@ -53,7 +53,7 @@ def test_library_code_never_imports_test_support():
         f"{p.relative_to(ROOT)}:{line}"
         for p in _library_modules()
         for line, name in _imports(p)
-        if name.startswith("fla_ac_isolation.testing")
+        if name.startswith("fla_ac_isolation.harness.testing")
     ]
     assert offenders == []
 
@@ -196,7 +196,7 @@ def test_the_import_graph_sees_lazy_cycles_package_inits_and_every_mention(tmp_p
         "sub/d.py": "",
         "e.py": "import importlib\ndef f():\n    return importlib.import_module('fla_ac_isolation.g')\n",
         "g.py": "from . import e\n",
-        "h.py": '"""Run the shims of fla_ac_isolation.testing.cp_shims."""\n',
+        "h.py": '"""Run the shims of fla_ac_isolation.harness.testing.cp_shims."""\n',
         "i.py": "from . import testing\n",
         "testing/__init__.py": "import fla_ac_isolation.h\n",
     }
@@ -246,12 +246,12 @@ warnings.filterwarnings("ignore")
 import torch
 import fla_ac_isolation
 from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit
-import fla_ac_isolation.audit, fla_ac_isolation.cli, fla_ac_isolation.fla_seam.kernels, fla_ac_isolation.mixers
-import fla_ac_isolation.modes, fla_ac_isolation.ops, fla_ac_isolation.policies, fla_ac_isolation.swap
+import fla_ac_isolation.audit, fla_ac_isolation.harness.cli, fla_ac_isolation.fla_seam.kernels, fla_ac_isolation.mixers
+import fla_ac_isolation.harness.modes, fla_ac_isolation.ops, fla_ac_isolation.policies, fla_ac_isolation.swap
 import fla_ac_isolation.isolate
 light = "fla" not in sys.modules  # nothing above imports FLA itself
 
-from fla_ac_isolation.fault_stack import run_stack
+from fla_ac_isolation.harness.fault_stack import run_stack
 from fla_ac_isolation.policies import save_all_copies
 out = {"light": light}
 for mode in ("shared", "isolated"):
@@ -262,7 +262,7 @@ for mode in ("shared", "isolated"):
 local = LayerLocalSeqlens.from_seq_lens([5, 0, 9]).local()
 out["offsets"] = local.cu_seqlens.tolist()
 
-from fla_ac_isolation.cli import main
+from fla_ac_isolation.harness.cli import main
 out["doctor"] = main(["doctor"])
 print(json.dumps(out))
 """
@@ -287,7 +287,7 @@ def test_core_install_runs_layer_local_seqlens_and_replay_audit_without_any_extr
 @pytest.mark.parametrize("argv", [["regress", "--steps", "1"], ["audit", "--model", "qwen3_5_moe"]])
 def test_commands_name_the_extra_they_need(argv):
     script = _CORE_SCRIPT.split("import torch\n")[0] + (
-        "from fla_ac_isolation.cli import main\n"
+        "from fla_ac_isolation.harness.cli import main\n"
         f"raise SystemExit(main({argv!r}))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script, "torchtitan"], capture_output=True, text=True, timeout=240)

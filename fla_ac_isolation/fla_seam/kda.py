@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from fla_ac_isolation.fla_seam.interpreter import interpreter_enabled
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE
+from fla_ac_isolation.harness.fla_seam.interpreter import interpreter_enabled
 
 __all__ = ["MAX_KEY_DIM", "chunk_kda", "prepare_kda_chunk_indices"]
 
