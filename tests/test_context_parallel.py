@@ -280,8 +280,8 @@ def test_the_reference_backend_refuses_cp(backend):
     chosen = "backend='reference'" if backend == "reference" else "backend='auto' (which picks 'reference' for cpu tensors)"
     assert str(info.value) == (
         f"context parallelism needs FLA's CP kernels, but {chosen} has none: the reference backend computes whole "
-        "sequences only; use backend='fla' (CUDA, or a CPU under TRITON_INTERPRET=1 with the seam's interpreter backend "
-        "fla_ac_isolation.harness.fla_seam.interpreter)"
+        "sequences only; use backend='fla' (CUDA, or a CPU under TRITON_INTERPRET=1 with the harness's interpreter "
+        "backend fla_ac_isolation/harness/fla_seam/interpreter.py)"
     )
 
 
