@@ -12,6 +12,10 @@ Further names are imported lazily (on first access) so that ``import fla_ac_isol
 are listed by ``dir(fla_ac_isolation)`` and ``__all__``: ``ReplayAudit`` and ``ReplayDivergenceError``
 (``audit``), ``CPConfig`` (``parallel``), ``swap_mixers`` / ``restore_mixers`` (``swap``),
 ``isolate_seqlens`` / ``IsolationHandle`` / ``LeakingMixerWarning`` (``isolate``) and the drop-in mixers (``mixers``).
+
+The harness (regression, command, runners, tiny models, CPU serving, test support) lives in ``harness/``; its
+0.3 import paths (``fla_ac_isolation.modes``, ``fla_ac_isolation.regression``, ...) still import, as deprecated
+aliases that warn (``_moved``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from fla_ac_isolation._moved import install_aliases as _install_aliases
 from fla_ac_isolation.fla_cache import probe_tensor_cache, tensor_cache_disabled
 from fla_ac_isolation.local_seqlens import LocalSeqlens
 from fla_ac_isolation.policies import checkpoint_layers
@@ -26,6 +31,8 @@ from fla_ac_isolation.seqlens import LayerLocalSeqlens
 from fla_ac_isolation.static_seqlens import StaticSeqlens
 
 __version__ = "0.3.0"
+
+_install_aliases()
 
 # name -> module that defines it; resolved on first access (PEP 562)
 _LAZY = {

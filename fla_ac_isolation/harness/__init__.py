@@ -15,7 +15,7 @@ mixers, ``ops``, the SAC policies, ``ReplayAudit``, the CP/PP helpers, the FLA s
 * :mod:`~fla_ac_isolation.harness.foreign_models` - tiny transformers / flash-linear-attention models.
 * :mod:`~fla_ac_isolation.harness.fla_seam` - the harness's side of the FLA seam: FLA's kernels served by pure
   torch on a CPU, Triton's interpreter backend, FLA's model zoo.
-* :mod:`~fla_ac_isolation.harness.testing` - test support.
+* ``testing`` - test support (named by tests only).
 * :mod:`~fla_ac_isolation.harness.failures`, :mod:`~fla_ac_isolation.harness.extras` - error text for reports,
   the optional dependencies.
 """
