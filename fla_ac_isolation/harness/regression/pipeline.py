@@ -165,7 +165,8 @@ def build_pipeline(
     Args:
         model: the whole decoder (every PP rank builds it from the same seed and keeps its stages' blocks).
         schedule: a key of :data:`~fla_ac_isolation.parallel.SCHEDULES` (checked by the spec).
-        pp_rank, pp: this rank's place in the PP group and its size.
+        pp_rank: this rank's place in the PP group.
+        pp: the PP group's size (the PP degree).
         microbatches: microbatches per step.
         seqlens_class: the mode's offsets class (:attr:`fla_ac_isolation.harness.modes.Mode.seqlens_class`).
         device: the stage device.
