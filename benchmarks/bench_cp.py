@@ -7,7 +7,7 @@ FLA's layout (``--layout contiguous``, the default, and/or ``zigzag``): each ran
 documents (``--docs``, seeded lengths, ``layer_step.doc_lengths``) cross the rank cuts: every document
 layout is checked to hold at least one document with tokens on two ranks.
 
-Modes (``fla_ac_isolation.modes``; every mode but ``no-ac`` wraps the mixer in torch's non-reentrant
+Modes (``fla_ac_isolation.harness.modes``; every mode but ``no-ac`` wraps the mixer in torch's non-reentrant
 checkpoint wrapper with torchtitan 0.3's op-level SAC policy, ``policies.torchtitan_selective``, as
 ``bench_isolation`` does). Every mode gets the global offsets on the device and on the host
 (``cu_seqlens_cpu``; CP metadata is computed on the host, and ``LayerLocalSeqlens`` refuses CP without them):
@@ -42,7 +42,7 @@ Per row (one mode in one group; the ``step`` of an iteration is its slowest rank
 * ``peak_mib``, ``held_mib``: per rank, the step's peak memory and what the forward left allocated, above what
   was allocated before the step (MiB).
 * ``syncs_per_step``, ``sync_sites``: per rank, host synchronisations in one step
-  (``fla_ac_isolation.testing.gpu.host_sync_sites``: ``torch.cuda.set_sync_debug_mode("warn")``) and their
+  (``fla_ac_isolation.harness.testing.gpu.host_sync_sites``: ``torch.cuda.set_sync_debug_mode("warn")``) and their
   ``"file:line" -> count``; ``cp_syncs_per_step``: those whose site is in FLA's CP code (``fla/ops/cp/``: its
   CP metadata and communication). The target is none in ``isolated``.
 * ``helper_computations_per_step``: per rank, FLA index-helper computations in one step (cache misses +
@@ -76,7 +76,7 @@ autotunes every kernel (minutes more).
 
 ``--device cpu`` is a smoke test of this script, not a measurement: 2 gloo ranks (spawned with
 ``TRITON_INTERPRET=1`` in their environment, so FLA's kernels run in Triton's interpreter), FLA's CP kernels
-through the seam's interpreter backend (``fla_ac_isolation.fla_seam.interpreter.cpu_cp_kernels``), float32,
+through the seam's interpreter backend (``fla_ac_isolation.harness.fla_seam.interpreter.cpu_cp_kernels``), float32,
 and tiny default shapes (hidden 32, i.e. 4 heads of 8; T = 128; 3 documents; 1 iteration, no warm-up). It
 times with ``time.perf_counter`` after a barrier and reports host syncs and memory as 0. Under ``torchrun`` on
 a CPU, export ``TRITON_INTERPRET=1`` first. It costs about 80 s of CPU with the defaults (measured: 12
@@ -84,7 +84,7 @@ interpreted steps of about 3 s per rank, plus about 5 s of imports per rank).
 
 On Hopper with Triton < 3.7.1 FLA refuses the gated backward (its issue #640); ``--lift-hopper-guard`` sets
 FLA's flag on every rank, printing so. ``--first-config`` runs every Triton autotuner's first config only
-(``fla_ac_isolation.fla_seam.interpreter.first_autotune_config``): the same kernels in every mode, not the
+(``fla_ac_isolation.harness.fla_seam.interpreter.first_autotune_config``): the same kernels in every mode, not the
 tuned ones. The rows, targets, table and JSON are ``benchmarks/cp_rows.py``; the measuring loop is
 ``benchmarks/layer_step.py`` (shared with ``bench_isolation``).
 """
@@ -116,10 +116,10 @@ from benchmarks.cp_rows import (
     report,
 )
 from benchmarks.layer_step import NUM_BUFFERS, Step, build_layer, make_seqlens, measure, wrap_for_mode
-from fla_ac_isolation.environment import versions
 from fla_ac_isolation.families import layer_fields
-from fla_ac_isolation.regression.launch import environment_variables, free_port
-from fla_ac_isolation.regression.torchrun import under_torchrun
+from fla_ac_isolation.harness.environment import versions
+from fla_ac_isolation.harness.regression.launch import environment_variables, free_port
+from fla_ac_isolation.harness.regression.torchrun import under_torchrun
 
 # NVLink multicast must stay off on the shared GPU hosts: set for every rank, whatever the environment says
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -218,14 +218,14 @@ def run_meta(args: argparse.Namespace, world: int, launcher: str) -> dict:
 def rank_harness(args: argparse.Namespace) -> Iterator[None]:
     """CPU: one torch thread, FLA's CP kernels under the seam's interpreter backend; CUDA: the requested GPU
     switches."""
-    from fla_ac_isolation.fla_seam.interpreter import cpu_cp_kernels, first_autotune_config
+    from fla_ac_isolation.harness.fla_seam.interpreter import cpu_cp_kernels, first_autotune_config
 
     if args.device == "cpu":
         torch.set_num_threads(1)
         with cpu_cp_kernels():
             yield
         return
-    from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
+    from fla_ac_isolation.harness.testing.gpu import lift_hopper_gdn_guard
 
     with (
         lift_hopper_gdn_guard() if args.lift_hopper_guard else contextlib.nullcontext(),

@@ -1,6 +1,6 @@
 """The whole EP=2 tiny-model step with isolation vs the shared path (two GPUs, NCCL).
 
-Runs the regression model (``fla_ac_isolation.regression``: 4 blocks, hidden 512, 16 experts top-4,
+Runs the regression model (``fla_ac_isolation.harness.regression``: 4 blocks, hidden 512, 16 experts top-4,
 torchtitan's MoE and all-to-all dispatcher, FLA kernels, bf16) for ``--steps`` AdamW steps per mode under
 the torchtitan / prime-rl SAC rule (``save-d2h-copies``, under which the shared path runs), and prints the
 median forward + backward time of the slowest rank per mode, skipping the first two steps (compilation,
@@ -21,8 +21,8 @@ import torch
 
 
 def main(argv=None) -> int:
-    from fla_ac_isolation.regression import RegressionSpec, run_regression
-    from fla_ac_isolation.testing.gpu import gpu_test_harness
+    from fla_ac_isolation.harness.regression import RegressionSpec, run_regression
+    from fla_ac_isolation.harness.testing.gpu import gpu_test_harness
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3_5_moe")

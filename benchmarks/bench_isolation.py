@@ -107,8 +107,8 @@ from benchmarks.layer_step import (
     step_statistics,
     wrap_for_mode,
 )
-from fla_ac_isolation.environment import versions
 from fla_ac_isolation.families import layer_fields
+from fla_ac_isolation.harness.environment import versions
 
 MODES = ("no-ac", "shared", "isolated", "isolated+cpu", "isolated-no-indices", "global-disable", "isolated+save-core",
          "isolated+save-core+conv")
@@ -298,8 +298,8 @@ def parse_args(argv) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from fla_ac_isolation.fla_seam.interpreter import first_autotune_config
-    from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
+    from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config
+    from fla_ac_isolation.harness.testing.gpu import lift_hopper_gdn_guard
 
     rows: list[Row] = []
     profiles: list[dict] = []

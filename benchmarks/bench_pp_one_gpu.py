@@ -3,7 +3,7 @@ on one rank, run by torch's own schedules with more microbatches in flight than 
 substitute while two GPUs are not lent).
 
 The process joins a process group of world size 1 (gloo on a CPU, NCCL on CUDA; a ``FileStore`` in a temporary
-file) and builds every stage of the decoder (:class:`fla_ac_isolation.regression.pipeline.DecoderStage`, torch's
+file) and builds every stage of the decoder (:class:`fla_ac_isolation.harness.regression.pipeline.DecoderStage`, torch's
 ``PipelineStage``) on that rank. Schedules (torch's classes, nothing ordered here):
 
 * ``interleaved-1f1b`` (``ScheduleInterleaved1F1B``) and ``looped-bfs`` (``ScheduleLoopedBFS``, GPipe's order
@@ -19,7 +19,7 @@ deterministic); then, under each AC policy (``save-d2h-copies``, ``save-all-copi
 ``full-ac``), ``isolated``, ``global-disable`` and the unsafe ``shared``. Per cell: the outcome against no-ac
 under the same schedule (``exact``: losses and every gradient bit for bit; else the largest gradient difference;
 else the first line of the error), the median step (CUDA events on a GPU, wall time on a CPU) after warm-up,
-and on CUDA the host syncs of one step (:func:`fla_ac_isolation.testing.gpu.host_sync_sites`).
+and on CUDA the host syncs of one step (:func:`fla_ac_isolation.harness.testing.gpu.host_sync_sites`).
 ``in flight`` is the most (stage, microbatch) forwards whose backward had not yet run, over the rank, read from
 torch's action list (``pipeline_order``) or, for the single-stage schedules, from their rule (GPipe ``M``, 1F1B
 on its only stage 1): FLA's identity cache is process-wide, and each stage call's shared offsets take one entry.
@@ -54,8 +54,8 @@ from typing import Any
 import torch
 
 from benchmarks.layer_step import doc_lengths, elapsed_ms
-from fla_ac_isolation.failures import first_line
-from fla_ac_isolation.modes import MODES, Mode
+from fla_ac_isolation.harness.failures import first_line
+from fla_ac_isolation.harness.modes import MODES, Mode
 from fla_ac_isolation.parallel import PackedMicrobatches, split_packed_microbatches
 
 __all__ = ["CHECKPOINTED", "POLICY_NAMES", "SCHEDULES", "Cell", "main", "parse_args", "run_group"]
@@ -129,14 +129,14 @@ def _policy(name: str):
 def build_run(args, schedule: str, stages: int, mode: Mode, policy: str, dtype: torch.dtype, device: torch.device):
     """A fresh decoder (seed 0) checkpointed as ``mode`` and ``policy`` say, cut into ``stages`` stages of torch's
     ``PipelineStage`` on this one rank, and torch's schedule over them: a
-    :class:`~fla_ac_isolation.regression.pipeline.PipelineRun`."""
+    :class:`~fla_ac_isolation.harness.regression.pipeline.PipelineRun`."""
     import torch.distributed.pipelining as pipelining
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
+    from fla_ac_isolation.harness.regression.model import ModelSize, build_model
+    from fla_ac_isolation.harness.regression.pipeline import DecoderStage, PipelineRun, TokenLoss, stage_layers
     from fla_ac_isolation.policies import checkpoint_layers
-    from fla_ac_isolation.regression.model import ModelSize, build_model
-    from fla_ac_isolation.regression.pipeline import DecoderStage, PipelineRun, TokenLoss, stage_layers
 
     torch.manual_seed(0)
     size = ModelSize(hidden_size=args.hidden, num_layers=args.layers, num_experts=args.experts, top_k=2)
@@ -178,7 +178,7 @@ def in_flight(run, schedule: str, microbatches: int) -> int:
 # ------------------------------------------------------------------------------------------------- steps
 def _step(run, batch: PackedMicrobatches, num_targets: int, mode: Mode) -> torch.Tensor:
     from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
-    from fla_ac_isolation.regression.pipeline import pipeline_step
+    from fla_ac_isolation.harness.regression.pipeline import pipeline_step
 
     for p in run.parameters():
         p.grad = None
@@ -216,7 +216,7 @@ def measure(cell: Cell, run, batch, num_targets: int, mode: Mode, args, device: 
     cell.loss = loss
     cell.outcome = "reference" if reference is None else compare(grads, loss, *reference)
     if device.type == "cuda":
-        from fla_ac_isolation.testing.gpu import host_sync_sites
+        from fla_ac_isolation.harness.testing.gpu import host_sync_sites
 
         torch.cuda.synchronize()
         with host_sync_sites() as sites:
@@ -358,10 +358,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch.distributed as dist
 
-    from fla_ac_isolation.environment import versions
     from fla_ac_isolation.fla_seam.cache import cache_size, tensor_cache_size
-    from fla_ac_isolation.fla_seam.interpreter import first_autotune_config
-    from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
+    from fla_ac_isolation.harness.environment import versions
+    from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config
+    from fla_ac_isolation.harness.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
 
     device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", 0)
     if device.type == "cuda":
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
     try:
         with contextlib.ExitStack() as stack:
             if args.lift_hopper_guard:
-                from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
+                from fla_ac_isolation.harness.testing.gpu import lift_hopper_gdn_guard
 
                 stack.enter_context(lift_hopper_gdn_guard())
             if args.first_config:

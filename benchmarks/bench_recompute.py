@@ -112,7 +112,7 @@ def table(rows: list[Row]) -> str:
 
 
 def meta(args) -> dict:
-    from fla_ac_isolation.environment import versions
+    from fla_ac_isolation.harness.environment import versions
 
     return {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -157,8 +157,8 @@ def parse_args(argv) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from fla_ac_isolation.fla_seam.interpreter import first_autotune_config
-    from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
+    from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config
+    from fla_ac_isolation.harness.testing.gpu import lift_hopper_gdn_guard
 
     results = {"meta": meta(args), "cells": [], "rows": []}
 

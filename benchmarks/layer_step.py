@@ -120,8 +120,8 @@ VARIANTS = {
 
 
 def base_mode(mode: str):
-    """The :class:`fla_ac_isolation.modes.Mode` a benchmark mode runs (its variants run ``isolated``)."""
-    from fla_ac_isolation.modes import get_mode
+    """The :class:`fla_ac_isolation.harness.modes.Mode` a benchmark mode runs (its variants run ``isolated``)."""
+    from fla_ac_isolation.harness.modes import get_mode
 
     return get_mode(VARIANTS.get(mode, (mode, {}))[0])
 
@@ -210,7 +210,7 @@ def probe_step(group, mode: str, i: int) -> tuple[int, dict[str, int], int]:
     Host syncs are counted only on CUDA (0 on CPU).
     """
     from fla_ac_isolation.fla_cache import probe_tensor_cache
-    from fla_ac_isolation.testing.gpu import host_sync_sites
+    from fla_ac_isolation.harness.testing.gpu import host_sync_sites
 
     with cache_context(mode):
         step = group.prepare(mode, i)

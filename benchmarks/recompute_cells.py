@@ -150,7 +150,7 @@ def _syncs(group: Group, step: Step) -> list[str]:
     if group.device == "cpu":
         step()
         return []
-    from fla_ac_isolation.testing.gpu import host_sync_sites
+    from fla_ac_isolation.harness.testing.gpu import host_sync_sites
 
     group.sync()
     with host_sync_sites() as sites:

@@ -11,7 +11,7 @@ a user would meet it, and once wrapped in :class:`~fla_ac_isolation.ReplayAudit`
    block, the first op where the recompute left the forward, the FLA helper whose cache state differed,
    and the fix.
 2. **Silently wrong gradients.** A 4-layer stack that calls FLA's real index helpers
-   (``fla_ac_isolation.fault_stack``, the project's smallest reproduction) under a policy that saves
+   (``fla_ac_isolation.harness.fault_stack``, the project's smallest reproduction) under a policy that saves
    float ``sub`` results. Plainly, backward succeeds, the loss is the no-AC loss, and the gradients are
    wrong. ``ReplayAudit(on_divergence="record")`` lets the step finish and reports which region diverged.
 
@@ -34,9 +34,9 @@ warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's MoE
 
 from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit  # noqa: E402
 from fla_ac_isolation.audit import ReplayDivergenceError  # noqa: E402
-from fla_ac_isolation.fault_stack import run_stack  # noqa: E402
 from fla_ac_isolation.fla_cache import clear_tensor_cache  # noqa: E402
-from fla_ac_isolation.modes import SharedSeqlens  # noqa: E402
+from fla_ac_isolation.harness.fault_stack import run_stack  # noqa: E402
+from fla_ac_isolation.harness.modes import SharedSeqlens  # noqa: E402
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies, save_ops  # noqa: E402
 
 
@@ -54,9 +54,9 @@ def qwen_step(args: argparse.Namespace, isolated: bool, on_divergence: str | Non
     ``on_divergence=None`` runs it plainly; otherwise inside ``ReplayAudit(model, on_divergence=...)``.
     Returns ``(first line of the error or None, the audit or None)``.
     """
-    from fla_ac_isolation.regression.data import global_batch
-    from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
-    from fla_ac_isolation.regression.model import ModelSize, build_model
+    from fla_ac_isolation.harness.regression.data import global_batch
+    from fla_ac_isolation.harness.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
+    from fla_ac_isolation.harness.regression.model import ModelSize, build_model
 
     ensure_torch_compat()
     setup_torchtitan("cpu")

@@ -2,7 +2,7 @@
 activation checkpointing (the check applies it) and ONE packed batch, a dict of ``model(**batch)``'s keywords.
 
 Run from the repository root (about 10 s each on a CPU, where FLA's kernels are served by
-``fla_ac_isolation.reference_kernels``)::
+``fla_ac_isolation.harness.reference_kernels``)::
 
     fla-ac-isolation check --model examples/check_model.py:qwen3_next
     fla-ac-isolation check --model examples/check_model.py:fla_gated_deltanet

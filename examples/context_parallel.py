@@ -18,7 +18,7 @@ recurrent state between the ranks. Each rank:
 The ranks run three steps from the same weights and batch: CP=2 without AC, CP=2 ``isolated`` (the
 steps above), and CP=2 ``field``. ``field`` is UNSAFE, on purpose: every layer builds FLA's CP context
 inside its forward from the batch's one ``cu_seqlens``, as models do
-(``fla_ac_isolation.modes.FieldCPSeqlens``). The parent process runs CP=1: the whole batch in one
+(``fla_ac_isolation.harness.modes.FieldCPSeqlens``). The parent process runs CP=1: the whole batch in one
 process, no AC, the pure-torch reference ops. Expected (torch 2.13, fla-core 0.6.0):
 
 * ``isolated`` equals CP=2 without AC bit for bit, and CP=1 within float32 rounding (gradients within
@@ -33,7 +33,7 @@ On a CPU, FLA's CP kernels need two things, both in place in each rank before it
 * ``TRITON_INTERPRET=1``, so that Triton's interpreter runs FLA's kernels on the CPU (slowly: hence the
   tiny shapes). Triton reads it when it is first imported, so it is set at the top of this file; the
   ranks inherit it and re-import this file first.
-* ``fla_ac_isolation.fla_seam.interpreter.cpu_cp_kernels()``, entered by each rank: the seam's interpreter
+* ``fla_ac_isolation.harness.fla_seam.interpreter.cpu_cp_kernels()``, entered by each rank: the seam's interpreter
   backend (what ``fla-ac-isolation regress --cp 2`` enters on a CPU too). FLA's CP code refuses non-CUDA
   devices and gloo rejects its all-gather layout; inside the ``with`` block the backend patches both (and
   the interpreter's autotuning, loop variables and comparison dtype). It exists only to run FLA's CP
@@ -65,10 +65,10 @@ from torch import nn
 from transformers import Qwen3_5MoeTextConfig
 
 from fla_ac_isolation import LayerLocalSeqlens
-from fla_ac_isolation.failures import first_line
-from fla_ac_isolation.fla_seam.interpreter import cpu_cp_kernels  # FLA's CP kernels on a CPU (the interpreter)
+from fla_ac_isolation.harness.failures import first_line
+from fla_ac_isolation.harness.fla_seam.interpreter import cpu_cp_kernels  # FLA's CP kernels on a CPU (the interpreter)
+from fla_ac_isolation.harness.modes import FieldCPSeqlens
 from fla_ac_isolation.mixers import Qwen3_5MoeGatedDeltaNet
-from fla_ac_isolation.modes import FieldCPSeqlens
 from fla_ac_isolation.parallel import CPConfig, shard_packed_batch
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
 

@@ -8,7 +8,7 @@ every GDN layer and SAC replays saved tensors into the wrong ops (an error, or w
 the SAC step equals the no-AC step bit for bit.
 
 On CPU, transformers' GDN calls FLA's Triton kernel, which cannot run there ("0 active drivers"). This
-script then serves that call with ``fla_ac_isolation.reference_kernels.reference_kernels()``, whose gated
+script then serves that call with ``fla_ac_isolation.harness.reference_kernels.reference_kernels()``, whose gated
 delta rule asks FLA's own index helpers for its schedule with the kernel's arguments, so FLA's identity cache
 hits and misses as it would on a GPU; everything else is transformers' code. With ``--device cuda`` nothing
 is replaced and FLA's kernels run.
@@ -26,8 +26,8 @@ import torch
 from transformers import DataCollatorWithFlattening, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from fla_ac_isolation import swap_mixers
+from fla_ac_isolation.harness.reference_kernels import reference_kernels
 from fla_ac_isolation.policies import POLICIES, sac_context_fn
-from fla_ac_isolation.reference_kernels import reference_kernels
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"cu_seq_lens_q {batch['cu_seq_lens_q'].dtype}); SAC policy {args.policy}"
     )
     if torch.device(args.device).type != "cuda":
-        print("(CPU: transformers' call of FLA's GDN kernel is served by fla_ac_isolation.reference_kernels, "
+        print("(CPU: transformers' call of FLA's GDN kernel is served by fla_ac_isolation.harness.reference_kernels, "
               "which uses FLA's own index helpers and cache)")
 
     with fla_call_on_cpu(args.device):

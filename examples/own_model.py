@@ -17,7 +17,7 @@ The script trains one step four ways from the same weights and batch:
 
 * ``no-ac``     no checkpointing (the reference);
 * ``shared``    every layer checkpointed under a selective-AC policy, and every layer handed the *same*
-                ``cu_seqlens`` object (``fla_ac_isolation.modes.SharedSeqlens``: what passing the raw
+                ``cu_seqlens`` object (``fla_ac_isolation.harness.modes.SharedSeqlens``: what passing the raw
                 tensor to each layer does);
 * ``isolated``  the same, with one ``LayerLocalSeqlens`` whose ``.local()`` gives each layer fresh objects;
 * ``isolated`` under full AC as well, to show the fix does not depend on the policy.
@@ -41,7 +41,7 @@ warnings.filterwarnings("ignore", message=".*Triton is not supported.*")  # FLA'
 
 from fla_ac_isolation import LayerLocalSeqlens, ops  # noqa: E402
 from fla_ac_isolation.fla_cache import clear_tensor_cache  # noqa: E402
-from fla_ac_isolation.modes import SharedSeqlens  # noqa: E402
+from fla_ac_isolation.harness.modes import SharedSeqlens  # noqa: E402
 from fla_ac_isolation.policies import POLICIES, checkpoint_layers  # noqa: E402
 
 

@@ -65,8 +65,8 @@ warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's MoE
 
 from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit  # noqa: E402
 from fla_ac_isolation.fla_cache import clear_tensor_cache  # noqa: E402
+from fla_ac_isolation.harness.regression.expert_parallel import ensure_torch_compat, setup_torchtitan  # noqa: E402
 from fla_ac_isolation.ops import reference  # noqa: E402
-from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan  # noqa: E402
 
 VARIANTS = ("as-shipped", "shared", "fixed")
 POLICY_NAMES = ("torchtitan", "torchtitan+sub")

@@ -9,10 +9,14 @@ Public names:
 * :mod:`fla_ac_isolation.policies` - SAC policies from the field and :func:`checkpoint_layers`.
 
 Every name is imported on first access, so that ``import fla_ac_isolation`` imports nothing else (not even torch:
-pytest imports :mod:`fla_ac_isolation.pytest_plugin`, and so this package, in every run once it is installed);
+pytest imports :mod:`fla_ac_isolation.harness.pytest_plugin`, and so this package, in every run once it is installed);
 they are listed by ``dir(fla_ac_isolation)`` and ``__all__``: the names above and ``ReplayAudit`` and
 ``ReplayDivergenceError`` (``audit``), ``CPConfig`` (``parallel``), ``swap_mixers`` / ``restore_mixers`` (``swap``),
 ``isolate_seqlens`` / ``IsolationHandle`` / ``LeakingMixerWarning`` (``isolate``) and the drop-in mixers (``mixers``).
+
+The harness (regression, command, runners, tiny models, CPU serving, test support) lives in ``harness/``; its
+0.3 import paths (``fla_ac_isolation.modes``, ``fla_ac_isolation.regression``, ...) still import, as deprecated
+aliases that warn (``_moved``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from fla_ac_isolation._moved import install_aliases as _install_aliases
+
 __version__ = "0.3.0"
+
+_install_aliases()
 
 # name -> module that defines it; resolved on first access (PEP 562)
 _LAZY = {

@@ -238,7 +238,7 @@ def _remedy(entry: ForeignClass, otherwise: str) -> str:
 
 @dataclass(frozen=True)
 class TinyRecipe:
-    """What the regression's tiny decoder of a family is (:mod:`fla_ac_isolation.regression.model` builds it
+    """What the regression's tiny decoder of a family is (the harness's ``regression/model.py`` builds it
     from the family's config class, :meth:`Family.config_class`, at the regression's sizes).
 
     Attributes:

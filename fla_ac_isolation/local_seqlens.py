@@ -26,14 +26,14 @@ class LocalSeqlens(NamedTuple):
     Attributes:
         cu_seqlens: ``[N + 1]`` int32/int64 offsets, on the activations' device; a new object per call.
         cu_seqlens_cpu: ``[N + 1]`` host copy of the offsets (a new object per call). ``None`` only from
-            :class:`~fla_ac_isolation.modes.SharedSeqlens` built without host offsets.
+            the harness's ``modes.SharedSeqlens`` built without host offsets.
         max_seqlen: length of the longest document, in tokens.
         chunk_indices: ``[NT, 2]`` rows ``(document, chunk within the document)`` of FLA's
             :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`-token chunks, dtype of ``cu_seqlens``, on its
             device (a new object per call); FLA's ``chunk_indices`` argument, so the kernel skips
             ``prepare_chunk_indices`` and its host-to-device copy. ``None`` when the
             :class:`~fla_ac_isolation.LayerLocalSeqlens` was built with
-            ``chunk_indices=False`` and from :class:`~fla_ac_isolation.modes.SharedSeqlens`.
+            ``chunk_indices=False`` and from the harness's ``modes.SharedSeqlens``.
         cp_context: under context parallelism (``LayerLocalSeqlens(..., cp=...)``), FLA's ``FLACPContext``
             for this layer, holding the very ``cu_seqlens``/``cu_seqlens_cpu`` objects above (then the
             RANK-LOCAL int32 offsets, ``max_seqlen`` the longest local piece and ``chunk_indices`` the

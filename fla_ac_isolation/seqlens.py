@@ -236,7 +236,7 @@ class LayerLocalSeqlens:
             dtype: ``torch.int32`` (FLA's and flash-attn's convention) or ``torch.int64``.
             with_cpu: also keep the host offsets as ``cu_seqlens_cpu`` (no sync needed later).
             chunk_indices: precompute FLA's chunk schedule (see the class); ``None``: the class default
-                (``True``; ``False`` for :class:`~fla_ac_isolation.modes.SharedSeqlens`).
+                (``True``; ``False`` for the harness's ``modes.SharedSeqlens``).
             cp: context parallelism (see the class): ``seq_lens`` are then the documents of the whole batch.
 
         Raises:
@@ -273,7 +273,7 @@ class LayerLocalSeqlens:
             position_ids: ``[T]`` or ``[1, T]`` integer tensor: ``0, 1, 2, ...`` per document.
             dtype: dtype of the resulting ``cu_seqlens`` (int32 or int64).
             chunk_indices: precompute FLA's chunk schedule (see the class); ``None``: the class default
-                (``True``; ``False`` for :class:`~fla_ac_isolation.modes.SharedSeqlens`).
+                (``True``; ``False`` for the harness's ``modes.SharedSeqlens``).
 
         Raises:
             TypeError: ``position_ids`` is not an integer tensor.

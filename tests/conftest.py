@@ -74,8 +74,8 @@ def gloo_world_of_one(tmp_path_factory):
 def hopper_guard_lifted():
     """GPU test modules: lift FLA's #640 guard (announced on stdout) and autotune with the first config
     only (minutes of compiling saved); yields whether the guard was active."""
-    from fla_ac_isolation.fla_seam.interpreter import first_autotune_config
-    from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
+    from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config
+    from fla_ac_isolation.harness.testing.gpu import lift_hopper_gdn_guard
 
     with lift_hopper_gdn_guard() as lifted, first_autotune_config():
         yield lifted

@@ -3,7 +3,7 @@
 Run by ``tests/test_context_parallel_gloo.py`` in a fresh process: ``TRITON_INTERPRET`` must be set before
 FLA's kernels are decorated. The parent imports everything, then forks two rank processes (no import
 cost per rank) that join a gloo group (with a timeout, so that a rank waiting in a collective for a peer
-that raised cannot hang the test) and enter ``fla_ac_isolation.fla_seam.interpreter.cpu_cp_kernels``. One
+that raised cannot hang the test) and enter ``fla_ac_isolation.harness.fla_seam.interpreter.cpu_cp_kernels``. One
 launch runs every case; rank 0 reports all of them as one JSON object on the last line of stdout, with
 the CPU seconds each case took on rank 0. References are independent: CP=1 with the pure-torch reference
 backend (mixers) or the regression's one-rank run (decoders).
@@ -34,11 +34,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from helpers import FAMILIES  # noqa: E402
 
-import fla_ac_isolation.regression._preload  # noqa: E402,F401  (torchtitan, transformers, FLA)
+import fla_ac_isolation.harness.regression._preload  # noqa: E402,F401  (torchtitan, transformers, FLA)
 from fla_ac_isolation import LayerLocalSeqlens  # noqa: E402
-from fla_ac_isolation.failures import first_line  # noqa: E402
+from fla_ac_isolation.harness.failures import first_line  # noqa: E402
+from fla_ac_isolation.harness.regression.spec import CP1_REFERENCE, RegressionSpec  # noqa: E402
 from fla_ac_isolation.parallel import CPConfig, gather_unshard, shard_packed_batch  # noqa: E402
-from fla_ac_isolation.regression.spec import CP1_REFERENCE, RegressionSpec  # noqa: E402
 
 # documents crossing the cuts, a zero-length document, and rank 1 holding no document start, per layout
 LENS = {"contiguous": [10, 0, 30, 88], "zigzag": [10, 0, 20, 70, 28]}
@@ -125,8 +125,8 @@ def case_decoder(family: str, layout: str, modes: tuple[str, ...]) -> dict:
     CP on rank 0 as the reference, then every mode under ``ReplayAudit`` (recording); an unsafe mode's
     exception is recorded per rank."""
     from fla_ac_isolation import ReplayAudit
+    from fla_ac_isolation.harness.regression.train import RankContext, run_mode_on_rank
     from fla_ac_isolation.parallel import ParallelMesh
-    from fla_ac_isolation.regression.train import RankContext, run_mode_on_rank
 
     spec = _decoder_spec(family, layout, modes)
     rank = dist.get_rank()
@@ -187,8 +187,8 @@ def _worker(rank: int, port: int, names: list[str], queue) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        from fla_ac_isolation.fla_seam.interpreter import cpu_cp_kernels
-        from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
+        from fla_ac_isolation.harness.fla_seam.interpreter import cpu_cp_kernels
+        from fla_ac_isolation.harness.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
 
         ensure_torch_compat()
         setup_torchtitan("cpu")

@@ -23,8 +23,8 @@ import torch  # noqa: E402
 from interpret_compare import compare, scaled_error  # noqa: E402
 
 from fla_ac_isolation.fla_seam import kernels as fla_ops  # noqa: E402
-from fla_ac_isolation.fla_seam.interpreter import interpreter_shims  # noqa: E402
 from fla_ac_isolation.fla_seam.layout import chunk_indices_for  # noqa: E402
+from fla_ac_isolation.harness.fla_seam.interpreter import interpreter_shims  # noqa: E402
 from fla_ac_isolation.ops import reference  # noqa: E402
 from fla_ac_isolation.seqlens import LayerLocalSeqlens  # noqa: E402
 

@@ -23,7 +23,7 @@ from interpret_compare import compare, scaled_error  # noqa: E402
 
 from fla_ac_isolation import ops  # noqa: E402
 from fla_ac_isolation.fla_cache import probe_tensor_cache  # noqa: E402
-from fla_ac_isolation.fla_seam.interpreter import interpreter_shims  # noqa: E402
+from fla_ac_isolation.harness.fla_seam.interpreter import interpreter_shims  # noqa: E402
 from fla_ac_isolation.seqlens import LayerLocalSeqlens  # noqa: E402
 
 LENS = [70, 0, 17, 1, 41]  # a two-chunk document, an empty one, a one-token one

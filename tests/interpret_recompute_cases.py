@@ -30,9 +30,9 @@ import torch  # noqa: E402
 from helpers import FAMILIES  # noqa: E402
 
 from fla_ac_isolation import LayerLocalSeqlens, StaticSeqlens  # noqa: E402
-from fla_ac_isolation.fla_seam.interpreter import interpreter_shims  # noqa: E402
-from fla_ac_isolation.modes import SharedSeqlens  # noqa: E402
-from fla_ac_isolation.testing.sync_ops import SyncOpCounter  # noqa: E402
+from fla_ac_isolation.harness.fla_seam.interpreter import interpreter_shims  # noqa: E402
+from fla_ac_isolation.harness.modes import SharedSeqlens  # noqa: E402
+from fla_ac_isolation.harness.testing.sync_ops import SyncOpCounter  # noqa: E402
 
 LENS = [70, 0, 77, 3]  # 150 tokens: documents across chunk borders, an empty one, a short one
 PADDED_LAYOUTS = {"one doc": [150], "the bound": [1, 1, 60, 0, 88, 0]}  # LENS is the static buffers' first

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fla_ac_isolation.audit import ReplayAudit, ReplayDivergenceError, ReplayDivergenceWarning
-from fla_ac_isolation.fault_stack import HelperStack, run_stack
 from fla_ac_isolation.fla_cache import clear_tensor_cache, tensor_cache_size
+from fla_ac_isolation.harness.fault_stack import HelperStack, run_stack
 from fla_ac_isolation.policies import checkpoint_layers, sac_context_fn, save_all_copies, save_ops
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 

@@ -3,7 +3,7 @@
 import pytest
 from page_output import assert_printed_as_on_page
 
-from fla_ac_isolation.cli import main
+from fla_ac_isolation.harness.cli import main
 
 
 def test_audit_cli_fault_stack_flags_shared_and_passes_isolated(capsys):
@@ -39,7 +39,7 @@ def test_audit_cli_regression_family_names_the_mixer(capsys):
 @pytest.mark.parametrize(("failing", "expected_code"), [("isolated", 1), ("shared", 0)])
 def test_audit_cli_a_mode_that_raises_is_reported_and_the_others_still_print(failing, expected_code, monkeypatch,
                                                                             capsys):
-    import fla_ac_isolation.fault_stack as fault_stack
+    import fla_ac_isolation.harness.fault_stack as fault_stack
 
     real = fault_stack.run_stack
     text = "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed [bold]"
@@ -62,7 +62,7 @@ def test_audit_cli_a_mode_that_raises_is_reported_and_the_others_still_print(fai
 
 def test_the_audit_runs_from_python_and_returns_data():
     """The audit is library code (audit_runner): a spec in, region reports and the outcome out; nothing printed."""
-    from fla_ac_isolation.audit_runner import AuditSpec, run_audit
+    from fla_ac_isolation.harness.audit_runner import AuditSpec, run_audit
 
     seen = []
     result = run_audit(AuditSpec(model="fault-stack", ac="full"), on_run=seen.append)
@@ -84,7 +84,7 @@ def test_the_audit_runs_from_python_and_returns_data():
     ],
 )
 def test_audit_cli_shows_the_python_apis_message(argv, field, message, capsys):
-    from fla_ac_isolation.audit_runner import AuditSpec
+    from fla_ac_isolation.harness.audit_runner import AuditSpec
 
     assert main(["audit", "--model", "fault-stack", *argv]) == 2
     assert f"fla-ac-isolation audit: error: {message}" in capsys.readouterr().err

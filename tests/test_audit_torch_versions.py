@@ -396,8 +396,8 @@ YES = "yes (non-reentrant recorded: 1 region, 2 ops, recompute compared; reentra
 
 
 def test_doctor_says_the_audit_sees_checkpoints_here(capsys):
-    from fla_ac_isolation.cli import main
-    from fla_ac_isolation.environment import AuditProbe, audit_self_probe, environment_report
+    from fla_ac_isolation.harness.cli import main
+    from fla_ac_isolation.harness.environment import AuditProbe, audit_self_probe, environment_report
 
     assert audit_self_probe() == AuditProbe(True, 1, 2, "aligned", 1)
     assert environment_report()["audit sees checkpoints"] == YES
@@ -407,7 +407,7 @@ def test_doctor_says_the_audit_sees_checkpoints_here(capsys):
 
 
 def test_doctor_says_no_on_a_torch_it_does_not_know(monkeypatch):
-    from fla_ac_isolation.environment import audit_self_probe, environment_report
+    from fla_ac_isolation.harness.environment import audit_self_probe, environment_report
 
     monkeypatch.delattr(cp, NEW, raising=False)
     monkeypatch.delattr(cp, OLD)
@@ -422,7 +422,7 @@ def test_doctor_says_no_when_the_audit_misses_the_checkpoint(monkeypatch):
     an intercept that hands torch the user's context_fn untouched."""
     import fla_ac_isolation.audit.replay_audit as replay_audit
     from fla_ac_isolation.audit.torch_checkpoint import intercept_checkpoints
-    from fla_ac_isolation.environment import audit_self_probe
+    from fla_ac_isolation.harness.environment import audit_self_probe
 
     def blind(on_non_reentrant, on_reentrant):
         return intercept_checkpoints(lambda fn, context_fn, debug: context_fn, lambda fn: None)
@@ -480,7 +480,7 @@ def never_recomputed():
 
 
 def _blind_check(capsys, tmp_path, name, policy):
-    from fla_ac_isolation.cli import main
+    from fla_ac_isolation.harness.cli import main
 
     path = tmp_path / "blind_models.py"
     path.write_text(BLIND_MODELS)
@@ -505,7 +505,7 @@ def test_check_refuses_a_step_the_audit_could_not_judge_exit_2(capsys, tmp_path,
         "checkpoint with use_reentrant=False and make the loss depend on every checkpointed layer"]
 
     # the unsafe path, without the rule: the same step passes as aligned
-    import fla_ac_isolation.check_runner as check_runner
+    import fla_ac_isolation.harness.check_runner as check_runner
 
     monkeypatch.setattr(check_runner, "_require_judged", lambda step: None)
     code, out, _ = _blind_check(capsys, tmp_path, name, policy)

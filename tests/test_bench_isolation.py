@@ -73,7 +73,7 @@ def _helper_computations(bench, kind: str, mode: str) -> int:
     from torch.utils.checkpoint import checkpoint
 
     from fla_ac_isolation.fla_cache import probe_tensor_cache, tensor_cache_disabled
-    from fla_ac_isolation.modes import SharedSeqlens
+    from fla_ac_isolation.harness.modes import SharedSeqlens
     from fla_ac_isolation.policies import any_of, sac_context_fn, save_fla_ops, torchtitan_selective
     from fla_ac_isolation.seqlens import LayerLocalSeqlens
 

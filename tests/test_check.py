@@ -15,9 +15,9 @@ import pytest
 from page_output import assert_printed_as_on_page
 
 from fla_ac_isolation import swap_mixers
-from fla_ac_isolation.check_runner import CheckInputError, CheckSpec, survey
-from fla_ac_isolation.cli import main
-from fla_ac_isolation.foreign_models import build_tiny
+from fla_ac_isolation.harness.check_runner import CheckInputError, CheckSpec, survey
+from fla_ac_isolation.harness.cli import main
+from fla_ac_isolation.harness.foreign_models import build_tiny
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -110,7 +110,7 @@ def _write(tmp_path, body: str) -> str:
 ISOLATED = """
     import warnings
     from fla_ac_isolation import isolate_seqlens
-    from fla_ac_isolation.foreign_models import build_tiny
+    from fla_ac_isolation.harness.foreign_models import build_tiny
 
     def isolated():
         model, batch, _ = build_tiny("qwen3_next")
@@ -228,7 +228,7 @@ CONTRACT = """
 import torch
 from torch import nn
 
-from fla_ac_isolation.foreign_models import build_tiny
+from fla_ac_isolation.harness.foreign_models import build_tiny
 
 OFFSETS = torch.tensor([0, 2, 3])  # two packed documents of 2 and 1 tokens
 

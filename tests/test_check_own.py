@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from fla_ac_isolation.check_runner import CheckInputError, CheckSpec, autotune_notice, resolve_policy
-from fla_ac_isolation.cli import main
+from fla_ac_isolation.harness.check_runner import CheckInputError, CheckSpec, autotune_notice, resolve_policy
+from fla_ac_isolation.harness.cli import main
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -60,7 +60,7 @@ def test_check_runs_the_users_own_policy_from_a_file_and_finds_the_shared_offset
 
 
 def test_the_spec_takes_the_policy_function_itself_and_the_step_runs_it():
-    from fla_ac_isolation.check_runner import run_check
+    from fla_ac_isolation.harness.check_runner import run_check
 
     policy = _example().my_policy
     asked = []
@@ -217,7 +217,7 @@ def test_the_autotune_notice_is_given_on_cuda_only_and_names_the_shortcut():
 
 # ------------------------------------------------------------------------------- item 8b: backward in autocast
 def _autocast_step(model, batch):
-    from fla_ac_isolation.reference_kernels import reference_kernels
+    from fla_ac_isolation.harness.reference_kernels import reference_kernels
 
     with reference_kernels(), torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(**batch)

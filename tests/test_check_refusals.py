@@ -19,10 +19,10 @@ import textwrap
 
 import pytest
 
-from fla_ac_isolation.check_runner import CheckResult, CheckSpec, CheckStep, RegionVerdict
-from fla_ac_isolation.cli import main
-from fla_ac_isolation.cli.check import render
 from fla_ac_isolation.fla_seam.versions import fla_version, is_hopper_gdn_refusal
+from fla_ac_isolation.harness.check_runner import CheckResult, CheckSpec, CheckStep, RegionVerdict
+from fla_ac_isolation.harness.cli import main
+from fla_ac_isolation.harness.cli.check import render
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

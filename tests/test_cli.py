@@ -7,8 +7,13 @@ import types
 
 import pytest
 
-from fla_ac_isolation.cli import audit, check, doctor, main, regress
-from fla_ac_isolation.environment import environment_report, fla_backed_classes, missing_torch_features, torch_features
+from fla_ac_isolation.harness.cli import audit, check, doctor, main, regress
+from fla_ac_isolation.harness.environment import (
+    environment_report,
+    fla_backed_classes,
+    missing_torch_features,
+    torch_features,
+)
 
 
 def test_top_level_help_gives_each_subcommand_its_line(capsys):

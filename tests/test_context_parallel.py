@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fla_ac_isolation import LayerLocalSeqlens
 from fla_ac_isolation.fla_cache import probe_tensor_cache
-from fla_ac_isolation.modes import MODE_NAMES, FieldCPSeqlens, SharedSeqlens, get_mode
+from fla_ac_isolation.harness.modes import MODE_NAMES, FieldCPSeqlens, SharedSeqlens, get_mode
 from fla_ac_isolation.parallel import CPConfig, cp_token_index, shard_packed_batch, unshard
 
 FLA_CP_METADATA = get_cp_cu_seqlens.__wrapped__  # FLA's function behind build_cp_context, without its cache
@@ -280,8 +280,8 @@ def test_the_reference_backend_refuses_cp(backend):
     chosen = "backend='reference'" if backend == "reference" else "backend='auto' (which picks 'reference' for cpu tensors)"
     assert str(info.value) == (
         f"context parallelism needs FLA's CP kernels, but {chosen} has none: the reference backend computes whole "
-        "sequences only; use backend='fla' (CUDA, or a CPU under TRITON_INTERPRET=1 with the seam's interpreter backend "
-        "fla_ac_isolation.fla_seam.interpreter)"
+        "sequences only; use backend='fla' (CUDA, or a CPU under TRITON_INTERPRET=1 with the harness's interpreter "
+        "backend fla_ac_isolation/harness/fla_seam/interpreter.py)"
     )
 
 
@@ -343,7 +343,7 @@ def test_shared_mode_hands_every_layer_one_context_and_field_needs_cp():
 
 # ------------------------------------------------------------------------------- the regression's CP
 def test_cp_batch_is_one_global_batch_laid_out_for_the_layout():
-    from fla_ac_isolation.regression.data import cp_batch
+    from fla_ac_isolation.harness.regression.data import cp_batch
 
     assert cp_batch(0, layout="contiguous").seq_lens == (10, 0, 30, 88)
     assert cp_batch(0, layout="zigzag").seq_lens == cp_batch(1, layout="contiguous").seq_lens == (10, 0, 20, 70, 28)
@@ -355,7 +355,7 @@ def test_cp_batch_is_one_global_batch_laid_out_for_the_layout():
 
 
 def test_a_short_qwen_decoder_still_ends_with_attention():
-    from fla_ac_isolation.regression.model import _qwen_layer_types
+    from fla_ac_isolation.harness.regression.model import _qwen_layer_types
 
     assert _qwen_layer_types(2) == ["linear_attention", "full_attention"]
     assert _qwen_layer_types(4) == ["linear_attention"] * 3 + ["full_attention"]
@@ -373,7 +373,7 @@ def test_a_short_qwen_decoder_still_ends_with_attention():
     ],
 )
 def test_regression_spec_cp_errors(change, message):
-    from fla_ac_isolation.regression.spec import RegressionSpec
+    from fla_ac_isolation.harness.regression.spec import RegressionSpec
 
     with pytest.raises(ValueError) as info:
         RegressionSpec(**change).validate()
@@ -381,7 +381,7 @@ def test_regression_spec_cp_errors(change, message):
 
 
 def test_regression_modes_under_cp():
-    from fla_ac_isolation.regression.spec import RegressionSpec
+    from fla_ac_isolation.harness.regression.spec import RegressionSpec
 
     assert RegressionSpec(cp=2, backend="fla").ordered_modes == (
         "no-ac-cp1", "no-ac", "shared", "isolated", "global-disable", "field")
@@ -392,7 +392,7 @@ def test_regression_modes_under_cp():
 
 
 def _cli_spec(*argv):
-    from fla_ac_isolation.cli import regress
+    from fla_ac_isolation.harness.cli import regress
 
     parser = argparse.ArgumentParser()
     regress.add_arguments(parser)
@@ -401,7 +401,7 @@ def _cli_spec(*argv):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU defaults")
 def test_cli_cp_on_cpu_runs_flas_kernels_under_the_interpreter_backend():
-    from fla_ac_isolation.regression.spec import RegressionSpec
+    from fla_ac_isolation.harness.regression.spec import RegressionSpec
 
     spec = _cli_spec("--cp", "2")
     assert (spec.cp, spec.ep, spec.cp_layout, spec.steps, spec.hidden_size) == (2, 1, "contiguous", 2, 64)
@@ -418,7 +418,7 @@ def test_cli_cp_on_cpu_runs_flas_kernels_under_the_interpreter_backend():
 def test_launcher_spawns_ranks_with_the_environment_of_the_spec():
     import os
 
-    from fla_ac_isolation.regression.launch import _mp_context, environment_variables
+    from fla_ac_isolation.harness.regression.launch import _mp_context, environment_variables
 
     assert _mp_context("cpu", (("TRITON_INTERPRET", "1"),)).get_start_method() == "spawn"
     assert _mp_context("cpu").get_start_method() == "forkserver"
@@ -429,7 +429,7 @@ def test_launcher_spawns_ranks_with_the_environment_of_the_spec():
 
 
 def _cp_result(no_ac_cp1_diff: float, cp1_error: str | None = None):
-    from fla_ac_isolation.regression.spec import ModeResult, RegressionResult, RegressionSpec
+    from fla_ac_isolation.harness.regression.spec import ModeResult, RegressionResult, RegressionSpec
 
     base = {"losses": [2.0, 1.5], "grad_norms": [1.0, 0.9], "idle_experts": [0, 0]}
     cp1 = ModeResult("no-ac-cp1", **base, grad_diffs=[None, None], ref_grad_max=[None, None], error=cp1_error)
@@ -442,7 +442,7 @@ def _cp_result(no_ac_cp1_diff: float, cp1_error: str | None = None):
 
 
 def test_cp_verdicts_judge_against_the_run_without_cp():
-    from fla_ac_isolation.regression import report
+    from fla_ac_isolation.harness.regression import report
 
     ok = _cp_result(2e-6)
     found = report.verdicts(ok)

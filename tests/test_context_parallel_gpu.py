@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fla_ac_isolation import LayerLocalSeqlens
-from fla_ac_isolation.modes import FieldCPSeqlens
+from fla_ac_isolation.harness.modes import FieldCPSeqlens
 from fla_ac_isolation.parallel import CPConfig
 from fla_ac_isolation.policies import sac_context_fn, save_device_to_host_copies
 
@@ -45,8 +45,8 @@ LENS = [10, 0, 20, 70, 28, 4096 - 128]
 @pytest.fixture(scope="module")
 def one_rank_group(tmp_path_factory):
     """A one-rank NCCL group (the CP group of the kernel case); destroyed after the module."""
-    from fla_ac_isolation.fla_seam.interpreter import first_autotune_config
-    from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
+    from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config
+    from fla_ac_isolation.harness.testing.gpu import lift_hopper_gdn_guard
 
     path = tmp_path_factory.mktemp("pg") / "store"
     dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1,
@@ -61,7 +61,7 @@ def _offsets():
 
 
 def test_cp_metadata_syncs_only_in_validation_and_never_per_layer():
-    from fla_ac_isolation.testing.gpu import host_sync_sites
+    from fla_ac_isolation.harness.testing.gpu import host_sync_sites
 
     host = _offsets()
     cu = host.cuda()
@@ -82,7 +82,7 @@ def test_cp_metadata_syncs_only_in_validation_and_never_per_layer():
 def test_the_fields_in_layer_build_copies_the_offsets_to_the_host_once(one_rank_group):
     from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
     from fla_ac_isolation.fla_seam.cp import build_cp_context_in_layer
-    from fla_ac_isolation.testing.gpu import host_sync_sites
+    from fla_ac_isolation.harness.testing.gpu import host_sync_sites
 
     cu = _offsets().cuda()
     clear_tensor_cache()

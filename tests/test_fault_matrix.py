@@ -1,6 +1,6 @@
 """The FLA cache fault, reproduced on CPU with FLA's real index helpers, and fixed by LayerLocalSeqlens.
 
-A stack of 4 checkpointed layers shares one ``cu_seqlens`` (``fla_ac_isolation.fault_stack``).
+A stack of 4 checkpointed layers shares one ``cu_seqlens`` (``fla_ac_isolation.harness.fault_stack``).
 For every field policy the shared path must raise or give wrong gradients (or, where the policy cannot
 see FLA's ops, match: asserted too), while ``isolated`` and ``global-disable`` match the no-AC reference
 bit for bit. Cache size 4 gives "forward miss, recompute hit" (layer 0); cache size 1 with an evicting head
@@ -13,8 +13,8 @@ import pytest
 import torch
 from helpers import FAULT_POLICIES, MATRIX, expected_shared_outcome
 
-from fla_ac_isolation.fault_stack import run_stack
 from fla_ac_isolation.fla_cache import tensor_cache_size
+from fla_ac_isolation.harness.fault_stack import run_stack
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 

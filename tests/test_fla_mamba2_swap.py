@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit, restore_mixers, swap_mixers
+from fla_ac_isolation.harness.modes import SharedSeqlens
+from fla_ac_isolation.harness.reference_kernels import reference_kernels
 from fla_ac_isolation.isolate import LeakingMixerWarning, isolate_seqlens
 from fla_ac_isolation.mixers import FlaMamba2
-from fla_ac_isolation.modes import SharedSeqlens
 from fla_ac_isolation.policies import any_of, sac_context_fn, save_all_copies, save_ops
-from fla_ac_isolation.reference_kernels import reference_kernels
 
 pytest.importorskip("fla.models")
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -271,8 +271,8 @@ def test_the_drop_in_handed_shared_offsets_fails_under_the_same_policy(swapped):
 
 # ------------------------------------------------------------------------------------- the registry's views
 def test_isolate_seqlens_check_and_doctor_name_the_drop_in(shipped, swapped):
-    from fla_ac_isolation.check_runner import survey
-    from fla_ac_isolation.environment import fla_backed_classes
+    from fla_ac_isolation.harness.check_runner import survey
+    from fla_ac_isolation.harness.environment import fla_backed_classes
 
     fix = "use swap_mixers(model) (drop-in fla_ac_isolation.mixers.FlaMamba2)"
     why = "takes **kwargs but its forward never reads cu_seqlens (no varlen path)"

@@ -15,7 +15,7 @@ from torch import nn
 
 from fla_ac_isolation import isolate_seqlens
 from fla_ac_isolation.families import LeakingMixer, UpstreamMixer, fla_layer_mixer, foreign_mixer
-from fla_ac_isolation.foreign_models import build_tiny
+from fla_ac_isolation.harness.foreign_models import build_tiny
 from fla_ac_isolation.isolate import LeakingMixerWarning
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -3,7 +3,7 @@
 Per row: the class as shipped (fails, diverges, leaks across packed documents, or is latent: the audit sees the
 divergence while the numbers still agree) and with our answer (``isolate_seqlens``: bit for bit against the
 same model without AC, every checkpointed region aligned; or the LeakingMixerWarning naming what to do).
-FLA's kernels are served by :func:`fla_ac_isolation.reference_kernels.reference_kernels`; AC wraps every
+FLA's kernels are served by :func:`fla_ac_isolation.harness.reference_kernels.reference_kernels`; AC wraps every
 decoder layer under SAC saving every ``_to_copy`` (FLA's int32 miss path casts with it). OLMo-core's and
 torchtitan's rows are proved in ``test_isolate_olmo_core.py``, ``test_isolate_torchtitan.py`` and
 ``test_swap_olmo_core.py``.
@@ -32,10 +32,10 @@ from torch import nn
 
 from fla_ac_isolation import isolate_seqlens, swap_mixers
 from fla_ac_isolation.families import ForeignClass, LeakingMixer, UpstreamMixer, drop_in_for, fla_layer_mixer
-from fla_ac_isolation.foreign_models import build_tiny
+from fla_ac_isolation.harness.foreign_models import build_tiny
+from fla_ac_isolation.harness.reference_kernels import reference_kernels
 from fla_ac_isolation.isolate import LeakingMixerWarning
 from fla_ac_isolation.policies import POLICIES
-from fla_ac_isolation.reference_kernels import reference_kernels
 
 pytestmark = pytest.mark.usefixtures("single_thread", "served")
 
@@ -301,7 +301,7 @@ def test_the_fla_rule_finds_every_offsets_taking_class_and_every_dropping_one():
     RWKV's nested helpers, feed-forwards and blocks) and skips FLA's ``PreTrainedModel`` classes."""
     import fla.layers
 
-    from fla_ac_isolation.fla_seam.models import fla_layer_and_model_classes
+    from fla_ac_isolation.harness.fla_seam.models import fla_layer_and_model_classes
 
     classes = fla_layer_and_model_classes()
     sources: dict = {}

@@ -185,8 +185,8 @@ def test_filling_static_buffers_inside_a_capture_is_refused():
 RECIPES_SCRIPT = """
 import re, sys, torch
 from pathlib import Path
-from fla_ac_isolation.fla_seam.interpreter import first_autotune_config
-from fla_ac_isolation.testing.gpu import lift_hopper_gdn_guard
+from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config
+from fla_ac_isolation.harness.testing.gpu import lift_hopper_gdn_guard
 
 page = Path(sys.argv[1])
 with lift_hopper_gdn_guard(), first_autotune_config():

@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fla_ac_isolation import isolate_seqlens, swap_mixers
 from fla_ac_isolation.fla_seam.layout import chunk_indices_for
+from fla_ac_isolation.harness.reference_kernels import reference_kernels
 from fla_ac_isolation.isolate import PartialIsolationWarning
-from fla_ac_isolation.reference_kernels import reference_kernels
 
 GDN_PATHS = [f"model.layers.{i}.linear_attn" for i in range(3)]
 
@@ -195,7 +195,7 @@ def test_a_hook_whose_names_never_arrive_raises_at_the_call_naming_what_arrived_
 @pytest.fixture(scope="module")
 def qwen3_next():
     """transformers' Qwen3-Next, tiny (3 GDN mixers + 1 attention layer), and its packed batch."""
-    from fla_ac_isolation.foreign_models import build_tiny
+    from fla_ac_isolation.harness.foreign_models import build_tiny
 
     model, batch, _ = build_tiny("qwen3_next")
     return model, batch
@@ -353,7 +353,7 @@ def test_a_known_fla_layer_called_with_a_misspelt_keyword_is_told_the_keyword_fl
     the misspelt name (``arg_names=['cu_seq_lens']`` would refresh a keyword FLA ignores, and documents mix)."""
     from fla.layers import GatedDeltaNet
 
-    from fla_ac_isolation.reference_kernels import reference_kernels
+    from fla_ac_isolation.harness.reference_kernels import reference_kernels
 
     torch.manual_seed(0)
     model = _holder(GatedDeltaNet(hidden_size=32, num_heads=2, head_dim=16, expand_v=1, mode="chunk"))

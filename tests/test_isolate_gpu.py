@@ -109,7 +109,7 @@ def test_transformers_qwen_on_fla_kernels_diverges_silently_as_shipped_and_match
 @pytest.fixture(scope="module")
 def olmo():
     pytest.importorskip("olmo_core")
-    from fla_ac_isolation.testing.olmo_core import packed_attention_on_torch_backend
+    from fla_ac_isolation.harness.testing.olmo_core import packed_attention_on_torch_backend
 
     with packed_attention_on_torch_backend():
         yield olmo_hybrid(OLMO_GPU_PATTERN, device="cuda")

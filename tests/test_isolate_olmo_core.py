@@ -5,7 +5,7 @@ The model is built from OLMo-core's ``TransformerConfig.qwen3_5_like`` (its hybr
 more GDN blocks only the first diverges, and one shows it), 134 packed tokens in documents of 70, 23 and 41.
 AC is OLMo-core's ``apply_activation_checkpointing``; the step is its train module's (bf16 autocast around
 the forward only). FLA's kernels and packed attention run on CPU stand-ins
-(:func:`fla_ac_isolation.testing.olmo_core.cpu_stand_ins`): the reference ops call FLA's own identity-cached
+(:func:`fla_ac_isolation.harness.testing.olmo_core.cpu_stand_ins`): the reference ops call FLA's own identity-cached
 index helpers with the kernels' arguments, so FLA's cache behaves as on a GPU.
 
 Cases kept (the research ran every mode x {fp32, bf16} x {GDN, KDA, GDN, attn}: 50-96 s; these take a few):
@@ -52,7 +52,7 @@ COMPILE_DOC_LENS = (20, 9, 13)  # fewer chunks: fewer frames for dynamo to compi
 
 @pytest.fixture(scope="module")
 def stand_ins():
-    from fla_ac_isolation.testing.olmo_core import cpu_stand_ins
+    from fla_ac_isolation.harness.testing.olmo_core import cpu_stand_ins
 
     with cpu_stand_ins() as served:
         yield served

@@ -7,7 +7,7 @@ remove the line (``torchtitan_gdn_forward_without_clone``: torchtitan's own sour
 and show that ``isolate_seqlens`` restores what the clone did. The model is the one of
 ``examples/torchtitan_qwen3_5.py`` (3 GatedDeltaNet + MoE blocks, torchtitan's config helpers), AC is
 torchtitan's ``SelectiveAC`` extended to save ``aten.sub.Tensor`` (an op of FLA's cache-miss path). FLA's
-calls are served by :func:`fla_ac_isolation.reference_kernels.reference_kernels`.
+calls are served by :func:`fla_ac_isolation.harness.reference_kernels.reference_kernels`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def titan():
 
 @pytest.fixture(scope="module")
 def served(titan):
-    from fla_ac_isolation.reference_kernels import reference_kernels
+    from fla_ac_isolation.harness.reference_kernels import reference_kernels
 
     with reference_kernels() as served:
         yield served

@@ -3,7 +3,7 @@
 The model is ``Qwen3_5MoeForCausalLM`` (tiny: 3 GatedDeltaNet layers + 1 attention layer, 4 experts), the batch
 comes from transformers' ``DataCollatorWithFlattening`` (one ``cu_seq_lens_q`` object for every layer), AC is
 ``gradient_checkpointing_enable`` with SAC saving every ``_to_copy`` (FLA's int32 miss path casts with it).
-FLA's kernel call is served on CPU by :func:`fla_ac_isolation.reference_kernels.reference_kernels`,
+FLA's kernel call is served on CPU by :func:`fla_ac_isolation.harness.reference_kernels.reference_kernels`,
 through transformers' own kernel wrapper (closure cell), so FLA's cache behaves as with the kernel.
 
 The two fixes are compared each with its OWN no-AC run: transformers' torch conv (``causal_conv1d_fn`` without
@@ -31,7 +31,7 @@ GDN_PATHS = [f"model.layers.{i}.linear_attn" for i in range(3)]
 
 @pytest.fixture(scope="module")
 def served():
-    from fla_ac_isolation.reference_kernels import reference_kernels
+    from fla_ac_isolation.harness.reference_kernels import reference_kernels
 
     with reference_kernels() as served:
         yield served

@@ -1,7 +1,7 @@
 """FLA's real ``chunk_kda`` and causal conv, run on CPU under ``TRITON_INTERPRET=1``, match the KDA reference backend.
 
 The cases live in ``tests/interpret_kda_cases.py`` and run in a subprocess (``TRITON_INTERPRET`` must be set before
-FLA's kernels are decorated), with the shims of ``fla_ac_isolation.fla_seam.interpreter``. Measured on 2 CPU cores:
+FLA's kernels are decorated), with the shims of ``fla_ac_isolation.harness.fla_seam.interpreter``. Measured on 2 CPU cores:
 max error / max(1, |reference|) <= 4.1e-7 for the op (output and gradients) and <= 1.9e-6 for the Kimi-Linear
 mixer (its decay gradients ``A_log``, ``dt_bias``; float32 chunk sums in FLA against a token recurrence); bound
 1e-5, as ``tests/test_ops_interpret.py``. The cases took 24 s on 2 cores, 55 s with the machine loaded

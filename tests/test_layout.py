@@ -1,5 +1,7 @@
-"""The layout holds: FLA is touched in one seam, library code never imports test support, the core install
-(torch + fla-core) is enough for the isolation, the policies, the audit, the ops and the mixers.
+"""The layout holds: FLA is touched in one seam (the library's ``fla_seam/`` and the harness's
+``harness/fla_seam/``), the library (every module outside ``harness/``) never imports the harness, nothing
+imports test support but the harness's tests, the core install (torch + fla-core) is enough for the isolation,
+the policies, the audit, the ops and the mixers.
 
 The core-install check runs in a fresh interpreter in which every optional distribution (transformers,
 torchtitan, spmd_types, rich, matplotlib, mkdocs) is made unimportable by a meta-path finder, the
@@ -34,7 +36,8 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
 
 
 def _library_modules():
-    return [p for p in sorted(PACKAGE.rglob("*.py")) if "testing" not in p.relative_to(PACKAGE).parts]
+    """Every module but test support (``harness/testing/``), which may patch FLA (that is its job)."""
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[:2] != ("harness", "testing")]
 
 
 def test_only_the_fla_seam_imports_fla():
@@ -53,7 +56,7 @@ def test_library_code_never_imports_test_support():
         f"{p.relative_to(ROOT)}:{line}"
         for p in _library_modules()
         for line, name in _imports(p)
-        if name.startswith("fla_ac_isolation.testing")
+        if name.startswith(("fla_ac_isolation.harness.testing", "fla_ac_isolation.testing"))
     ]
     assert offenders == []
 
@@ -157,9 +160,11 @@ def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 
 def _test_support_mentions(package: pathlib.Path) -> list[str]:
-    """``path:line`` of every mention of the test-support package outside it: its name in any text (strings,
-    docstrings, comments) or an import that resolves into it (``from . import testing``)."""
-    support = f"{package.name}.testing"
+    """``path:line`` of every mention of the test-support package outside it: its name (or its 0.3 name, a
+    deprecated alias) in any text (strings, docstrings, comments) or an import that resolves into it
+    (``from . import testing``)."""
+    support = f"{package.name}.harness.testing"
+    names = (support, f"{package.name}.testing")
     graph = _import_graph(package)
     found = []
     for module, path in _module_names(package).items():
@@ -167,7 +172,7 @@ def _test_support_mentions(package: pathlib.Path) -> list[str]:
             continue
         where = path.relative_to(package.parent)
         for number, text in enumerate(path.read_text().splitlines(), 1):
-            if support in text or support.replace(".", "/") in text:
+            if any(name in text or name.replace(".", "/") in text for name in names):
                 found.append(f"{where}:{number}")
         found += [f"{where}:{line}" for target, line in graph[module].items()
                   if target == support or target.startswith(support + ".")]
@@ -196,9 +201,11 @@ def test_the_import_graph_sees_lazy_cycles_package_inits_and_every_mention(tmp_p
         "sub/d.py": "",
         "e.py": "import importlib\ndef f():\n    return importlib.import_module('fla_ac_isolation.g')\n",
         "g.py": "from . import e\n",
-        "h.py": '"""Run the shims of fla_ac_isolation.testing.cp_shims."""\n',
-        "i.py": "from . import testing\n",
-        "testing/__init__.py": "import fla_ac_isolation.h\n",
+        "h.py": '"""Run the shims of fla_ac_isolation.harness.testing.cp_shims."""\n',
+        "i.py": "from .harness import testing\n",
+        "j.py": "# the 0.3 path: fla_ac_isolation/testing/gpu.py\n",
+        "harness/__init__.py": "",
+        "harness/testing/__init__.py": "import fla_ac_isolation.h\n",
     }
     for name, text in files.items():
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +213,61 @@ def test_the_import_graph_sees_lazy_cycles_package_inits_and_every_mention(tmp_p
     assert _cycles(_import_graph(pkg)) == [
         ["fla_ac_isolation.c", "fla_ac_isolation.sub"], ["fla_ac_isolation.e", "fla_ac_isolation.g"],
     ]
-    assert _test_support_mentions(pkg) == ["fla_ac_isolation/h.py:1", "fla_ac_isolation/i.py:1"]
+    assert _test_support_mentions(pkg) == ["fla_ac_isolation/h.py:1", "fla_ac_isolation/i.py:1",
+                                           "fla_ac_isolation/j.py:1"]
+
+
+# ------------------------------------------------------------------------------------------ library vs harness
+# The library is every module outside `harness/`; it never imports the harness, by any import the graph above
+# sees (module level, inside functions, relative, `import_module("<literal>")`). `_moved.py` maps 0.3 paths to
+# harness paths by table (package-relative strings, imported by a variable only when an old path is imported):
+# the runtime check in the core-install script below shows the library loads no harness module.
+
+
+def _harness_imports(package: pathlib.Path) -> list[str]:
+    """``module:line -> target`` of every import from a module outside ``harness/`` into it."""
+    harness = f"{package.name}.harness"
+    inside = lambda name: name == harness or name.startswith(harness + ".")  # noqa: E731
+    return sorted(
+        f"{module}:{line} -> {target}"
+        for module, edges in _import_graph(package).items() if not inside(module)
+        for target, line in edges.items() if inside(target)
+    )
+
+
+def test_the_library_never_imports_the_harness():
+    assert _harness_imports(PACKAGE) == []
+
+
+def test_the_harness_check_sees_every_kind_of_import(tmp_path):
+    """The check above on a planted package: each kind of import into the harness is caught, none else."""
+    pkg = tmp_path / "fla_ac_isolation"
+    files = {
+        "__init__.py": "",
+        "a.py": "def f():\n    from fla_ac_isolation.harness.modes import MODES\n",  # function-local
+        "b.py": "import importlib\nimportlib.import_module('fla_ac_isolation.harness')\n",  # by string literal
+        "c.py": "from .harness import modes\n",  # relative
+        "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import fla_ac_isolation.harness.modes\n",
+        "e.py": "import fla_ac_isolation.harness.fla_seam.serving as s\n",  # runs harness/__init__ too
+        "f.py": '"""Not an import: fla_ac_isolation.harness.modes."""\nfrom fla_ac_isolation import a\n',
+        "harness/__init__.py": "",
+        "harness/modes.py": "from fla_ac_isolation import a\n",  # the harness imports the library: fine
+        "harness/fla_seam/__init__.py": "",
+        "harness/fla_seam/serving.py": "",
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    assert _harness_imports(pkg) == [
+        "fla_ac_isolation.a:2 -> fla_ac_isolation.harness",
+        "fla_ac_isolation.a:2 -> fla_ac_isolation.harness.modes",
+        "fla_ac_isolation.b:2 -> fla_ac_isolation.harness",
+        "fla_ac_isolation.c:1 -> fla_ac_isolation.harness",
+        "fla_ac_isolation.c:1 -> fla_ac_isolation.harness.modes",
+        "fla_ac_isolation.e:1 -> fla_ac_isolation.harness",
+        "fla_ac_isolation.e:1 -> fla_ac_isolation.harness.fla_seam",
+        "fla_ac_isolation.e:1 -> fla_ac_isolation.harness.fla_seam.serving",
+    ]
 
 
 def test_tests_import_shared_helpers_from_helpers_only():
@@ -244,16 +305,21 @@ sys.meta_path.insert(0, Block())
 import warnings
 warnings.filterwarnings("ignore")
 import torch
+import importlib, pathlib
 import fla_ac_isolation
 from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit
-import fla_ac_isolation.audit, fla_ac_isolation.cli, fla_ac_isolation.fla_seam.kernels, fla_ac_isolation.mixers
-import fla_ac_isolation.modes, fla_ac_isolation.ops, fla_ac_isolation.policies, fla_ac_isolation.swap
-import fla_ac_isolation.isolate
+root = pathlib.Path(fla_ac_isolation.__file__).parent
+library = sorted(".".join(("fla_ac_isolation", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+                 for p in root.rglob("*.py") if p.relative_to(root).parts[0] != "harness")
+for name in library:  # every library module, without any extra
+    importlib.import_module(name)
+harness_loaded = sorted(m for m in sys.modules if m.startswith("fla_ac_isolation.harness"))
+import fla_ac_isolation.harness.cli, fla_ac_isolation.harness.modes
 light = "fla" not in sys.modules  # nothing above imports FLA itself
 
-from fla_ac_isolation.fault_stack import run_stack
+from fla_ac_isolation.harness.fault_stack import run_stack
 from fla_ac_isolation.policies import save_all_copies
-out = {"light": light}
+out = {"light": light, "library": len(library), "harness_loaded": harness_loaded}
 for mode in ("shared", "isolated"):
     with ReplayAudit(on_divergence="record") as audit:
         result = run_stack(mode, save_all_copies())
@@ -262,7 +328,7 @@ for mode in ("shared", "isolated"):
 local = LayerLocalSeqlens.from_seq_lens([5, 0, 9]).local()
 out["offsets"] = local.cu_seqlens.tolist()
 
-from fla_ac_isolation.cli import main
+from fla_ac_isolation.harness.cli import main
 out["doctor"] = main(["doctor"])
 print(json.dumps(out))
 """
@@ -276,6 +342,7 @@ def test_core_install_runs_layer_local_seqlens_and_replay_audit_without_any_extr
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["light"] is True
+    assert out["library"] > 50 and out["harness_loaded"] == []  # the library alone loads no harness module
     assert out["shared"][0] is False and out["shared"][1].startswith("RuntimeError: The size of tensor a")
     assert out["isolated"] == [True, None]
     assert out["offsets"] == [0, 5, 5, 14]
@@ -287,7 +354,7 @@ def test_core_install_runs_layer_local_seqlens_and_replay_audit_without_any_extr
 @pytest.mark.parametrize("argv", [["regress", "--steps", "1"], ["audit", "--model", "qwen3_5_moe"]])
 def test_commands_name_the_extra_they_need(argv):
     script = _CORE_SCRIPT.split("import torch\n")[0] + (
-        "from fla_ac_isolation.cli import main\n"
+        "from fla_ac_isolation.harness.cli import main\n"
         f"raise SystemExit(main({argv!r}))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script, "torchtitan"], capture_output=True, text=True, timeout=240)

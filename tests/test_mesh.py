@@ -8,8 +8,8 @@ from the CP ranks with it); rank coordinates are checked against torch's own row
 import pytest
 import torch
 
+from fla_ac_isolation.harness.regression.spec import RegressionSpec
 from fla_ac_isolation.parallel import ParallelMesh
-from fla_ac_isolation.regression.spec import RegressionSpec
 
 
 @pytest.mark.parametrize(

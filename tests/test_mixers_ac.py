@@ -5,7 +5,7 @@ calls ``seqlens.local()`` inside its forward, so its recompute makes the same FL
 forward: loss and every gradient must be bit-equal to the run without AC.
 
 Each (dtype, policy) case is one under which the unsafe path (one ``cu_seqlens`` object for every layer,
-:class:`~fla_ac_isolation.modes.SharedSeqlens`) fails, and its control asserts exactly how, so the case can
+:class:`~fla_ac_isolation.harness.modes.SharedSeqlens`) fails, and its control asserts exactly how, so the case can
 tell shared from isolated:
 
 * bf16, ``save_all_copies``: layer 0's recompute skips FLA's int32 -> int64 ``_to_copy`` casts and a later
@@ -27,7 +27,7 @@ import torch
 from helpers import HIDDEN, PACKED_LENS, Block, SharedOutcome, loss_and_grads
 from torch import nn
 
-from fla_ac_isolation.modes import SharedSeqlens
+from fla_ac_isolation.harness.modes import SharedSeqlens
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies, save_ops
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 

@@ -8,7 +8,7 @@ loose bound; the reference computes its recurrences in float32 in both cases.
 
 FLA >= 0.5.2 refuses the gated delta rule and simple GLA backward on Hopper with Triton < 3.7.1 (FLA
 issue #640). The device image pairs an H200 with Triton 3.6, so this module lifts that guard for its own
-run only, via :func:`fla_ac_isolation.testing.gpu.lift_hopper_gdn_guard`, which prints that it did.
+run only, via :func:`fla_ac_isolation.harness.testing.gpu.lift_hopper_gdn_guard`, which prints that it did.
 
 Run on a CUDA machine: ``python -m pytest -m gpu -s tests/test_mixers_gpu.py``.
 """
@@ -100,7 +100,7 @@ def test_fla_backend_under_selective_ac_matches_no_ac(name):
 
 def _sync_sites(step) -> list[str]:
     """``file:line`` of every host synchronisation during ``step()`` (:func:`host_sync_sites`)."""
-    from fla_ac_isolation.testing.gpu import host_sync_sites
+    from fla_ac_isolation.harness.testing.gpu import host_sync_sites
 
     torch.cuda.synchronize()
     with host_sync_sites() as sites:
@@ -122,7 +122,7 @@ def test_layer_step_under_sac_syncs_only_where_fla_must(name):
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    from fla_ac_isolation.modes import SharedSeqlens
+    from fla_ac_isolation.harness.modes import SharedSeqlens
     from fla_ac_isolation.policies import sac_context_fn, torchtitan_selective
 
     device = torch.device("cuda")

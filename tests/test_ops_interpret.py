@@ -2,7 +2,7 @@
 
 The cases live in ``tests/interpret_cases.py`` and run in a subprocess: ``TRITON_INTERPRET`` must be set
 before FLA's kernels are decorated, i.e. before this test session imported FLA. The interpreter needs the
-shims of ``fla_ac_isolation.fla_seam.interpreter`` (first autotune config only; loop variables with a
+shims of ``fla_ac_isolation.harness.fla_seam.interpreter`` (first autotune config only; loop variables with a
 no-op ``.to()``).
 """
 

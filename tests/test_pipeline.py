@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit
-from fla_ac_isolation.modes import SharedSeqlens
+from fla_ac_isolation.harness.modes import SharedSeqlens
+from fla_ac_isolation.harness.regression.spec import PP1_REFERENCE, RegressionSpec
 from fla_ac_isolation.parallel import (
     SCHEDULES,
     StageRegionTags,
@@ -23,7 +24,6 @@ from fla_ac_isolation.parallel import (
     split_packed_microbatches,
     stage_indices,
 )
-from fla_ac_isolation.regression.spec import PP1_REFERENCE, RegressionSpec
 
 LENS = (13, 0, 70, 7, 21, 5, 33, 9, 1, 17)  # 176 tokens, 9 non-empty documents
 OFFSETS = [0, *itertools.accumulate(LENS)]

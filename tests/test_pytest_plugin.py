@@ -1,4 +1,4 @@
-"""The pytest plugin (``fla_ac_isolation.pytest_plugin``): a user's test files, as ``docs/pytest-plugin.md`` shows
+"""The pytest plugin (``fla_ac_isolation.harness.pytest_plugin``): a user's test files, as ``docs/pytest-plugin.md`` shows
 them, run by pytest's own ``pytester`` with the plugin loaded by ``-p`` (as the installed ``pytest11`` entry point
 loads it): the check passes a safe model and fails an unsafe one and a blind one with the report; the EP=2
 regression with a user's mixer class passes this package's GDN and fails a mixer that shares its offsets; the
@@ -21,7 +21,7 @@ pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = "docs/pytest-plugin.md"
-PLUGIN = "fla_ac_isolation.pytest_plugin"
+PLUGIN = "fla_ac_isolation.harness.pytest_plugin"
 # the pytester runs: the plugin by name, no cache folder, and the page leaves pytest's warnings summary out
 RUN = ("-p", PLUGIN, "-p", "no:cacheprovider")
 
@@ -32,7 +32,7 @@ def _page_python(index: int) -> str:
 
 # ------------------------------------------------------------------------------------------- loading
 def test_pyproject_registers_the_plugin_module_in_pytest11_under_its_own_name():
-    """The name is the module's own: ``-p fla_ac_isolation.pytest_plugin`` then finds the entry point (pytest
+    """The name is the module's own: ``-p fla_ac_isolation.harness.pytest_plugin`` then finds the entry point (pytest
     looks entry points up by the ``-p`` name) instead of registering the module a second time under another name."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["pytest11"] == {PLUGIN: PLUGIN}
@@ -52,9 +52,9 @@ def test_the_installed_distribution_registers_the_same_entry_point():
 
 _IMPORTS = r"""
 import json, sys
-import fla_ac_isolation.pytest_plugin
-heavy = ("torch", "fla", "transformers", "torchtitan", "numpy", "fla_ac_isolation.check_runner",
-         "fla_ac_isolation.regression")
+import fla_ac_isolation.harness.pytest_plugin
+heavy = ("torch", "fla", "transformers", "torchtitan", "numpy", "fla_ac_isolation.harness.check_runner",
+         "fla_ac_isolation.harness.regression")
 print(json.dumps(sorted(m for m in heavy if m in sys.modules)))
 """
 
@@ -67,7 +67,7 @@ def test_loading_the_plugin_imports_neither_torch_nor_the_check():
 
 def test_the_fixtures_are_offered_once_the_plugin_is_loaded(pytester):
     pytester.makepyfile(test_fixtures="""
-        from fla_ac_isolation.pytest_plugin import assert_ac_safe, assert_regression_safe
+        from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe, assert_regression_safe
 
         def test_fixtures(fla_ac_check, fla_ac_regression):
             assert fla_ac_check is assert_ac_safe and fla_ac_regression is assert_regression_safe
@@ -108,7 +108,7 @@ def test_the_check_passes_the_isolated_model_and_fails_the_shared_and_the_blind_
 def test_a_refused_input_fails_the_test_with_the_checks_error_and_a_wrong_kind_is_a_type_error():
     import torch
 
-    from fla_ac_isolation.pytest_plugin import assert_ac_safe
+    from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe
 
     with pytest.raises(pytest.fail.Exception) as info:
         assert_ac_safe(torch.nn.Linear(2, 2), {"input": torch.zeros(1, 2)})
@@ -120,7 +120,7 @@ def test_a_refused_input_fails_the_test_with_the_checks_error_and_a_wrong_kind_i
     with pytest.raises(TypeError, match=r"^model must be an nn.Module \(with batch\), a callable returning \(model, "
                                         r"batch\), or 'module:callable', got int$"):
         assert_ac_safe(3)
-    import fla_ac_isolation.pytest_plugin as plugin
+    import fla_ac_isolation.harness.pytest_plugin as plugin
 
     assert not hasattr(plugin, "_fla_ac_check_target")  # the model served to the check is not kept
 
@@ -129,7 +129,7 @@ def test_a_refused_input_fails_the_test_with_the_checks_error_and_a_wrong_kind_i
 def test_a_mixer_defined_inside_a_function_is_refused_before_any_rank_starts():
     from torch import nn
 
-    from fla_ac_isolation.regression import RegressionSpec
+    from fla_ac_isolation.harness.regression import RegressionSpec
 
     class Local(nn.Module):
         pass

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import olmo_hybrid
 
-from fla_ac_isolation.reference_kernels import reference_kernels
+from fla_ac_isolation.harness.reference_kernels import reference_kernels
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -59,7 +59,7 @@ def test_every_lookup_is_served_inside_and_restored_on_exit_even_after_an_error(
     try:
         assert all(inside[k] is not before[k] for k in before), [k for k in before if inside[k] is before[k]]
         assert {f"{v.__module__}.{v.__name__}" for v in inside.values()} <= {
-            f"fla_ac_isolation.fla_seam.served_ops.{name}"
+            f"fla_ac_isolation.harness.fla_seam.served_ops.{name}"
             for name in ("chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "rms_norm_gated_forward")
         }
         assert "closure of transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.torch_chunk_gated_delta_rule" \

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from fla_ac_isolation.cli import regress_render
-from fla_ac_isolation.regression import report
-from fla_ac_isolation.regression.data import global_batch, rank_batch
-from fla_ac_isolation.regression.spec import ModeResult, RegressionResult, RegressionSpec
+from fla_ac_isolation.harness.cli import regress_render
+from fla_ac_isolation.harness.regression import report
+from fla_ac_isolation.harness.regression.data import global_batch, rank_batch
+from fla_ac_isolation.harness.regression.spec import ModeResult, RegressionResult, RegressionSpec
 
 # ------------------------------------------------------------------------------------------------ data
 
@@ -54,8 +54,8 @@ def test_global_batch_packs_every_rank_in_order():
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_8", "nemotron_h"])
 def test_tiny_family_trains_on_packed_batch_with_one_seqlens_for_all_layers(family):
-    from fla_ac_isolation.regression.expert_parallel import setup_torchtitan
-    from fla_ac_isolation.regression.model import ModelSize, build_model
+    from fla_ac_isolation.harness.regression.expert_parallel import setup_torchtitan
+    from fla_ac_isolation.harness.regression.model import ModelSize, build_model
     from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
     setup_torchtitan("cpu")
@@ -86,7 +86,7 @@ def test_tiny_family_trains_on_packed_batch_with_one_seqlens_for_all_layers(fami
 
 
 def test_attention_is_causal_within_each_document_only():
-    from fla_ac_isolation.regression.model import AttentionLayout
+    from fla_ac_isolation.harness.regression.model import AttentionLayout
     from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
     layout = AttentionLayout.from_seqlens(LayerLocalSeqlens.from_seq_lens([2, 0, 3]), torch.device("cpu"))
@@ -102,7 +102,7 @@ def test_attention_is_causal_within_each_document_only():
 
 
 def test_unknown_family_is_refused():
-    from fla_ac_isolation.regression.model import build_model
+    from fla_ac_isolation.harness.regression.model import build_model
 
     with pytest.raises(ValueError, match="model must be one of"):
         build_model("llama")
@@ -150,12 +150,12 @@ def test_spec_resolves_its_own_defaults():
 
 
 def test_rank_setup_is_a_module_level_function_and_kernels_a_known_choice():
-    from fla_ac_isolation.testing.gpu import gpu_test_harness
+    from fla_ac_isolation.harness.testing.gpu import gpu_test_harness
 
     spec = RegressionSpec(rank_setup=gpu_test_harness, device="cpu").validate()
-    assert spec.to_dict()["rank_setup"] == "fla_ac_isolation.testing.gpu:gpu_test_harness"
-    assert json.loads(json.dumps(spec.to_dict()))["rank_setup"] == "fla_ac_isolation.testing.gpu:gpu_test_harness"
-    for bad in (lambda: None, "fla_ac_isolation.testing.gpu:gpu_test_harness"):
+    assert spec.to_dict()["rank_setup"] == "fla_ac_isolation.harness.testing.gpu:gpu_test_harness"
+    assert json.loads(json.dumps(spec.to_dict()))["rank_setup"] == "fla_ac_isolation.harness.testing.gpu:gpu_test_harness"
+    for bad in (lambda: None, "fla_ac_isolation.harness.testing.gpu:gpu_test_harness"):
         with pytest.raises(ValueError, match=r"^rank_setup must be a module-level function \(it is pickled into "
                                              r"every rank process\), got "):
             RegressionSpec(rank_setup=bad).validate()
@@ -171,7 +171,7 @@ def test_no_ac_always_runs_first():
 
 
 def test_missing_torch_attribute_is_shimmed_and_said(monkeypatch):
-    from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat
+    from fla_ac_isolation.harness.regression.expert_parallel import ensure_torch_compat
 
     monkeypatch.delattr(torch.compiler, "_is_non_strict_tracing", raising=False)
     notes = ensure_torch_compat()
@@ -271,7 +271,7 @@ def test_report_table_json_and_plot(tmp_path):
 
 
 def _parse(*argv):
-    from fla_ac_isolation.cli import regress as cli
+    from fla_ac_isolation.harness.cli import regress as cli
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -332,8 +332,8 @@ def test_cli_invalid_arguments_exit_2(capsys):
 def test_cli_bad_flags_exit_2_before_any_work(argv, message, tmp_path, monkeypatch, capsys):
     import time
 
-    from fla_ac_isolation.cli import main
-    from fla_ac_isolation.regression import run as regression_run
+    from fla_ac_isolation.harness.cli import main
+    from fla_ac_isolation.harness.regression import run as regression_run
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("run_regression was called: the flag was not checked before the run")

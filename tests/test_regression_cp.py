@@ -16,8 +16,8 @@ within 1e-4 of the largest gradient at step 0 and 1e-6 of the loss at every step
 
 import pytest
 
-from fla_ac_isolation.cli import regress_render
-from fla_ac_isolation.regression import RegressionSpec, report, run_regression
+from fla_ac_isolation.harness.cli import regress_render
+from fla_ac_isolation.harness.regression import RegressionSpec, report, run_regression
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -91,9 +91,9 @@ def test_report_names_the_parallelism_and_the_cp1_column(nemotron_h):
 
 
 def test_a_padded_cp_batch_is_said_in_the_notes(monkeypatch):
-    from fla_ac_isolation.regression import run as regression_run
-    from fla_ac_isolation.regression.data import cp_batch, cp_padding_note
-    from fla_ac_isolation.regression.spec import RegressionResult
+    from fla_ac_isolation.harness.regression import run as regression_run
+    from fla_ac_isolation.harness.regression.data import cp_batch, cp_padding_note
+    from fla_ac_isolation.harness.regression.spec import RegressionResult
 
     # 128 tokens: 3 contiguous parts need 129 (one padding token), 3 zigzag parts (6 intervals) need 132
     padded = cp_batch(0, layout="contiguous", multiple=3)

@@ -8,7 +8,7 @@ on both GPUs. Stated tolerance: ``isolated`` and ``global-disable`` match ``no-a
 issue's H200 measurement did (``split_with_sizes expects split_sizes to sum exactly ...``: layer 0's
 device-to-host copy of FLA's CP offsets replayed into the EP dispatcher's), which the test asserts.
 
-Each rank enters ``fla_ac_isolation.testing.gpu.gpu_test_harness`` (FLA's #640 guard lifted, printed;
+Each rank enters ``fla_ac_isolation.harness.testing.gpu.gpu_test_harness`` (FLA's #640 guard lifted, printed;
 first-config autotuning). Run with::
 
     python -m pytest -m gpu tests/test_regression_cp_gpu.py -s -q
@@ -17,9 +17,9 @@ first-config autotuning). Run with::
 import pytest
 import torch
 
-from fla_ac_isolation.cli import regress_render
-from fla_ac_isolation.regression import RegressionSpec, report, run_regression
-from fla_ac_isolation.testing.gpu import gpu_test_harness
+from fla_ac_isolation.harness.cli import regress_render
+from fla_ac_isolation.harness.regression import RegressionSpec, report, run_regression
+from fla_ac_isolation.harness.testing.gpu import gpu_test_harness
 
 pytestmark = [
     pytest.mark.gpu,

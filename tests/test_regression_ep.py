@@ -24,8 +24,8 @@ import time
 import pytest
 from page_output import assert_printed_as_on_page
 
-from fla_ac_isolation.cli import regress_render
-from fla_ac_isolation.regression import RegressionSpec, report, run_regression
+from fla_ac_isolation.harness.cli import regress_render
+from fla_ac_isolation.harness.regression import RegressionSpec, report, run_regression
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -141,7 +141,7 @@ def test_fla_cache_is_consulted_in_every_mode_as_configured(qwen3_5_moe):
 #: 2.2e-7. The bounds give 16x and 13x margin. Gradient norms after step 0 are not compared: AdamW's first
 #: update is about lr * sign(grad), so a near-zero component whose sign differs by rounding moves by 2 lr in
 #: one run only (measured step-1 norm differences 1.2e-5 to 1.6e-4: 86.33199 vs 86.32034 on the AVX2 path),
-#: as fla_ac_isolation.regression.cp_report explains for CP.
+#: as fla_ac_isolation.harness.regression.cp_report explains for CP.
 EP1_LOSS_RTOL = 2e-5
 EP1_STEP0_GRAD_NORM_RTOL = 3e-6
 
@@ -173,7 +173,7 @@ def test_one_failing_rank_ends_all_ranks_within_seconds():
 def test_cli_under_torchrun(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "fla_ac_isolation.cli", "regress", "--steps", "1", "--modes", "isolated",
+           "-m", "fla_ac_isolation.harness.cli", "regress", "--steps", "1", "--modes", "isolated",
            "--no-progress", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -22,8 +22,8 @@ import signal
 
 import pytest
 
-from fla_ac_isolation.cli import main
-from fla_ac_isolation.regression import run as regression_run
+from fla_ac_isolation.harness.cli import main
+from fla_ac_isolation.harness.regression import run as regression_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -28,7 +28,7 @@ The unsafe ``shared`` mode's outcome is asserted per policy (``SHARED``):
   subs, cumsums, an int cast, ...: none is on torchtitan's list).
 
 On the device image (torch 2.11, Triton 3.6, H200) each rank lifts FLA's Hopper guard for Triton < 3.7.1
-(FLA issue #640) through ``fla_ac_isolation.testing.gpu.lift_hopper_gdn_guard``, which prints that it
+(FLA issue #640) through ``fla_ac_isolation.harness.testing.gpu.lift_hopper_gdn_guard``, which prints that it
 does; the harness defines ``torch.compiler._is_non_strict_tracing`` when torch lacks it and the table's
 notes say so. Run it with::
 
@@ -38,9 +38,9 @@ notes say so. Run it with::
 import pytest
 import torch
 
-from fla_ac_isolation.cli import regress_render
-from fla_ac_isolation.regression import RegressionSpec, report, run_regression
-from fla_ac_isolation.testing.gpu import gpu_test_harness
+from fla_ac_isolation.harness.cli import regress_render
+from fla_ac_isolation.harness.regression import RegressionSpec, report, run_regression
+from fla_ac_isolation.harness.testing.gpu import gpu_test_harness
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed, pytest.mark.slow]  # 26-43 s per EP=1 case on one H200
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (device kind nvidia-h200-x2)")

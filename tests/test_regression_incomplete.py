@@ -8,8 +8,8 @@
 
 from __future__ import annotations
 
-from fla_ac_isolation.regression import report
-from fla_ac_isolation.regression.spec import ModeResult, RegressionResult, RegressionSpec
+from fla_ac_isolation.harness.regression import report
+from fla_ac_isolation.harness.regression.spec import ModeResult, RegressionResult, RegressionSpec
 
 BASE = {"losses": [5.5, 5.6], "grad_norms": [6.6, 8.9], "grad_diffs": [0.0, 0.0], "ref_grad_max": [0.5, 0.5],
         "idle_experts": [0, 0]}

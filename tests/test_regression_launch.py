@@ -8,7 +8,7 @@ the same path is taken by giving the ranks an environment variable, which forces
 
 import pytest
 
-from fla_ac_isolation.regression import RegressionSpec, run_regression
+from fla_ac_isolation.harness.regression import RegressionSpec, run_regression
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -20,9 +20,9 @@ import pytest
 from helpers.pipeline_ranks import audit_rank, run_ranks
 from page_output import assert_printed_as_on_page
 
-from fla_ac_isolation.cli import main, regress_render
-from fla_ac_isolation.regression import RegressionSpec, report, run_regression
-from fla_ac_isolation.regression.pp_report import PP_RTOL_MEASURED, default_pp_rtol
+from fla_ac_isolation.harness.cli import main, regress_render
+from fla_ac_isolation.harness.regression import RegressionSpec, report, run_regression
+from fla_ac_isolation.harness.regression.pp_report import PP_RTOL_MEASURED, default_pp_rtol
 
 pytestmark = [pytest.mark.distributed]
 
@@ -103,7 +103,7 @@ def test_the_command_prints_what_the_page_shows(pp2_run):
 def test_report_shows_the_pp_references():
     from rich.console import Console
 
-    from fla_ac_isolation.regression.spec import ModeResult, RegressionResult
+    from fla_ac_isolation.harness.regression.spec import ModeResult, RegressionResult
 
     spec = RegressionSpec(pp=2).validate()
     ref = ModeResult("no-ac-pp1", losses=[5.5, 5.6], grad_norms=[6.6, 8.9], grad_diffs=[None, None],

@@ -14,7 +14,7 @@ from helpers import FAMILIES, HIDDEN, PACKED_LENS, Block, assert_bit_equal, reco
 from torch import nn
 
 from fla_ac_isolation.fla_seam.layout import prepare_position_ids
-from fla_ac_isolation.modes import SharedSeqlens
+from fla_ac_isolation.harness.modes import SharedSeqlens
 from fla_ac_isolation.policies import (
     any_of,
     checkpoint_layers,

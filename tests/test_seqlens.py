@@ -170,7 +170,7 @@ def test_local_stays_fresh_in_recompute_under_any_policy(policy_name):
 
 
 def test_shared_seqlens_hands_out_one_object_for_the_unsafe_mode():
-    from fla_ac_isolation.modes import SharedSeqlens
+    from fla_ac_isolation.harness.modes import SharedSeqlens
 
     s = SharedSeqlens.from_seq_lens([3, 4])
     assert isinstance(s, LayerLocalSeqlens)
@@ -208,7 +208,7 @@ def test_chunk_indices_are_fresh_per_call_and_leave_fla_cache_untouched():
 
 
 def test_chunk_indices_can_be_turned_off_and_shared_path_has_none():
-    from fla_ac_isolation.modes import SharedSeqlens
+    from fla_ac_isolation.harness.modes import SharedSeqlens
 
     assert LayerLocalSeqlens(cu(0, 3, 5), chunk_indices=False).local().chunk_indices is None
     assert LayerLocalSeqlens.from_seq_lens([3, 2], chunk_indices=False).local().chunk_indices is None
@@ -267,7 +267,7 @@ def test_mutating_the_callers_offsets_after_construction_changes_nothing(with_ho
 
 
 def test_shared_seqlens_keeps_its_own_snapshot_too():
-    from fla_ac_isolation.modes import SharedSeqlens
+    from fla_ac_isolation.harness.modes import SharedSeqlens
 
     offsets = cu(0, 3, 7)
     s = SharedSeqlens(offsets)

@@ -24,7 +24,7 @@ def test_simple_gla_without_host_syncs_equals_flas_chunk_simple_gla():
 
     from fla_ac_isolation import LayerLocalSeqlens
     from fla_ac_isolation.fla_seam.simple_gla import simple_gla
-    from fla_ac_isolation.testing.gpu import host_sync_sites
+    from fla_ac_isolation.harness.testing.gpu import host_sync_sites
 
     device, tokens, heads = torch.device("cuda"), sum(DOC_LENS), 64  # Mamba2's SSD at hidden 2048: K = N, V = P
     gen = torch.Generator(device=device).manual_seed(0)

@@ -116,7 +116,7 @@ def test_a_mixer_built_outside_swap_mixers_has_no_olmo_core_init_to_run(swapped)
 
 
 def test_swapped_hybrid_transformer_keeps_documents_apart_and_matches_no_ac_under_sac():
-    from fla_ac_isolation.testing.olmo_core import packed_attention_on_torch_backend
+    from fla_ac_isolation.harness.testing.olmo_core import packed_attention_on_torch_backend
 
     shipped = olmo_hybrid(("mamba", "attn"))
     model = copy.deepcopy(shipped)

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from fla_ac_isolation.testing.sync_ops import SyncOpCounter
+from fla_ac_isolation.harness.testing.sync_ops import SyncOpCounter
 
 HERE = "tests/test_sync_ops.py"
 

@@ -4,7 +4,7 @@ import warnings
 
 import torch
 
-from fla_ac_isolation.testing import gpu
+from fla_ac_isolation.harness.testing import gpu
 
 
 def test_host_sync_sites_counts_sync_warnings_only_and_restores_the_mode(monkeypatch):

@@ -1,4 +1,4 @@
-"""The seam to flash-linear-attention (FLA): the only place in the package that imports ``fla``.
+"""The seam to flash-linear-attention (FLA): the only place in the library that imports ``fla``.
 
 Everything this project knows about FLA (fla-core 0.6) lives in the modules of this package:
 
@@ -16,11 +16,9 @@ Everything this project knows about FLA (fla-core 0.6) lives in the modules of t
   ``ops.chunk_kda``, and its index lookups as the kernel makes them (for the reference backend).
 * :mod:`~fla_ac_isolation.fla_seam.versions` - the installed fla-core version, the range we test, and
   FLA's Hopper/Triton guard (its issue #640).
-* :mod:`~fla_ac_isolation.fla_seam.interpreter` - the interpreter backend: FLA's real kernels, CP ones
-  included, on a CPU under Triton's interpreter (what the CPU CP regression's ranks enter).
-* :mod:`~fla_ac_isolation.fla_seam.serving` - FLA's entry points served by pure-torch stand-ins
-  (:mod:`~fla_ac_isolation.fla_seam.served_ops`) wherever foreign code looked them up: transformers, FLA's own
-  layers and models, OLMo-core and torchtitan on a CPU (public as :mod:`fla_ac_isolation.reference_kernels`).
+
+What touches FLA only to run checks (the Triton-interpreter backend, FLA's kernels served by pure torch on a CPU,
+FLA's model zoo) is the harness's side of the seam, ``harness/fla_seam/``; nothing here imports it.
 
 Importing any of them imports nothing from FLA: each reaches FLA inside the function that needs it, so
 ``import fla_ac_isolation`` stays cheap and works where FLA's Triton kernels cannot run (a CPU).

@@ -16,7 +16,7 @@ This module is the only place that touches ``fla.ops.cp``:
   own ``copy_for_backward`` does), which is how each layer gets a fresh context;
 * :func:`build_cp_context_in_layer` - what models in the field do: FLA's cached ``build_cp_context`` from
   the one shared device ``cu_seqlens``, inside the layer (the unsafe ``field`` mode of
-  :mod:`fla_ac_isolation.modes`);
+  the harness's ``modes.py``);
 * :func:`is_cp_context` - whether an object is FLA's context.
 
 FLA is imported inside each function, never at import.
@@ -92,7 +92,7 @@ def build_cp_context_in_layer(
     What a model does when each layer builds its CP metadata from the one shared ``cu_seqlens`` of the
     batch, without host offsets: FLA's identity cache misses in the first layer's forward (and copies
     ``cu_seqlens`` to the host there) and hits everywhere after, recompute included. The unsafe ``field``
-    mode (:class:`~fla_ac_isolation.modes.FieldCPSeqlens`) runs exactly this, on purpose.
+    mode (the harness's ``modes.FieldCPSeqlens``) runs exactly this, on purpose.
     """
     from fla.ops.cp import build_cp_context as fla_build_cp_context
 

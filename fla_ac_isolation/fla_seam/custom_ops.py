@@ -43,8 +43,8 @@ Mamba2 stack with these operators equals the default path, FLA's public function
 
 Inputs are used in the dtypes given (custom ops run outside autocast; the mixers cast explicitly).
 ``cp_context``, initial and final states are not offered. FLA is imported inside the kernels, never at
-import; the kernels need CUDA tensors (or a CPU under ``TRITON_INTERPRET=1``, the seam's interpreter backend
-``fla_ac_isolation.fla_seam.interpreter``).
+import; the kernels need CUDA tensors (or a CPU under ``TRITON_INTERPRET=1``, the harness's interpreter backend
+``harness/fla_seam/interpreter.py``).
 
 A custom op's output may not alias an input or another output (torch checks): ``v`` is never an output,
 placeholders are distinct empty tensors, and an absent conv bias gradient is ``empty(0)``.

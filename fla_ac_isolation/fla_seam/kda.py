@@ -18,15 +18,16 @@ lookups its kernel makes.
 
 Read in fla-core 0.6.0: ``fla/ops/kda/chunk.py`` (``chunk_kda``, ``ChunkKDAFunction``) and
 ``fla/ops/kda/chunk_fwd.py``. FLA is imported inside each function, never at import. The kernels need CUDA
-tensors (or a CPU under ``TRITON_INTERPRET=1`` with the seam's interpreter backend,
-:mod:`fla_ac_isolation.fla_seam.interpreter`).
+tensors (or a CPU under ``TRITON_INTERPRET=1`` with the harness's interpreter backend,
+``harness/fla_seam/interpreter.py``).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from fla_ac_isolation.fla_seam.interpreter import interpreter_enabled
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE
 
 __all__ = ["MAX_KEY_DIM", "chunk_kda", "prepare_kda_chunk_indices"]
@@ -67,7 +68,7 @@ def chunk_kda(
     """
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    if q.device.type == "cpu" and not interpreter_enabled():
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(
             "backend='fla' needs CUDA tensors (FLA's Triton kernels have no CPU backend); got CPU tensors. "
             "Use backend='reference' (or 'auto') on CPU, or TRITON_INTERPRET=1 for kernel tests."

@@ -33,7 +33,7 @@ other ranks of ``cp_context.group``. ``chunk_indices`` must then be the RANK-LOC
 GLA (behind :func:`ssd`) has no CP in FLA 0.6.
 
 FLA is imported inside each function, never at import. The kernels need CUDA tensors (or a CPU under
-``TRITON_INTERPRET=1`` with the seam's interpreter backend, ``fla_ac_isolation.fla_seam.interpreter``).
+``TRITON_INTERPRET=1`` with the harness's interpreter backend, ``harness/fla_seam/interpreter.py``).
 """
 
 from __future__ import annotations

@@ -63,8 +63,8 @@ def check_cp_backend(cp_context: object | None, backend: str, tensor: torch.Tens
     Raises:
         NotImplementedError: ``cp_context`` is given and ``backend`` resolves to ``reference`` for ``tensor``
             (the pure-torch backend computes whole sequences only; FLA's CP kernels are the ``fla`` backend:
-            CUDA, or a CPU under ``TRITON_INTERPRET=1`` with the seam's interpreter backend
-            ``fla_ac_isolation.fla_seam.interpreter``); ``cp_context`` with ``saveable=True`` (FLA's CP
+            CUDA, or a CPU under ``TRITON_INTERPRET=1`` with the harness's interpreter backend
+            ``harness/fla_seam/interpreter.py``); ``cp_context`` with ``saveable=True`` (FLA's CP
             kernels are not wrapped as custom operators).
     """
     if cp_context is None:
@@ -80,6 +80,6 @@ def check_cp_backend(cp_context: object | None, backend: str, tensor: torch.Tens
                                        if backend == "auto" else "")
     raise NotImplementedError(
         f"context parallelism needs FLA's CP kernels, but {chosen} has none: the reference backend computes "
-        "whole sequences only; use backend='fla' (CUDA, or a CPU under TRITON_INTERPRET=1 with the seam's "
-        "interpreter backend fla_ac_isolation.fla_seam.interpreter)"
+        "whole sequences only; use backend='fla' (CUDA, or a CPU under TRITON_INTERPRET=1 with the harness's "
+        "interpreter backend fla_ac_isolation/harness/fla_seam/interpreter.py)"
     )

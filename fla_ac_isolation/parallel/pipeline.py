@@ -207,7 +207,7 @@ def microbatch_seqlens(
         num_tokens: the stage input's token count (``hidden_states.shape[1]``); must equal the row's last offset.
         cu_seqlens_cpu: the same row on the host (on an accelerator it saves a device-to-host copy).
         seqlens_class: :class:`~fla_ac_isolation.LayerLocalSeqlens`, or a mode's class
-            (:attr:`fla_ac_isolation.modes.Mode.seqlens_class`).
+            (the harness's ``modes.Mode.seqlens_class``).
         kwargs: further keywords of ``seqlens_class`` (``chunk_indices``).
 
     Raises:

@@ -29,7 +29,7 @@ def olmo_hybrid(pattern: tuple[str, ...] = OLMO_PATTERN, seed: int = 0, device: 
     Blocks follow ``pattern``: ``"gdn"`` (``GatedDeltaNet``), ``"attn"`` (full attention, torch backend),
     ``"kda"`` (``KimiDeltaAttention``) or ``"mamba"`` (``NemotronMamba2Mixer``, fp32). Norm weights are
     perturbed so gradients are generic. The torch backend needs
-    :func:`~fla_ac_isolation.testing.olmo_core.packed_attention_on_torch_backend` for packed documents.
+    :func:`~fla_ac_isolation.harness.testing.olmo_core.packed_attention_on_torch_backend` for packed documents.
     """
     from olmo_core.config import DType
     from olmo_core.nn.attention.kda import KimiDeltaAttentionConfig
@@ -169,8 +169,8 @@ TITAN_QWEN3_5_NEEDS = "torch.distributed.fsdp:DataParallelMeshDims"
 def skip_unless_torchtitan_qwen3_5() -> None:
     """Skip (at module level too) without torchtitan, or when the installed torch cannot import torchtitan 0.3's
     Qwen3.5 model; the reason names the torch version and what it lacks
-    (:data:`fla_ac_isolation.environment.TORCH_FEATURES`)."""
-    from fla_ac_isolation.environment import torch_features
+    (:data:`fla_ac_isolation.harness.environment.TORCH_FEATURES`)."""
+    from fla_ac_isolation.harness.environment import torch_features
 
     pytest.importorskip("torchtitan")
     (feature,) = [f for f in torch_features() if f.needs == TITAN_QWEN3_5_NEEDS]
@@ -183,7 +183,7 @@ def torchtitan_qwen3_5():
 
     Loaded by path (examples are not a package); torchtitan's process-wide set-up is done here.
     """
-    from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
+    from fla_ac_isolation.harness.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
 
     ensure_torch_compat()
     setup_torchtitan("cpu")

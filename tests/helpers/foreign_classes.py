@@ -1,8 +1,8 @@
 """Foreign FLA-backed classes on a CPU for the table of ``docs/foreign-classes.md``: one audited training step of a
-tiny model (the library's :func:`fla_ac_isolation.foreign_models.build_tiny`), packed-vs-alone leaks, and the
+tiny model (the library's :func:`fla_ac_isolation.harness.foreign_models.build_tiny`), packed-vs-alone leaks, and the
 models the library does not build (GLM-5-next's base model, FLA's layers without a CPU kernel).
 
-FLA's kernels are served by :func:`fla_ac_isolation.reference_kernels.reference_kernels` (the callers open it)."""
+FLA's kernels are served by :func:`fla_ac_isolation.harness.reference_kernels.reference_kernels` (the callers open it)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from fla_ac_isolation import ReplayAudit
 from fla_ac_isolation.fla_cache import clear_tensor_cache
-from fla_ac_isolation.foreign_models import VOCAB, packed_batch
+from fla_ac_isolation.harness.foreign_models import VOCAB, packed_batch
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
 
 LEAK_LENS = (37, 23, 41)  # shorter documents for the leak checks (FLA's naive KDA loops over tokens)

@@ -1,6 +1,6 @@
 """One pipeline stage with several microbatches in flight, in ONE process: the cases of test_pipeline_fault_grid.py.
 
-A stage is the fault stack (:class:`fla_ac_isolation.fault_stack.HelperStack`: 4 checkpointed layers calling FLA's
+A stage is the fault stack (:class:`fla_ac_isolation.harness.fault_stack.HelperStack`: 4 checkpointed layers calling FLA's
 cached index helpers). Its microbatches come from :func:`fla_ac_isolation.parallel.split_packed_microbatches` and
 each stage call builds its ``seqlens`` from its offsets row with :func:`fla_ac_isolation.parallel.microbatch_seqlens`,
 as a stage under ``torch.distributed.pipelining`` does. The microbatches run in the order torch's schedules run
@@ -13,7 +13,7 @@ them on one stage (torch 2.13, ``torch/distributed/pipelining/schedules.py``):
 
 Ways to hand the stage's layers their offsets (the modes, and two broken isolations the tests must tell apart):
 
-* ``no-ac`` (reference), ``shared``, ``global-disable``: one :class:`~fla_ac_isolation.modes.SharedSeqlens` per stage
+* ``no-ac`` (reference), ``shared``, ``global-disable``: one :class:`~fla_ac_isolation.harness.modes.SharedSeqlens` per stage
   call (one object for every layer of the stage), checkpointed in the last two;
 * ``isolated``: one ``LayerLocalSeqlens`` per stage call, every layer calls ``.local()`` (the fix);
 * ``local-per-stage``: ``.local()`` called once per stage call and its tensor handed to every layer (isolation per
@@ -30,10 +30,10 @@ import itertools
 
 import torch
 
-from fla_ac_isolation.failures import first_line
-from fla_ac_isolation.fault_stack import HelperStack
 from fla_ac_isolation.fla_seam.cache import clear_tensor_cache, tensor_cache_disabled, tensor_cache_size
-from fla_ac_isolation.modes import SharedSeqlens
+from fla_ac_isolation.harness.failures import first_line
+from fla_ac_isolation.harness.fault_stack import HelperStack
+from fla_ac_isolation.harness.modes import SharedSeqlens
 from fla_ac_isolation.parallel import microbatch_seqlens, split_packed_microbatches
 from fla_ac_isolation.policies import (
     checkpoint_layers,

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from fla_ac_isolation.failures import first_line
-from fla_ac_isolation.regression.launch import free_port
+from fla_ac_isolation.harness.failures import first_line
+from fla_ac_isolation.harness.regression.launch import free_port
 
 
 def _child(rank: int, world: int, port: int, fn, args: tuple, results) -> None:
@@ -39,7 +39,7 @@ def _child(rank: int, world: int, port: int, fn, args: tuple, results) -> None:
 def run_ranks(fn, world: int, *args, timeout_s: float = 240.0, grace_s: float = 3.0) -> dict[int, dict]:
     """``{rank: fn(rank, world, *args)}`` over ``world`` fresh gloo ranks (see the module docstring)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["fla_ac_isolation.regression._preload"])
+    ctx.set_forkserver_preload(["fla_ac_isolation.harness.regression._preload"])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
@@ -72,13 +72,13 @@ def audit_rank(rank: int, world: int, mode_name: str, schedule: str, microbatche
     on_divergence="record")``: the step's error (or ``None``), every region's report, its recompute count, and the
     audit's summary table."""
     from fla_ac_isolation import ReplayAudit
-    from fla_ac_isolation.modes import get_mode
+    from fla_ac_isolation.harness.modes import get_mode
+    from fla_ac_isolation.harness.regression.data import pp_batch
+    from fla_ac_isolation.harness.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
+    from fla_ac_isolation.harness.regression.model import ModelSize, build_model
+    from fla_ac_isolation.harness.regression.pipeline import build_pipeline, pipeline_step
     from fla_ac_isolation.parallel import split_packed_microbatches
     from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
-    from fla_ac_isolation.regression.data import pp_batch
-    from fla_ac_isolation.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
-    from fla_ac_isolation.regression.model import ModelSize, build_model
-    from fla_ac_isolation.regression.pipeline import build_pipeline, pipeline_step
 
     ensure_torch_compat()
     setup_torchtitan("cpu")

@@ -1,7 +1,0 @@
-"""``python -m fla_ac_isolation.cli``: the ``fla-ac-isolation`` command (e.g. under ``torchrun``)."""
-
-import sys
-
-from fla_ac_isolation.cli import main
-
-sys.exit(main())

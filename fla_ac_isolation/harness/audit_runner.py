@@ -1,0 +1,239 @@
+"""The audit as a library call: one training step of a tiny model under :class:`~fla_ac_isolation.ReplayAudit`,
+per mode (what ``fla-ac-isolation audit`` runs and renders).
+
+For each mode of an :class:`AuditSpec` (default ``shared`` and ``isolated``), :func:`run_audit` builds the
+model from the same seed, checkpoints its blocks (full AC or a SAC policy), runs one forward and backward on
+one packed batch in this process (no expert parallelism: the audit is about the recompute of each block,
+which EP does not change) and returns every checkpointed region's report (:class:`AuditRun`).
+
+Models: the families of :data:`fla_ac_isolation.families.FAMILIES` (their tiny decoders from
+:mod:`fla_ac_isolation.harness.regression.model`, on the batch of step 0 of the 2-rank regression data; they need
+the ``ep`` extra) and ``fault-stack`` (:mod:`fla_ac_isolation.harness.fault_stack`: FLA's index helpers without
+kernels, core install only). Modes: those of :mod:`fla_ac_isolation.harness.modes` that checkpoint
+(:data:`AUDIT_MODES`). The outcome (:attr:`AuditResult.exit_code`) is 0 when every mode that is not
+``unsafe`` (:attr:`fla_ac_isolation.harness.modes.Mode.role`) ran and every one of its regions is aligned; the unsafe
+``shared`` mode is expected to diverge. A mode that raises (building its model, or outside its step) is
+recorded as failed with the first line of its error, and the other modes still run.
+
+Example::
+
+    from fla_ac_isolation.harness.audit_runner import AuditSpec, run_audit
+    result = run_audit(AuditSpec(model="fault-stack", ac="full"))
+    result.runs[0].audit.divergent[0].label    # 'layers.0'
+    result.exit_code                           # 0: isolated is aligned
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fla_ac_isolation.audit import ReplayAudit
+from fla_ac_isolation.families import FAMILY_NAMES
+from fla_ac_isolation.harness.environment import resolve_device
+from fla_ac_isolation.harness.extras import MissingExtraError, require
+from fla_ac_isolation.harness.failures import first_line
+from fla_ac_isolation.harness.modes import MODES, Mode, get_mode
+from fla_ac_isolation.ops import BACKENDS
+from fla_ac_isolation.policies import POLICIES
+
+__all__ = ["AUDIT_MODELS", "AUDIT_MODES", "FAULT_STACK", "AuditResult", "AuditRun", "AuditSpec", "audit_mode",
+           "run_audit"]
+
+AUDIT_MODES: tuple[str, ...] = tuple(name for name, mode in MODES.items() if mode.checkpointed)
+"""The modes an audit can run: those that checkpoint (``no-ac`` has no recompute to compare)."""
+FAULT_STACK = "fault-stack"
+"""The model name of :mod:`fla_ac_isolation.harness.fault_stack` (FLA's index helpers, no kernels)."""
+AUDIT_MODELS: tuple[str, ...] = (*FAMILY_NAMES, FAULT_STACK)
+"""Every model an audit can run."""
+
+
+@dataclass(frozen=True)
+class AuditSpec:
+    """What to audit. ``device="auto"`` is resolved when the spec is built; :meth:`validate` checks every field.
+
+    Attributes:
+        model: one of :data:`AUDIT_MODELS`.
+        modes: a non-empty subset of :data:`AUDIT_MODES`, run in this order.
+        ac: ``"full"`` or ``"selective"`` checkpointing.
+        policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`), used with ``ac="selective"``.
+        freq: checkpoint every ``freq``-th block.
+        backend: the families' mixer backend, ``auto`` | ``fla`` | ``reference``.
+        device: ``cpu``, ``cuda``, or ``auto`` (``cuda`` when a GPU is visible:
+            :func:`fla_ac_isolation.harness.environment.resolve_device`). The fault stack runs on the CPU.
+        hidden_size, num_layers, num_experts, top_k: the family decoder's sizes (``num_layers`` is the fault
+            stack's depth too).
+        seed: weights and data.
+        early_stop: torch's checkpoint early stop.
+    """
+
+    model: str = "qwen3_5_moe"
+    modes: tuple[str, ...] = ("shared", "isolated")
+    ac: str = "selective"
+    policy: str = "save-all-copies"
+    freq: int = 1
+    backend: str = "auto"
+    device: str = "auto"
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_experts: int = 16
+    top_k: int = 4
+    seed: int = 0
+    early_stop: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            object.__setattr__(self, "device", resolve_device("auto"))
+
+    def validate(self) -> AuditSpec:
+        """Return self after checking every field.
+
+        Raises:
+            ValueError: naming the field and what it must be.
+        """
+        if self.model not in AUDIT_MODELS:
+            raise ValueError(f"model must be one of {AUDIT_MODELS}, got {self.model!r}")
+        modes = tuple(self.modes) if isinstance(self.modes, (tuple, list)) else ()
+        if not modes or any(m not in AUDIT_MODES for m in modes):
+            raise ValueError(f"modes must be a non-empty subset of {AUDIT_MODES}, got {self.modes!r}")
+        for name in ("freq", "hidden_size", "num_layers", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.ac not in ("full", "selective"):
+            raise ValueError(f"ac must be 'full' or 'selective', got {self.ac!r}")
+        if self.ac == "selective" and self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        resolve_device(self.device)  # 'cuda' needs a visible GPU
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        return self
+
+    def policy_fn(self):
+        """The SAC policy (``ac="selective"``), or ``None`` for full AC."""
+        return POLICIES[self.policy]() if self.ac == "selective" else None
+
+
+@dataclass
+class AuditRun:
+    """One audited mode.
+
+    Attributes:
+        mode: the mode.
+        audit: the :class:`~fla_ac_isolation.ReplayAudit` of its step, with a report per region (``None``
+            when the mode failed before its step).
+        error: ``"<Type>: <first line>"`` of an error the step raised under the audit (the regions before it
+            are still reported), else ``None``.
+        failure: ``"<Type>: <first line>"`` when the mode could not run at all (building its model, ...).
+    """
+
+    mode: str
+    audit: ReplayAudit | None
+    error: str | None = None
+    failure: str | None = None
+
+    @property
+    def aligned(self) -> bool:
+        """The mode ran, at least one region was checkpointed, and every region's recompute matched its forward."""
+        return self.failure is None and self.audit is not None and self.audit.ok and bool(self.audit.regions)
+
+    @property
+    def decides(self) -> bool:
+        """Whether this mode decides the outcome: every mode but the unsafe ones (:attr:`Mode.role`)."""
+        return get_mode(self.mode).role != "unsafe"
+
+
+@dataclass
+class AuditResult:
+    """Every mode's :class:`AuditRun`, in the order of ``spec.modes``."""
+
+    spec: AuditSpec
+    runs: list[AuditRun] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every mode that decides (:attr:`AuditRun.decides`) is aligned; 1 otherwise."""
+        return 0 if all(run.aligned for run in self.runs if run.decides) else 1
+
+
+def _fault_stack_step(spec: AuditSpec, mode: Mode) -> AuditRun:
+    from fla_ac_isolation.harness.fault_stack import run_stack
+
+    with ReplayAudit(on_divergence="record") as audit:
+        res = run_stack(mode.name, spec.policy_fn(), num_layers=spec.num_layers, freq=spec.freq,
+                        early_stop=spec.early_stop, seed=spec.seed)
+    return AuditRun(mode.name, audit, res.error)
+
+
+def _family_step(spec: AuditSpec, mode: Mode) -> AuditRun:
+    """One step of a regression family's tiny decoder in this process (no expert parallelism)."""
+    import torch
+    import torch.nn.functional as F
+
+    require("torchtitan", "ep", f"fla-ac-isolation audit --model {spec.model}")
+    from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
+    from fla_ac_isolation.harness.regression.data import global_batch
+    from fla_ac_isolation.harness.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
+    from fla_ac_isolation.harness.regression.model import ModelSize, build_model
+    from fla_ac_isolation.policies import checkpoint_layers
+
+    device = torch.device(spec.device)
+    ensure_torch_compat()
+    setup_torchtitan(device.type)
+    size = ModelSize(spec.hidden_size, spec.num_layers, spec.num_experts, spec.top_k)
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model, size, backend=spec.backend, ep_enabled=False).to(device)
+    checkpoint_layers(model, mode=spec.ac, policy=spec.policy_fn(), freq=spec.freq, early_stop=spec.early_stop)
+    model.train()
+    batch = global_batch(0, 2, seed=spec.seed, vocab_size=size.vocab_size)
+    seqlens = mode.from_seq_lens(list(batch.seq_lens), device=device)
+    input_ids, labels = batch.input_ids.to(device), batch.labels.to(device)
+    clear_tensor_cache()
+    error = None
+    with ReplayAudit(model, on_divergence="record") as audit, mode.cache_context(), \
+            torch.utils.checkpoint.set_checkpoint_early_stop(spec.early_stop):
+        try:
+            logits = model(input_ids, seqlens)
+            loss = F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
+            (loss / batch.num_targets_global).backward()
+        except Exception as err:
+            error = first_line(err)
+    return AuditRun(mode.name, audit, error)
+
+
+def audit_mode(spec: AuditSpec, mode: str) -> AuditRun:
+    """Run one audited step of ``spec.model`` in ``mode`` (one of ``spec.modes``); an exception outside the
+    audited step is recorded as the mode's :attr:`AuditRun.failure`.
+
+    Raises:
+        ValueError: an invalid ``spec`` (see :meth:`AuditSpec.validate`) or a ``mode`` not in ``spec.modes``.
+        MissingExtraError: a family model without the ``ep`` extra (torchtitan), naming the install.
+    """
+    spec.validate()
+    if mode not in spec.modes:
+        raise ValueError(f"mode must be one of spec.modes {tuple(spec.modes)}, got {mode!r}")
+    step = _fault_stack_step if spec.model == FAULT_STACK else _family_step
+    try:
+        return step(spec, get_mode(mode))
+    except MissingExtraError:
+        raise
+    except Exception as err:  # the other modes still run
+        return AuditRun(mode, None, failure=first_line(err))
+
+
+def run_audit(spec: AuditSpec, *, on_run: Callable[[AuditRun], None] | None = None) -> AuditResult:
+    """Audit every mode of ``spec``, in order; ``on_run(run)`` is called as each mode finishes (e.g. to print it).
+
+    Raises:
+        ValueError: an invalid ``spec``.
+        MissingExtraError: a family model without the ``ep`` extra.
+    """
+    result = AuditResult(spec.validate())
+    for mode in result.spec.modes:
+        run = audit_mode(result.spec, mode)
+        result.runs.append(run)
+        if on_run is not None:
+            on_run(run)
+    return result

@@ -1,0 +1,205 @@
+"""``fla-ac-isolation check``: one training step of YOUR model under :class:`~fla_ac_isolation.ReplayAudit`, which
+FLA-backed classes it holds (exposed, covered, leaking) and the one-line fix.
+
+The check itself is :mod:`fla_ac_isolation.harness.check_runner`
+(:class:`~fla_ac_isolation.harness.check_runner.CheckSpec`,
+:func:`~fla_ac_isolation.harness.check_runner.run_check`; the contract of ``--model`` is there); this module parses the
+flags into its spec and prints the result, or its JSON (``--json``).
+
+``--model`` names the model to run, as in ``audit`` and ``regress``: a built-in tiny model (a transformers or
+FLA ``model_type``, as ``--config`` took it; ``--config`` still works, deprecated), or your own,
+``module:callable`` (imported from the working directory) or ``path/to/file.py:callable``. ``--policy`` takes a
+named policy or your own SAC policy function the same two ways.
+
+Example::
+
+    fla-ac-isolation check --model qwen3_next
+    fla-ac-isolation check --model examples/check_model.py:fla_gated_deltanet --json
+    fla-ac-isolation check --model my_project.train:model_and_batch --policy my_project.train:sac_policy
+
+Exit codes: 0 when every checkpointed region is aligned and no mixer leaks across packed documents, or, under
+``--ac full``, when a region's recompute ran other ops but the step's gradients equal those of the step without
+AC (full AC replays nothing by index; the report says what SAC would do with the same model); 1 when a
+region diverged (under SAC, or with other gradients), the step failed under AC or a mixer leaks (the verdict
+line names the leaking classes); 2 for
+bad input (flags, a callable that cannot be loaded or returns something else than ``(model, batch)``, a batch
+without packed offsets, a step that fails without AC too, a model without a layer list), printed on stderr and,
+with ``--json``, as ``{"error": ..., "exit_code": 2}`` on stdout; 3 when FLA refuses this environment (its #640
+guard: the gated backward on a Hopper GPU with Triton < 3.7.1), the message naming what to install, printed and
+with ``--json`` shown the same way (``"exit_code": 3``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from fla_ac_isolation.harness.check_runner import (
+    CheckEnvironmentError,
+    CheckInputError,
+    CheckResult,
+    CheckSpec,
+    CheckStep,
+    autotune_notice,
+    run_check,
+)
+from fla_ac_isolation.harness.environment import resolve_device
+
+__all__ = ["HELP", "add_arguments", "render", "run", "spec_from_arguments"]
+
+FULL_AC_NOTE = ("under full AC nothing is replayed by index: torch recomputes every op and keeps only what the "
+                "recompute returns, so a recompute that runs other ops "
+                "still gives these gradients: {grads}. Under SAC (--ac selective) the same recompute would hand "
+                "the ops after #{first} other ops' saved outputs (wrong gradients, or an error): fix it before "
+                "you use SAC")
+
+HELP = "one training step of your model under ReplayAudit: exposed, leaking or covered FLA classes, and the fix"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``check`` options to ``parser``; their defaults are the spec's (``CheckSpec``'s fields)."""
+    from fla_ac_isolation.harness.cli.console import add_policy_arguments
+
+    default = {f.name: f.default for f in dataclasses.fields(CheckSpec)}
+    default["freq"] = 1
+    parser.description = (
+        "Run one training step of your model (or of a tiny transformers / flash-linear-attention model) with every "
+        "layer checkpointed under a SAC policy, inside ReplayAudit, and print whether each checkpointed layer's "
+        "recompute ran the ops of its forward, which FLA-backed classes the model holds (exposed to FLA's cache "
+        "fault, covered, or leaking across packed documents) and the one-line fix."
+    )
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="the model to run: a built-in tiny model (a transformers or FLA model_type: "
+                                        "qwen3_next, gated_deltanet, or a config class name: Qwen3NextConfig), or "
+                                        "your own, module:callable (from the working directory) or "
+                                        "path/to/file.py:callable returning (model, batch): the model (without AC, "
+                                        "or checkpointing itself) and one packed batch, a dict of model(**batch)'s "
+                                        "keywords")
+    source.add_argument("--config", help="deprecated spelling of --model NAME (a built-in tiny model)")
+    add_policy_arguments(parser, default, own_policy=True)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=default["device"],
+                        help="cpu: FLA's kernels served by fla_ac_isolation.harness.reference_kernels; cuda: FLA's own")
+    parser.add_argument("--seed", type=int, default=default["seed"], help="the tiny model's weights and batch")
+    parser.add_argument("--no-verify-fix", action="store_true", help="do not rerun the step with the fix applied")
+    parser.add_argument("--first-config", action="store_true",
+                        help="on CUDA: FLA's Triton autotuners keep their first config (no minutes of autotuning on "
+                             "first use; untuned kernels, the same verdict)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def spec_from_arguments(args: argparse.Namespace) -> CheckSpec:
+    """The :class:`~fla_ac_isolation.harness.check_runner.CheckSpec` of parsed ``args``, validated.
+
+    Raises:
+        CheckInputError: the spec's message for the first rule the arguments break (``--freq`` other than 1).
+    """
+    from fla_ac_isolation.harness.foreign_models import tiny_names
+
+    if args.freq != 1:
+        raise CheckInputError("check checkpoints every layer: --freq must be 1")
+    model, config = args.model, args.config
+    if model is not None and ":" not in model:
+        names = tiny_names()
+        if model not in names:
+            raise CheckInputError(f"--model must be a built-in tiny model (one of {sorted(names)}) or your own, "
+                                  f"'module:callable' or 'path/to/file.py:callable', got {model!r}")
+        model, config = None, model
+    return CheckSpec(model=model, config=config, ac=args.ac, policy=args.policy, device=args.device,
+                     seed=args.seed, verify_fix=not args.no_verify_fix,
+                     first_config=args.first_config).validate()
+
+
+def _step_lines(title: str, step: CheckStep) -> list[str]:
+    bad = sum(r.verdict == "divergent" for r in step.regions)
+    head = f"{title}: {len(step.regions) - bad} of {len(step.regions)} checkpointed region(s) aligned"
+    lines = [head + (f", {bad} DIVERGENT" if bad else "")]
+    width = max((len(r.label) for r in step.regions), default=0)
+    for r in step.regions:
+        line = f"  {r.label:<{width}}  {r.verdict}"
+        if r.verdict == "divergent":
+            line += f" at op #{r.first_diff}" + (f" in {r.where}" if r.where else "")
+            line += f": recompute ran {r.recompute_op}, forward ran {r.forward_op}"
+            if r.fla_helpers:
+                line += f" (FLA cache: {', '.join(r.fla_helpers)})"
+        lines.append(line)
+    if step.error is not None:
+        lines.append(f"  the step failed: {step.error}")
+    return lines
+
+
+def render(result: CheckResult) -> str:
+    """The plain-text report of ``result`` (foreign text is printed as it is: no markup is interpreted)."""
+    spec = result.spec
+    what = f"--model {spec.config}" if spec.config else f"--model {spec.model}"
+    if result.self_checkpointed:
+        ac = "its own checkpointing"
+    else:
+        ac = "full AC" if spec.ac == "full" else f"SAC policy {spec.policy_name}"
+    kernels = "FLA served by reference_kernels" if spec.device == "cpu" else "FLA's kernels"
+    lines = [f"fla-ac-isolation check: {result.model} ({what}) | {ac} | {spec.device} ({kernels})", ""]
+    if result.self_checkpointed:
+        lines += ["the model checkpoints itself: audited as it is (its own policy; --ac and --policy not applied)",
+                  ""]
+    lines.append("FLA-backed classes:" if result.mixers else "FLA-backed classes: none this package knows")
+    for m in result.mixers:
+        paths = ", ".join(m.paths[:3]) + (", ..." if len(m.paths) > 3 else "")
+        extra = f"; offsets {', '.join(m.offsets)}" if m.offsets else ""
+        if m.observed:
+            extra += "; every call handed FLA offsets of its own (observed in the step)"
+        lines.append(f"  {m.status:<8} {m.name} ({m.framework}) x{len(m.paths)}: {paths}{extra}")
+        if m.why:
+            lines.append(f"           {m.why}: documents are not kept apart")
+    lines += ["", *_step_lines("as given", result.as_given)]
+    if result.fixed is not None:
+        lines += ["", *_step_lines(f"with {' then '.join(result.fix_applied)}", result.fixed)]
+    harmless = result.harmless_under_full_ac
+    if harmless:
+        first = min(r.first_diff for r in result.as_given.regions if r.verdict == "divergent")
+        lines += ["", FULL_AC_NOTE.format(grads="bit-equal to the step without AC (compared)", first=first)]
+    elif spec.ac == "full" and not result.self_checkpointed and not result.as_given.aligned \
+            and result.as_given.grad_diff is not None:
+        lines += ["", f"under full AC the gradients differ from the step without AC by up to "
+                      f"{result.as_given.grad_diff:.3g}: the divergent recompute computed other values"]
+    if result.fixes:
+        lines += ["", "Fix (before you use SAC):" if harmless else "Fix:", *(f"  {fix}" for fix in result.fixes)]
+    if harmless:
+        verdict = "OK under full AC" if result.exit_code == 0 else "LEAKING"
+    else:
+        verdict = "OK" if result.exit_code == 0 else ("LEAKING" if result.as_given.aligned else "DIVERGENT")
+    leaking = ", ".join(m.name for m in result.leaking)
+    if leaking:
+        verdict += f" (exit 1): packed documents mix in {leaking}" if result.as_given.aligned or harmless else (
+            f" (exit 1), and packed documents mix in {leaking}")
+    else:
+        verdict += f" (exit {result.exit_code})"
+        if harmless:
+            verdict += ": the gradients are right, but SAC would misalign (see above)"
+    lines += ["", f"verdict: {verdict}"]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the check for parsed ``args``; print the report (or JSON); return the exit code (2: bad input, 3: FLA
+    refuses this environment)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
+    if args.config is not None:
+        print(f"fla-ac-isolation check: --config is deprecated: use --model {args.config}", file=sys.stderr)
+    try:
+        spec = spec_from_arguments(args)
+        notice = autotune_notice(resolve_device(spec.device), spec.first_config)
+        if notice:
+            print(f"fla-ac-isolation check: {notice}", file=sys.stderr, flush=True)
+        result = run_check(spec)
+    except (CheckInputError, CheckEnvironmentError) as err:
+        code = 3 if isinstance(err, CheckEnvironmentError) else 2
+        print(f"fla-ac-isolation check: error: {err}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": str(err), "exit_code": code}, indent=1))
+        return code
+    print(json.dumps(result.to_dict(), indent=1) if args.json else render(result))
+    return result.exit_code

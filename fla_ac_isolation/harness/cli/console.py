@@ -1,0 +1,71 @@
+"""What the subcommands share: the rich console, escaping of foreign text, the policy arguments, ``--modes``
+splitting."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from fla_ac_isolation.harness.extras import require
+
+__all__ = ["add_policy_arguments", "builtin_model", "console", "escape", "split_modes"]
+
+
+def console(what: str) -> Any:
+    """A ``rich`` console; wide (160 columns) when writing to a pipe or CI log, where rich assumes 80.
+
+    Raises:
+        MissingExtraError: rich is not installed (the ``cli`` extra).
+    """
+    rich_console = require("rich.console", "cli", what)
+    return rich_console.Console() if sys.stdout.isatty() else rich_console.Console(width=160)
+
+
+def escape(text: str) -> str:
+    """``text`` with rich markup escaped, so foreign text (error messages, paths) prints as it is."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
+def split_modes(value: str) -> tuple[str, ...]:
+    """The entries of a comma-separated ``--modes`` value, stripped (empty entries dropped); which modes a
+    command takes is the Python API's rule, checked there."""
+    return tuple(m.strip() for m in value.split(",") if m.strip())
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser, default: dict, *, own_policy: bool = False) -> None:
+    """``--ac full|selective``, ``--policy`` (choices: :data:`fla_ac_isolation.policies.POLICIES`; with
+    ``own_policy`` also ``module:callable`` / ``path/to/file.py:callable``, checked by the command's spec) and
+    ``--freq``, with the ``ac``, ``policy`` and ``freq`` defaults of the command's spec (``default``)."""
+    from fla_ac_isolation.policies import POLICIES
+
+    parser.add_argument("--ac", choices=("full", "selective"), default=default["ac"], help="activation checkpointing")
+    if own_policy:
+        parser.add_argument("--policy", default=default["policy"], metavar="{" + ",".join(sorted(POLICIES)) + "} or "
+                            "module:callable", help="SAC policy (with --ac selective): a name, or your own policy "
+                            "function (ctx, op, *args, **kwargs) -> CheckpointPolicy as module:callable or "
+                            "path/to/file.py:callable")
+    else:
+        parser.add_argument("--policy", choices=sorted(POLICIES), default=default["policy"],
+                            help="SAC policy (with --ac selective)")
+    parser.add_argument("--freq", type=int, choices=(1, 2, 4), default=default["freq"],
+                        help="checkpoint every N-th block")
+
+
+def builtin_model(names: tuple[str, ...], command: str):
+    """An argparse ``type`` for a ``--model`` that runs built-in models only: one of ``names``; a
+    ``module:callable`` / ``file.py:callable`` (a user's model) is refused naming the command that runs one."""
+
+    def parse(value: str) -> str:
+        if ":" in value:
+            raise argparse.ArgumentTypeError(
+                f"{command} runs the built-in tiny models only ({', '.join(names)}), got {value!r}: to run your "
+                f"own model, use: fla-ac-isolation check --model {value}")
+        if value not in names:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}, got {value!r}")
+        return value
+
+    parse.__name__ = "model"
+    return parse

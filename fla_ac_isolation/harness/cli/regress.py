@@ -1,0 +1,237 @@
+"""``fla-ac-isolation regress``: the EP regression (:mod:`fla_ac_isolation.harness.regression`) from the command line.
+
+Example (the README's main job; about a minute on a 2-core CPU machine)::
+
+    fla-ac-isolation regress --model qwen3_5_moe --ep 2 --steps 3
+    fla-ac-isolation regress --model nemotron_h --ac full --json out.json --plot out.png
+    torchrun --nproc-per-node 2 -m fla_ac_isolation.harness.cli regress --device cuda --ep 2   # ranks from torchrun
+    fla-ac-isolation regress --cp 2                       # context parallelism (FLA's CP), experts replicated
+    fla-ac-isolation regress --cp 2 --ep 2 --layout zigzag   # CP 2 x EP 2 on the same 2 ranks
+    fla-ac-isolation regress --pp 2                       # two pipeline stages, 1F1B over 4 microbatches
+    fla-ac-isolation regress --pp 2 --ep 2 --schedule gpipe --microbatches 6   # 4 ranks: EP 2 inside each stage
+
+This module parses the flags into a :class:`~fla_ac_isolation.harness.regression.RegressionSpec` (whose fields left
+unset take the spec's own defaults), checks what only a command has (the ``--json`` / ``--plot`` paths),
+shows the spec's error messages, and renders the result (:mod:`fla_ac_isolation.harness.cli.regress_render`). On a
+CPU, ``--cp`` runs FLA's CP kernels under Triton's interpreter (the spec's ``kernels="interpreter"``: every
+rank starts with ``TRITON_INTERPRET=1`` and enters the seam's interpreter backend,
+:mod:`fla_ac_isolation.harness.fla_seam.interpreter`), and the command says so.
+
+Exit codes: 0 when ``isolated`` and ``global-disable`` match ``no-ac``; 1 when one of them (or
+``no-ac``) does not; 2 for invalid arguments, refused before any rank starts (an invalid spec or ``--rtol``,
+with the Python API's message; a ``--json``/``--plot`` path whose folder does not exist or is not
+writable). The unsafe ``shared`` mode never changes the exit code. A rank that raises or dies fails its mode
+only: the table, the JSON document and the plot are still written, the failure named in them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from fla_ac_isolation.families import FAMILY_NAMES
+from fla_ac_isolation.harness.cli.console import add_policy_arguments, builtin_model, console, escape, split_modes
+from fla_ac_isolation.harness.extras import require
+from fla_ac_isolation.harness.modes import ALL_MODES
+from fla_ac_isolation.ops import BACKENDS
+from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES
+
+__all__ = ["HELP", "add_arguments", "run", "spec_from_arguments"]
+
+HELP = "the EP (and CP, PP) regression: train a tiny model in every mode and compare with no AC"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except ``None``/flags (their help says what happens)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``regress`` options to ``parser``; their defaults are the spec's (``RegressionSpec``'s fields)."""
+    from fla_ac_isolation.harness.regression.spec import RegressionSpec
+
+    default = {f.name: f.default for f in dataclasses.fields(RegressionSpec)}
+    parser.description = (
+        "Train a tiny MoE model of a family a few AdamW steps under expert parallelism (torchtitan's MoE and "
+        "all-to-all dispatcher) in four modes - no-ac (reference), shared (unsafe: one cu_seqlens object for "
+        "every layer), isolated (LayerLocalSeqlens), global-disable (FLA's cache off) - and compare losses and "
+        "gradients. Exit 0 when isolated and global-disable match no-ac. With --cp N: FLA's context parallelism "
+        "over N ranks, a one-rank run without CP (no-ac-cp1) as a second reference, and the unsafe field mode "
+        "(each layer builds FLA's CP context from the one shared cu_seqlens). With --pp N: the decoder split into "
+        "pipeline stages run by torch.distributed.pipelining over microbatches, no-ac under the same schedule, and "
+        "a one-rank run without PP (no-ac-pp1) as a second reference."
+    )
+    parser.formatter_class = _HelpFormatter
+    parser.add_argument("--model", type=builtin_model(FAMILY_NAMES, "regress"), default=default["model"],
+                        metavar="{" + ",".join(FAMILY_NAMES) + "}",
+                        help="the model to run: a built-in tiny family (your own model: check --model "
+                             "module:callable)")
+    parser.add_argument("--ep", type=int, default=default["ep"],
+                        help="expert-parallel degree (default 2 = number of ranks; with --cp: 1, or equal to --cp; "
+                             "with --pp: 1, or the data-parallel ranks of each stage)")
+    parser.add_argument("--cp", type=int, default=default["cp"],
+                        help="context-parallel degree = number of ranks (FLA's CP; 1 = none); adds the 'field' mode "
+                             "and a one-rank run without CP as a second reference; the 128-token batch is padded "
+                             "with an ignored document to a multiple of the layout's parts (N, zigzag 2N)")
+    parser.add_argument("--layout", choices=LAYOUTS, default=default["cp_layout"], help="FLA's CP layout (with --cp)")
+    parser.add_argument("--pp", type=int, default=default["pp"],
+                        help="pipeline-parallel degree (stages over N ranks per data-parallel rank, torch's "
+                             "pipelining; 1 = none); ranks = pp x ep; adds a one-rank run without PP as a second "
+                             "reference")
+    parser.add_argument("--microbatches", type=int, default=default["microbatches"],
+                        help="microbatches per step with --pp (default 2 x pp; documents are not split, every "
+                             "microbatch is padded to one token count)")
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default=default["schedule"],
+                        help="pipeline schedule with --pp (the zero-bubble ones only with --ac full)")
+    parser.add_argument("--steps", type=int, default=default["steps"],
+                        help="AdamW steps per mode (default 3; 2 with --cp or --pp)")
+    add_policy_arguments(parser, default)
+    parser.add_argument("--backend", choices=BACKENDS, default=default["backend"],
+                        help="mixer backend (auto: FLA kernels on CUDA and for --cp on a CPU, else the reference)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=default["device"],
+                        help="auto: cuda when one GPU per rank is visible, else cpu")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=default["dtype"],
+                        help="auto: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--hidden-size", type=int, default=default["hidden_size"],
+                        help="model width (default 128 on cpu, 64 on cpu with --cp, 512 on cuda)")
+    parser.add_argument("--layers", type=int, default=default["num_layers"], help="decoder blocks")
+    parser.add_argument("--experts", type=int, default=default["num_experts"], help="routed experts per MoE")
+    parser.add_argument("--top-k", type=int, default=default["top_k"], help="experts per token")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated subset of " + ", ".join(ALL_MODES) + " (default: all; field only "
+                             "with --cp; no-ac always runs)")
+    parser.add_argument("--seed", type=int, default=default["seed"], help="weights and data")
+    parser.add_argument("--lr", type=float, default=default["lr"], help="AdamW learning rate")
+    parser.add_argument("--rtol", type=float, default=None,
+                        help="relative tolerance of 'matches' (default 0 = bit for bit on cpu/float32, 1e-2 otherwise)")
+    parser.add_argument("--no-early-stop", action="store_true", help="disable torch's checkpoint early stop")
+    parser.add_argument("--timeout", type=float, default=default["timeout_s"],
+                        help="seconds per mode before it is stopped")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of loss per step per mode")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print FLA cache hits/misses per mode and failure tracebacks")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def check_output_path(path: str, flag: str) -> None:
+    """Refuse, before any work, an output path that could not be written at the end of the run.
+
+    Raises:
+        ValueError: naming ``flag``: ``path`` is a folder, its folder does not exist or is not a folder,
+            or the folder (or an existing file at ``path``) is not writable.
+    """
+    import tempfile
+
+    full = os.path.abspath(path)
+    folder = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise ValueError(f"{flag} {path}: is a folder; give a file path")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    try:  # a real write (permission bits do not tell for root, read-only mounts, /sys, ...)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable ({type(err).__name__})") from None
+    if os.path.exists(full) and not os.access(full, os.W_OK):
+        raise ValueError(f"{flag} {path}: the file is not writable")
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """The command's own checks: the ``--json`` and ``--plot`` paths (everything else is the spec's)."""
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_output_path(path, flag)
+
+
+def spec_from_arguments(args: argparse.Namespace):
+    """The :class:`~fla_ac_isolation.harness.regression.RegressionSpec` of parsed ``args``, validated.
+
+    Flags left unset (``--ep``, ``--steps``, ``--microbatches``, ``--hidden-size``, ``--device auto``,
+    ``--dtype auto``) stay unset in the spec, which resolves them itself.
+
+    Raises:
+        ValueError: the spec's message for the first rule the arguments break.
+    """
+    from fla_ac_isolation.harness.regression.spec import RegressionSpec
+
+    return RegressionSpec(
+        model=args.model, ep=args.ep, cp=args.cp, cp_layout=args.layout, pp=args.pp, microbatches=args.microbatches,
+        schedule=args.schedule, steps=args.steps, ac=args.ac,
+        policy=args.policy, freq=args.freq, backend=args.backend, device=args.device, dtype=args.dtype,
+        hidden_size=args.hidden_size, num_layers=args.layers, num_experts=args.experts, top_k=args.top_k,
+        seed=args.seed, lr=args.lr, modes=None if args.modes is None else split_modes(args.modes),
+        timeout_s=args.timeout, early_stop=not args.no_early_stop,
+    ).validate()
+
+
+def _error(out, err: ValueError) -> int:
+    out.print(f"[red]fla-ac-isolation regress: error:[/red] {escape(str(err))}")
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the regression for parsed ``args``; print the report (rank 0); return the exit code.
+
+    Invalid arguments return 2 before any process starts; the JSON document is written before the
+    table is printed, so that nothing the run measured is lost.
+    """
+    out = console("fla-ac-isolation regress")
+    from fla_ac_isolation.harness.regression.report import check_rtol
+
+    try:
+        spec = spec_from_arguments(args)
+        check_rtol(args.rtol)
+        _check_paths(args)
+    except ValueError as err:
+        return _error(out, err)
+    require("torchtitan", "ep", "fla-ac-isolation regress")
+    if args.plot:
+        require("matplotlib", "cli", "fla-ac-isolation regress --plot")
+    from fla_ac_isolation.harness.cli import regress_render
+    from fla_ac_isolation.harness.regression import report
+    from fla_ac_isolation.harness.regression.run import run_regression
+    from fla_ac_isolation.harness.regression.torchrun import under_torchrun
+
+    is_rank0 = not under_torchrun() or os.environ.get("RANK") == "0"
+    if is_rank0 and spec.kernels == "interpreter":
+        out.print("note: CPU run under context parallelism: every rank runs FLA's kernels under Triton's interpreter "
+                  "(TRITON_INTERPRET=1) with the seam's interpreter backend, "
+                  "fla_ac_isolation.harness.fla_seam.interpreter")
+    progress = None
+    if is_rank0 and not args.no_progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=out, transient=True)
+    modes = spec.ordered_modes
+    total = len(modes) * spec.steps
+
+    if progress is None:
+        result = run_regression(spec)
+    else:
+        with progress:
+            task = progress.add_task(f"starting {spec.world} rank(s)", total=total)
+
+            def on_step(mode: str, step: int) -> None:
+                done = modes.index(mode) * spec.steps + step + 1
+                progress.update(task, completed=done, description=f"{mode} step {step + 1}/{spec.steps}")
+
+            result = run_regression(spec, on_step=on_step)
+    code = report.exit_code(result, args.rtol)
+    if is_rank0:
+        if args.json:
+            regress_render.write_json(result, args.json, args.rtol)
+        regress_render.print_report(result, rtol=args.rtol, verbose=args.verbose, console=out)
+        if args.plot:
+            regress_render.write_plot(result, args.plot, args.rtol)
+        for path in (args.json, args.plot):
+            if path:
+                out.print(f"wrote {escape(path)}")
+    return code

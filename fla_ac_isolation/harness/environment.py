@@ -1,0 +1,354 @@
+"""The one environment report: installed versions, device, FLA's cache state, torch's SAC replay semantics, and
+the features the installed torch lacks.
+
+Read by ``fla-ac-isolation doctor`` (as a table), by the regression (:attr:`RegressionResult.environment`) and
+by the benchmarks (their JSON files). Nothing here renders; everything returns plain data.
+
+* :func:`versions` - ``{distribution: version}`` of torch and the libraries the checks run on.
+* :func:`torch_features` - what each known feature needs from torch, and whether this torch has it.
+* :func:`sac_replay_semantics` - ``"(op, index)"`` (torch >= 2.13) or ``"per-op FIFO"`` (2.11/2.12).
+* :func:`audit_self_probe` - whether :class:`~fla_ac_isolation.ReplayAudit` sees checkpoints on this torch: a
+  2-op function checkpointed under it, non-reentrant (recorded and compared) and reentrant (reported).
+* :func:`environment_report` - all of the above, with the device, FLA's cache state and whether the packages
+  some classes need to keep packed documents apart import (``causal_conv1d``), as ``{label: text}``.
+* :func:`fla_backed_classes` - every FLA-backed class of other libraries this package knows
+  (:mod:`fla_ac_isolation.families`), whether its library is installed, and its status here.
+* :func:`resolve_device` - what ``device="auto"`` means in every command and spec: ``cuda`` when enough GPUs
+  are visible for the ranks, else ``cpu``; and the check that a ``cuda`` run has its GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import platform
+from dataclasses import dataclass
+
+import torch
+
+from fla_ac_isolation.families import (
+    FLA_BACKED_MIXERS,
+    LEAKING_MIXERS,
+    LeakingMixer,
+    PackageLeak,
+    UpstreamMixer,
+    drop_in_for,
+    fla_layer_mixer,
+)
+from fla_ac_isolation.fla_seam import cache
+from fla_ac_isolation.fla_seam import versions as fla_versions
+
+__all__ = [
+    "DISTRIBUTIONS",
+    "AuditProbe",
+    "ForeignClassStatus",
+    "TorchFeature",
+    "audit_self_probe",
+    "environment_report",
+    "fla_backed_classes",
+    "missing_torch_features",
+    "resolve_device",
+    "sac_replay_semantics",
+    "torch_features",
+    "versions",
+]
+
+DISTRIBUTIONS: tuple[str, ...] = (
+    "fla-core", "flash-linear-attention", "triton", "transformers", "torchtitan", "ai2-olmo-core",
+)
+"""The distributions whose versions every report carries (besides torch)."""
+
+
+@dataclass(frozen=True)
+class TorchFeature:
+    """A feature of this package (or of a library it drives) that needs something of torch.
+
+    Attributes:
+        name: what the user loses without it (``"torchtitan's Qwen3.5 model"``).
+        needs: the torch attribute it needs, ``"module:attribute"``.
+        seen_in: the torch versions it was seen in and missing from (measured, not guessed).
+        workaround: what this package does when it is missing (``None``: the feature is unavailable).
+    """
+
+    name: str
+    needs: str
+    seen_in: str
+    workaround: str | None = None
+
+    @property
+    def available(self) -> bool:
+        """The installed torch has :attr:`needs`."""
+        module, _, attribute = self.needs.partition(":")
+        try:
+            return hasattr(importlib.import_module(module), attribute)
+        except ImportError:
+            return False
+
+    def short(self) -> str:
+        """What is needed and by what, briefly: ``"torch.compiler._is_non_strict_tracing (torchtitan 0.3's EP token
+        dispatcher)"``."""
+        module, _, attribute = self.needs.partition(":")
+        return f"{module}.{attribute} ({self.name.split(' (')[0]})"
+
+    def reason(self) -> str:
+        """One line naming the installed torch, what it lacks and where that was seen."""
+        module, _, attribute = self.needs.partition(":")
+        return f"torch {torch.__version__} lacks {module}.{attribute}, which {self.name} needs ({self.seen_in})"
+
+
+TORCH_FEATURES: tuple[TorchFeature, ...] = (
+    TorchFeature(
+        "torchtitan 0.3's Qwen3.5 model (torchtitan.models.qwen3_5; examples/torchtitan_qwen3_5.py)",
+        "torch.distributed.fsdp:DataParallelMeshDims",
+        "present in torch 2.13, missing in 2.11",
+    ),
+    TorchFeature(
+        "torchtitan 0.3's EP token dispatcher",
+        "torch.compiler:_is_non_strict_tracing",
+        "present in torch 2.13, missing in 2.11",
+        workaround="the regression defines it (returning False) in its rank processes and says so in its notes",
+    ),
+)
+"""Every torch feature gap this package knows of."""
+
+
+def torch_features() -> tuple[TorchFeature, ...]:
+    """Every known feature with what it needs (:data:`TORCH_FEATURES`); ``.available`` asks this torch."""
+    return TORCH_FEATURES
+
+
+def missing_torch_features() -> list[TorchFeature]:
+    """The known features the installed torch lacks."""
+    return [f for f in TORCH_FEATURES if not f.available]
+
+
+def sac_replay_semantics() -> str:
+    """How this torch's selective AC hands saved outputs back during a recompute.
+
+    Returns ``"(op, index)"`` when saved outputs are looked up by op and invocation index (torch >= 2.13)
+    or ``"per-op FIFO"`` when each op has a queue that the recompute pops (torch 2.11/2.12). Both shift
+    when a recompute skips or adds an op.
+    """
+    import inspect
+
+    from torch.utils.checkpoint import _CachedTorchDispatchMode
+
+    source = inspect.getsource(_CachedTorchDispatchMode.__torch_dispatch__)
+    return "(op, index)" if "func_counter" in source else "per-op FIFO"
+
+
+@dataclass(frozen=True)
+class AuditProbe:
+    """What :func:`audit_self_probe` saw.
+
+    Attributes:
+        sees: the non-reentrant checkpoint was recorded (one region, its 2 forward ops, recomputed and compared,
+            aligned) and the reentrant one was reported (one unaudited region, one warning).
+        regions: regions recorded for the non-reentrant checkpoint (expected 1).
+        forward_ops: ops recorded in its forward (expected 2: ``aten.mul.Tensor``, ``aten.sin.default``).
+        verdict: that region's verdict (expected ``"aligned"``).
+        reentrant_reported: unaudited regions reported for the reentrant checkpoint (expected 1).
+        error: the error entering the audit raised (``UnsupportedTorchCheckpointError``: unknown torch), else ``None``.
+    """
+
+    sees: bool
+    regions: int
+    forward_ops: int
+    verdict: str | None
+    reentrant_reported: int
+    error: str | None = None
+
+    def line(self) -> str:
+        """``"yes (...)"`` or ``"NO: <what was not seen>"``, for ``doctor``."""
+        if self.error is not None:
+            return f"NO: {self.error}"
+        if self.sees:
+            return ("yes (non-reentrant recorded: 1 region, 2 ops, recompute compared; reentrant reported, not "
+                    "audited)")
+        missed = []
+        if (self.regions, self.forward_ops, self.verdict) != (1, 2, "aligned"):
+            missed.append(f"a non-reentrant checkpoint of 2 ops gave {self.regions} region(s), {self.forward_ops} "
+                          f"forward op(s), verdict {self.verdict} (expected 1, 2, aligned)")
+        if self.reentrant_reported != 1:
+            missed.append(f"a reentrant checkpoint was reported {self.reentrant_reported} time(s) (expected 1)")
+        return f"NO: on torch {torch.__version__}, " + "; ".join(missed)
+
+
+def audit_self_probe() -> AuditProbe:
+    """Checkpoint ``(x * 2).sin()`` (``x``: ``[4]`` float32 on the CPU) under a ``ReplayAudit``, once with
+    ``use_reentrant=False`` and once with ``use_reentrant=True``, and say what the audit saw (a few milliseconds).
+    Never raises for what it finds: an unknown torch is reported in :attr:`AuditProbe.error`."""
+    import warnings
+
+    from torch.utils.checkpoint import checkpoint
+
+    from fla_ac_isolation.audit import ReplayAudit, UnauditedCheckpointWarning, UnsupportedTorchCheckpointError
+
+    def two_ops(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).sin()
+
+    x = torch.ones(4, requires_grad=True)
+    try:
+        with ReplayAudit(on_divergence="record", probe_fla=False) as audit:
+            checkpoint(two_ops, x, use_reentrant=False).sum().backward()
+            regions = audit.regions
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UnauditedCheckpointWarning)
+                checkpoint(two_ops, x, use_reentrant=True).sum().backward()
+    except UnsupportedTorchCheckpointError as err:
+        return AuditProbe(False, 0, 0, None, 0, str(err))
+    forward_ops = regions[0].forward_ops if regions else 0
+    verdict = regions[0].verdict if regions else None
+    reported = len(audit.unaudited)
+    sees = (len(regions), forward_ops, verdict, reported) == (1, 2, "aligned", 1)
+    return AuditProbe(sees, len(regions), forward_ops, verdict, reported)
+
+
+def versions() -> dict[str, str]:
+    """``{"torch": ..., distribution: version}`` for the installed ones of :data:`DISTRIBUTIONS`."""
+    out = {"torch": torch.__version__}
+    for dist in DISTRIBUTIONS:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def resolve_device(device: str, ranks: int = 1) -> str:
+    """``"cpu"`` or ``"cuda"`` for ``device``, for a run of ``ranks`` processes with one GPU each.
+
+    ``"auto"`` is ``"cuda"`` when at least ``ranks`` CUDA devices are visible, else ``"cpu"``; ``"cpu"``
+    and ``"cuda"`` are returned as they are.
+
+    Raises:
+        ValueError: ``device`` is not ``"auto"``, ``"cpu"`` or ``"cuda"``; or it is ``"cuda"`` and fewer than
+            ``ranks`` CUDA devices are visible (naming both counts).
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        return "cuda" if visible >= ranks else "cpu"
+    if device == "cuda" and visible < ranks:
+        raise ValueError(f"device 'cuda' needs {ranks} CUDA devices (one per rank), found {visible}")
+    return device
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    return "cpu (no CUDA device)"
+
+
+def environment_report() -> dict[str, str]:
+    """Versions, device, SAC replay semantics, whether the audit sees checkpoints here (:func:`audit_self_probe`),
+    torch feature gaps and FLA's cache state, as ``{label: text}``."""
+    installed = versions()
+    shown = {
+        "python": platform.python_version(),
+        "torch": installed["torch"],
+        "fla (fla-core)": f"{fla_versions.fla_version() or 'not installed'} (tested: {fla_versions.tested_range()})",
+        "flash-linear-attention (fla.layers, fla.models)": installed.get("flash-linear-attention", "not installed"),
+        "triton": installed.get("triton", "not installed"),
+        "transformers": installed.get("transformers", "not installed"),
+        "torchtitan": installed.get("torchtitan", "not installed"),
+        "OLMo-core (ai2-olmo-core)": installed.get("ai2-olmo-core", "not installed"),
+        "device": _device(),
+        "SAC replay semantics": sac_replay_semantics(),
+        "audit sees checkpoints": audit_self_probe().line(),
+    }
+    for feature in TORCH_FEATURES:
+        if not feature.available:
+            shown[f"missing: {feature.name}"] = feature.reason() + (
+                f"; {feature.workaround}" if feature.workaround else "")
+    if not missing_torch_features():
+        shown["torch features"] = (f"the {len(TORCH_FEATURES)} this package knows to check, all present: "
+                                   + "; ".join(f.short() for f in TORCH_FEATURES))
+    for leak, names in _package_leaks().items():
+        shown[leak.package] = "importable" if not leak.applies() else (
+            f"not importable: {len(names)} classes with a conv that needs it mix packed documents ({', '.join(names)}; "
+            "listed below)")
+    try:
+        shown["FLA tensor cache"] = "enabled" if cache.cache_enabled() else "DISABLED (global)"
+        shown["FLA tensor cache size"] = str(cache.cache_size())
+        shown["FLA cached helpers"] = str(len(cache.cached_helpers()))
+    except ImportError as e:  # fla missing or broken
+        shown["FLA tensor cache"] = f"unavailable ({e})"
+    return shown
+
+
+@dataclass(frozen=True)
+class ForeignClassStatus:
+    """One FLA-backed class (or group of classes) of another library, as ``doctor`` lists it.
+
+    Attributes:
+        framework: its library in prose (``transformers``, ``flash-linear-attention``, ...).
+        name: the class name (or, for FLA's rule, how many classes).
+        installed: its module can be found in this environment.
+        status: ``"covered by isolate_seqlens"`` (hooked by the one call; ``swap_mixers`` too where a drop-in
+            exists), ``"leaking"`` (drops packed offsets), or ``"leaking here"`` (hooked, but a package it needs
+            to keep documents apart cannot be imported), with what to do.
+    """
+
+    framework: str
+    name: str
+    installed: bool
+    status: str
+
+
+def _installed(module: str) -> bool:
+    package = module.rpartition(".")[0] if module.startswith("transformers.models.") else module.split(".")[0]
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _package_leaks() -> dict[PackageLeak, list[str]]:
+    """Each package whose absence makes named classes leak, with those classes (registry order)."""
+    out: dict[PackageLeak, list[str]] = {}
+    for entry in FLA_BACKED_MIXERS:
+        if entry.leaks_without is not None:
+            out.setdefault(entry.leaks_without, []).append(entry.name)
+    return out
+
+
+def _status(entry: UpstreamMixer | LeakingMixer) -> str:
+    if isinstance(entry, LeakingMixer):
+        return f"leaking (documents are not kept apart): {entry.remedy()}"
+    swap = "; swap_mixers has a drop-in" if drop_in_for(entry) else ""
+    covered = f"covered by isolate_seqlens ({', '.join(entry.offsets)}){swap}"
+    why = entry.leak()
+    if why is None:
+        return covered
+    offsets = ", ".join(entry.offsets)
+    return (f"leaking here (documents are not kept apart): {why}: {entry.leak_remedy()}; the AC fault: covered by "
+            f"isolate_seqlens ({offsets})")
+
+
+def fla_backed_classes() -> list[ForeignClassStatus]:
+    """Every FLA-backed class of :mod:`fla_ac_isolation.families` (named ones first, then FLA's own layers as
+    counted by the FLA rule when flash-linear-attention is installed), with whether it is installed here."""
+    out = [ForeignClassStatus(e.framework, e.name, _installed(e.module), _status(e))
+           for e in (*FLA_BACKED_MIXERS, *LEAKING_MIXERS)]
+    try:
+        from fla_ac_isolation.harness.fla_seam.models import fla_layer_and_model_classes, fla_layer_exports
+
+        classes = fla_layer_and_model_classes()
+    except ImportError:
+        return [*out, ForeignClassStatus("flash-linear-attention", "fla.layers / fla.models", False, "not installed")]
+    sources: dict = {}
+    verdicts = [fla_layer_mixer(c, sources) for c in classes]
+    takes = [v for v in verdicts if isinstance(v, UpstreamMixer)]
+    leaking = {v.name: v for v in verdicts if isinstance(v, LeakingMixer)}
+    exported = set(fla_layer_exports())
+    named = sum(v.name in exported for v in takes)
+    out.append(ForeignClassStatus(
+        "flash-linear-attention",
+        f"{len(takes)} classes of fla.layers / fla.models reading cu_seqlens ({named} of the {len(exported)} classes "
+        f"fla.layers exports, and {len(takes) - named} others: unexported layers, helpers, blocks, feed-forwards)",
+        True, "covered by isolate_seqlens (cu_seqlens; found by the FLA rule)"))
+    return out + [ForeignClassStatus("flash-linear-attention", name, True, _status(v))
+                  for name, v in sorted(leaking.items())]

@@ -1,0 +1,220 @@
+"""Reference stand-ins with the signatures of FLA's Triton entry points, for :mod:`~.serving` to put in their place.
+
+Each function below takes exactly the arguments of the FLA function of the same name (fla-core 0.6) and computes
+it with pure torch; the three kernels also record the offsets objects they received (:func:`recording`):
+
+* :func:`chunk_gated_delta_rule` and :func:`causal_conv1d`: :mod:`fla_ac_isolation.ops.reference`, which asks
+  FLA's own identity-cached index helpers for the chunk schedule with the kernels' arguments, so FLA's cache
+  hits and misses (and the AC fault reproduces) exactly as with the kernels. The gated delta rule also takes
+  FLA's in-kernel gate (``use_gate_in_kernel`` with ``A_log``/``dt_bias``, FLA's ``naive_gdn_gate``) and
+  ``state_v_first`` (a state layout; no state is computed);
+* :func:`chunk_kda`: FLA's own ``naive_kda_gate`` and ``naive_recurrent_kda``, one document at a time, after the
+  same helper calls as ``chunk_kda`` (a per-token loop: keep inputs short);
+* :func:`swiglu` and :func:`swiglu_linear` (FLA's ``GatedMLP``: ``silu(x) * y``, then the projection);
+* :func:`rms_norm_forward` and :func:`rms_norm_gated_forward`: the ``forward`` of ``fla.modules.RMSNorm`` and
+  ``FusedRMSNormGated`` (Triton kernels), ``rmsnorm(x) * weight (+ bias)`` (``* act(g)``) in float32.
+
+What they do not cover raises ``NotImplementedError`` naming the argument: recurrent states in or out (decoding),
+``cp_context``, KDA's ``use_graph``/``return_intermediate_states``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fla_ac_isolation.ops import reference
+
+__all__ = [
+    "KernelCall",
+    "ServedKernels",
+    "causal_conv1d",
+    "chunk_gated_delta_rule",
+    "chunk_kda",
+    "recording",
+    "rms_norm_forward",
+    "rms_norm_gated_forward",
+    "swiglu",
+    "swiglu_linear",
+]
+
+
+def _unsupported(name: str, **flags: Any) -> None:
+    bad = sorted(k for k, v in flags.items() if v)
+    if bad:
+        raise NotImplementedError(f"reference_kernels: {name} has no reference for {bad}")
+
+
+# ---------------------------------------------------------------------------------------- what is recorded
+@dataclass(frozen=True)
+class KernelCall:
+    """One call of a served kernel: its name and the offsets arguments it received (the objects themselves)."""
+
+    kernel: str
+    cu_seqlens: torch.Tensor | None
+    cu_seqlens_cpu: torch.Tensor | None
+    chunk_indices: torch.Tensor | None
+
+
+@dataclass
+class ServedKernels:
+    """What :func:`~fla_ac_isolation.harness.fla_seam.serving.reference_kernels` yields.
+
+    Attributes:
+        places: every binding replaced (``module.attr``, ``closure of module.attr``, ``Class.forward``).
+        calls: the kernel calls made inside the block, in order.
+    """
+
+    places: list[str] = field(default_factory=list)
+    calls: list[KernelCall] = field(default_factory=list)
+
+
+_RECORDING: list[ServedKernels] = []  # the serving blocks open now; the innermost records the calls
+
+
+@contextlib.contextmanager
+def recording(served: ServedKernels) -> Iterator[ServedKernels]:
+    """Record the stand-ins' calls into ``served`` inside the block (the innermost block records)."""
+    _RECORDING.append(served)
+    try:
+        yield served
+    finally:
+        if _RECORDING and _RECORDING[-1] is served:
+            _RECORDING.pop()
+
+
+def _record(kernel: str, cu_seqlens: Any, cu_seqlens_cpu: Any, chunk_indices: Any) -> None:
+    if _RECORDING:
+        _RECORDING[-1].calls.append(KernelCall(kernel, cu_seqlens, cu_seqlens_cpu, chunk_indices))
+
+
+# ------------------------------------------------------------------------------ FLA-signature stand-ins
+# FLA 0.6 wraps chunk_gated_delta_rule and chunk_kda in torch.compiler.disable; so do their stand-ins. The conv
+# stand-in is opaque to torch.compile too (FLA's is not): its per-document loop would only add graph breaks.
+@torch.compiler.disable
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                           allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                           chunk_indices=None, cp_context=None, **kwargs):
+    """FLA's ``chunk_gated_delta_rule`` (``q/k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g``/``beta``
+    ``[B, T, HV]``) -> ``(o [B, T, HV, V], None)``."""
+    from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+
+    _unsupported("chunk_gated_delta_rule", initial_state=initial_state is not None,
+                 output_final_state=output_final_state, cp_context=cp_context is not None)
+    _record("chunk_gated_delta_rule", cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    if kwargs.get("use_gate_in_kernel", False):
+        g = naive_gdn_gate(g, kwargs["A_log"], kwargs.get("dt_bias"))
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid()
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    o = reference.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale,
+                                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                                         cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+    return o, None
+
+
+@torch.compiler.disable
+def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                  activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                  cp_context=None, **kwargs):
+    """FLA's ``causal_conv1d`` (``x [B, T, D]``, ``weight [D, W]``) -> ``(y [B, T, D], None)``."""
+    _unsupported("causal_conv1d", initial_state=initial_state is not None, output_final_state=output_final_state,
+                 cp_context=cp_context is not None)
+    _record("causal_conv1d", cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    y = reference.causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens,
+                                cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+    return (y if residual is None else y + residual), None
+
+
+def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+@torch.compiler.disable
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
+    """FLA's ``chunk_kda`` on packed documents (``q/k [B, T, H, K]``, ``g [B, T, HV, K]``), FLA's naive
+    recurrence per document -> ``(o [B, T, HV, V], None)``.
+
+    Asks ``prepare_chunk_indices`` / ``prepare_chunk_offsets`` as ``chunk_kda`` does in its forward, so
+    FLA's cache sees what it sees with the kernel. ``A_log``/``dt_bias`` come in ``kwargs``
+    (``use_gate_in_kernel``; with ``lower_bound``, FLA's lower-bound gate). ``state_v_first`` and
+    ``safe_gate`` change nothing without recurrent states.
+    """
+    from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+
+    _unsupported("chunk_kda", initial_state=initial_state is not None, output_final_state=output_final_state,
+                 cp_context=cp_context is not None, use_graph=use_graph,
+                 return_intermediate_states=return_intermediate_states)
+    _record("chunk_kda", cu_seqlens, cu_seqlens_cpu, None)
+    if use_gate_in_kernel and lower_bound is not None:  # safe_gate only tells the kernel the gate's range
+        g = naive_kda_lowerbound_gate(g, kwargs.get("A_log"), kwargs.get("dt_bias"), lower_bound)
+    elif use_gate_in_kernel:
+        g = naive_kda_gate(g, kwargs["A_log"], kwargs.get("dt_bias"))
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid()
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2_normalize(q), _l2_normalize(k)
+    if cu_seqlens is None:
+        return naive_recurrent_kda(q, k, v, g, beta, scale=scale)[0], None
+    prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=cu_seqlens_cpu)
+    prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
+    offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    pieces = [naive_recurrent_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale=scale)[0]
+              for a, b in itertools.pairwise(offsets) if b > a]
+    return torch.cat(pieces, dim=1).to(q.dtype), None
+
+def swiglu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """FLA's ``swiglu`` (``fla.modules.activations``): ``silu(x) * y``, the activation in float32."""
+    return (F.silu(x.float()) * y.float()).to(x.dtype)
+
+
+def swiglu_linear(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """FLA's ``swiglu_linear``: ``linear(swiglu(x, y), weight, bias)``."""
+    return F.linear(swiglu(x, y), weight, bias)
+
+
+def _rms_norm(module: Any, x: torch.Tensor, residual: torch.Tensor | None, residual_in_fp32: bool):
+    if residual is not None:
+        x = x + residual
+    residual_out = x.float() if residual_in_fp32 else x
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)
+    if getattr(module, "weight", None) is not None:
+        y = y * module.weight.float()
+    if getattr(module, "bias", None) is not None:
+        y = y + module.bias.float()
+    return x, y, residual_out
+
+
+def rms_norm_forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+    """``fla.modules.RMSNorm.forward``: ``rmsnorm(x (+ residual)) * weight (+ bias)``; with ``prenorm``, also
+    the summed residual."""
+    x, y, residual_out = _rms_norm(self, x, residual, residual_in_fp32)
+    y = y.to(x.dtype)
+    return (y, residual_out) if prenorm else y
+
+
+def rms_norm_gated_forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+    """``FusedRMSNormGated.forward``: ``rmsnorm(x) * weight (+ bias)``, then ``* silu(g)`` or ``* sigmoid(g)``."""
+    x, y, residual_out = _rms_norm(self, x, residual, residual_in_fp32)
+    gate = g.float()
+    y = (y * (torch.sigmoid(gate) if self.activation == "sigmoid" else F.silu(gate))).to(x.dtype)
+    return (y, residual_out) if prenorm and residual is not None else y

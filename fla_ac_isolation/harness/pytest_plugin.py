@@ -1,0 +1,186 @@
+"""The pytest plugin: put the check and the EP=2 regression into your own test suite.
+
+Registered in the ``pytest11`` entry-point group under the name ``fla_ac_isolation.harness.pytest_plugin`` (the module's
+own name, so ``-p fla_ac_isolation.harness.pytest_plugin`` and the installed entry point are one plugin; disable it with
+``-p no:fla_ac_isolation.harness.pytest_plugin``). Loading it costs nothing: this module imports only pytest, and torch,
+FLA and the check are imported when a test calls one of these:
+
+* :func:`assert_ac_safe` (fixture ``fla_ac_check``): one training step of your model and batch under
+  :class:`~fla_ac_isolation.ReplayAudit` (:func:`fla_ac_isolation.harness.check_runner.run_check`); the test fails with
+  the check's report (the FLA-backed classes, each checkpointed region, the first divergent op, the FLA helper
+  whose cache state differed, the fix, verified) unless every region is aligned and no mixer leaks. A step in
+  which nothing was checkpointed, or in which no FLA-backed call was seen, fails too (it judged nothing).
+* :func:`assert_regression_safe` (fixture ``fla_ac_regression``): the EP regression (two gloo ranks on a CPU,
+  torchtitan's MoE, the tiny decoder of :mod:`fla_ac_isolation.harness.regression.model`) with YOUR mixer class in the
+  linear-attention slots (its contract: :mod:`fla_ac_isolation.harness.regression.user_mixer`); the test fails unless
+  ``isolated`` and ``global-disable`` match ``no-ac`` and the unsafe ``shared`` path reproduced the fault (a
+  mixer whose shared path runs clean never reached FLA's cache with the offsets: the run judged nothing).
+
+Example (a test module of yours)::
+
+    from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe, assert_regression_safe
+
+    def test_model_is_ac_safe():
+        model, batch = build_my_model(), first_packed_batch()    # model without AC, model(**batch) -> loss
+        assert_ac_safe(model, batch, policy="torchtitan")
+
+    class MyMixer(torch.nn.Module): ...                         # module level: the ranks import it
+
+    def test_mixer_under_ep2():
+        assert_regression_safe(MyMixer, ep=2)
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+__all__ = ["assert_ac_safe", "assert_regression_safe", "fla_ac_check", "fla_ac_regression"]
+
+_TARGET = "_fla_ac_check_target"  # the attribute of this module that serves the check a model given as objects
+
+
+def _check_target(model: Any, batch: Any) -> tuple[str, bool]:
+    """``(CheckSpec.model, whether this module's _TARGET attribute was set for it)``."""
+    from torch import nn
+
+    if isinstance(model, str):
+        if batch is not None:
+            raise TypeError("batch must be None when model is a 'module:callable' string (the callable returns it)")
+        return model, False
+    if isinstance(model, nn.Module):
+        if not isinstance(batch, dict):
+            raise TypeError(f"batch must be a dict of model(**batch)'s keyword arguments when model is an nn.Module, "
+                            f"got {type(batch).__name__}")
+        given = model
+
+        def factory() -> tuple[nn.Module, dict]:  # a fresh copy per call: the check checkpoints it in place
+            return copy.deepcopy(given), batch
+    elif callable(model):
+        if batch is not None:
+            raise TypeError("batch must be None when model is a callable (it returns (model, batch))")
+        factory = model
+    else:
+        raise TypeError(f"model must be an nn.Module (with batch), a callable returning (model, batch), or "
+                        f"'module:callable', got {type(model).__name__}")
+    setattr(sys.modules[__name__], _TARGET, factory)
+    return f"{__name__}:{_TARGET}", True
+
+
+def _judged(result: Any) -> str | None:
+    """Why the step judged nothing (``None``: it judged something): no checkpointed region, or no FLA-backed
+    class found and no call of FLA's cached index helpers seen."""
+    step = result.as_given
+    if step.error is None and not step.regions:
+        return "no checkpointed region ran: nothing was recomputed, so nothing was judged"
+    if step.error is None and not result.mixers and step.fla_helper_calls == 0:
+        return ("the step found no FLA-backed class and its checkpointed regions called none of FLA's index helpers: "
+                "no packed offsets reached FLA, so nothing of the fault was judged")
+    return None
+
+
+def assert_ac_safe(model: Any, batch: dict | None = None, **spec: Any) -> Any:
+    """Run ``model`` and ``batch`` through the check and fail the calling test with its report unless it passes.
+
+    Args:
+        model: an ``nn.Module`` WITHOUT activation checkpointing (the check applies it to each layer of its
+            layer list; a deep copy is checked, yours is left as it is) with ``batch``; or a callable taking no
+            argument that returns ``(model, batch)`` (called again for a fresh model when the fix is verified);
+            or ``"module:callable"`` / ``"path/to/file.py:callable"``.
+        batch: ONE packed batch, a dict of ``model(**batch)``'s keyword arguments holding its offsets
+            (``cu_seqlens``, transformers' ``cu_seq_lens_q``, ...); ``model(**batch)`` returns the loss.
+        **spec: the other fields of :class:`~fla_ac_isolation.harness.check_runner.CheckSpec`, as it takes them
+            (``ac``, ``policy``, ``device``, ``verify_fix``); left out: the spec's defaults.
+
+    Returns:
+        The :class:`~fla_ac_isolation.harness.check_runner.CheckResult` of a passing check.
+
+    Raises:
+        pytest.fail.Exception: the check's report, when a region diverged, the step failed under AC, a mixer
+            leaks across packed documents, or the step judged nothing; the check's own error when it refused
+            the input (:class:`~fla_ac_isolation.harness.check_runner.CheckInputError`).
+        TypeError: ``model`` / ``batch`` of another kind than above.
+    """
+    from fla_ac_isolation.harness.check_runner import CheckInputError, CheckSpec, run_check
+    from fla_ac_isolation.harness.cli.check import render
+
+    target, owned = _check_target(model, batch)
+    try:
+        result = run_check(CheckSpec(model=target, **spec))
+    except CheckInputError as err:
+        pytest.fail(f"fla-ac-isolation check refused the model: {err}", pytrace=False)
+    finally:
+        if owned:
+            delattr(sys.modules[__name__], _TARGET)
+    report = render(result)
+    if owned:  # the check loaded the objects given here, not a callable the reader could run
+        report = report.replace(f"(--model {target})", "(given to assert_ac_safe)", 1)
+    blind = _judged(result)
+    if blind is not None:
+        pytest.fail(f"{report}\n\nNOT JUDGED: {blind}", pytrace=False)
+    if result.exit_code != 0:
+        pytest.fail(report, pytrace=False)
+    return result
+
+
+def _regression_lines(result: Any, found: dict) -> list[str]:
+    from fla_ac_isolation.harness.regression.report import REQUIRED
+
+    spec = result.spec
+    lines = [f"fla-ac-isolation regress: {spec.model} with mixer {spec.mixer} | EP={spec.ep} | "
+             f"{'full AC' if spec.ac == 'full' else 'SAC policy ' + spec.policy} | {spec.device}, {spec.dtype}"]
+    width = max(len(name) for name in found)
+    for name, verdict in found.items():
+        role = " (required)" if name in REQUIRED else " (unsafe)" if name != "no-ac" else ""
+        lines.append(f"  {name:>{width}}: {verdict.text}{role}")
+    return lines
+
+
+def assert_regression_safe(mixer: type | str, *, require_fault: bool = True, **spec: Any) -> dict:
+    """Run the EP regression with ``mixer`` in the linear-attention slots; fail the calling test unless it passes.
+
+    Args:
+        mixer: your mixer class (module level, importable by module path: the rank processes import it) or
+            ``"module:qualname"``; the contract is :mod:`fla_ac_isolation.harness.regression.user_mixer`'s.
+        require_fault: also fail when the unsafe ``shared`` path neither failed nor diverged (the offsets never
+            reached FLA's cache through the mixer, so the run showed nothing of the fault).
+        **spec: the other fields of :class:`~fla_ac_isolation.harness.regression.RegressionSpec` (``ep``, ``model``: the
+            family, ``policy``, ``steps``, ...); left out: its defaults (EP=2, ``qwen3_5_moe``, 3 steps).
+
+    Returns:
+        The verdicts, ``{mode: Verdict}`` (:func:`fla_ac_isolation.harness.regression.verdicts`), of a passing run.
+
+    Raises:
+        pytest.fail.Exception: naming every mode's verdict, when ``no-ac`` failed, a required mode did not match
+            it, or (``require_fault``) the shared path reproduced nothing.
+        ValueError: an invalid spec (:meth:`RegressionSpec.validate`), e.g. a mixer the ranks cannot import.
+    """
+    from fla_ac_isolation.harness.regression import RegressionSpec, run_regression, verdicts
+    from fla_ac_isolation.harness.regression.report import exit_code, fault_reproduced
+
+    result = run_regression(RegressionSpec(mixer=mixer, **spec))
+    found = verdicts(result)
+    lines = _regression_lines(result, found)
+    if exit_code(result) != 0:
+        pytest.fail("\n".join([*lines, "verdict: FAILED (a required mode does not match no-ac)"]), pytrace=False)
+    if require_fault and "shared" in found and not fault_reproduced(result):
+        pytest.fail("\n".join([*lines, "verdict: NOT JUDGED: the unsafe shared path ran clean, so the mixer's FLA "
+                                       "calls never met FLA's cache with shared offsets (does it hand FLA "
+                                       "seqlens.local()'s cu_seqlens?)"]), pytrace=False)
+    return found
+
+
+@pytest.fixture
+def fla_ac_check() -> Callable[..., Any]:
+    """:func:`assert_ac_safe`: ``fla_ac_check(model, batch, policy=..., ac=...)`` fails the test with the report."""
+    return assert_ac_safe
+
+
+@pytest.fixture
+def fla_ac_regression() -> Callable[..., dict]:
+    """:func:`assert_regression_safe`: ``fla_ac_regression(MyMixer, ep=2)`` fails the test with every verdict."""
+    return assert_regression_safe

@@ -1,0 +1,445 @@
+"""Tiny decoders shaped like the real model families, with torchtitan's MoE, for the regression.
+
+Each family is built from its transformers config class with small sizes, so the mixers receive exactly
+the config fields the real models carry. What a family's decoder is comes from its registry entry
+(:attr:`fla_ac_isolation.families.Family.tiny`: a layout of :data:`LAYOUTS`, the name of its attention
+layers, its own config fields); this module holds the layouts:
+
+* ``qwen3_5_moe`` (``Qwen3_5MoeTextConfig``): the real layer pattern, three Gated DeltaNet layers then
+  one gated full-attention layer, every layer followed by a routed MoE (plus the shared expert).
+* ``qwen3_8`` (``Qwen4ExpTextConfig``, Qwen3.8-Flash-Next): three Gated DeltaNet layers (sigmoid output
+  gate) then one attention layer. The real model's attention layer is indexed sparse attention (QSA)
+  and its residual stream uses hyper-connections and n-gram embeddings; the tiny model uses plain gated
+  causal attention and a plain residual stream instead.
+* ``nemotron_h`` (``NemotronHConfig``): one mixer per block, pattern Mamba2 / MoE / attention / MoE
+  (Nemotron-H's attention has no positional encoding). Its MoE uses a sigmoid router as the real
+  model does; the experts are torchtitan's SwiGLU experts (the real ones use squared ReLU).
+
+Token mixers are this package's drop-ins (:mod:`fla_ac_isolation.mixers`), chosen by ``backend``, or a user's
+own class (``mixer=``, its contract in :mod:`.user_mixer`). The MoE
+is torchtitan's (:mod:`.expert_parallel`). Attention is causal *per document* (block-diagonal over
+``cu_seqlens``), written with plain ``scaled_dot_product_attention`` and a boolean mask.
+
+Under context parallelism (``seqlens.cp`` set; every tensor holds this rank's ``T / W`` tokens) the mixers
+run their CP paths, and attention keeps it simple: each rank's queries attend to the keys and values of
+ALL ranks, gathered with torch's autograd all-gather and put in packed order
+(:func:`~fla_ac_isolation.parallel.gather_unshard`), through the rows of the per-document causal mask that
+belong to this rank's tokens (global positions, :func:`~fla_ac_isolation.parallel.cp_token_index`). The
+memory of that is ``T`` keys per rank, fine for a regression (ring attention is the scalable form).
+
+The decoder builds nothing per layer: :meth:`TinyDecoder.forward` takes ONE ``LayerLocalSeqlens`` (or the
+unsafe :class:`~fla_ac_isolation.harness.modes.SharedSeqlens`) for the whole forward and hands it to every
+layer; each mixer calls ``.local()`` inside its own forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fla_ac_isolation.families import FAMILIES
+from fla_ac_isolation.harness.regression.expert_parallel import MoEShape, build_moe
+from fla_ac_isolation.parallel import CPConfig, cp_token_index, gather_unshard
+from fla_ac_isolation.seqlens import LayerLocalSeqlens
+
+if TYPE_CHECKING:
+    from fla_ac_isolation.families import Family
+
+__all__ = ["LAYOUTS", "ModelSize", "PackedAttention", "TinyDecoder", "build_model"]
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Sizes of a tiny model (defaults: the CPU regression).
+
+    Attributes:
+        hidden_size: model width ``D`` (128 on CPU, 512 on GPU).
+        num_layers: decoder blocks (4 = one period of each family's pattern).
+        num_experts: routed experts per MoE (a multiple of the EP degree).
+        top_k: experts per token.
+        vocab_size: vocabulary of the random-token batches.
+    """
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_experts: int = 16
+    top_k: int = 4
+    vocab_size: int = 256
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention and linear-attention head: 16 up to hidden 64 (the CPU context-parallel
+        runs, whose FLA kernels run under Triton's interpreter), 32 up to 256, else 64."""
+        return 16 if self.hidden_size <= 64 else 32 if self.hidden_size <= 256 else 64
+
+
+# ----------------------------------------------------------------------------------------- attention
+class AttentionLayout(NamedTuple):
+    """Per-forward attention inputs, built once from the document offsets.
+
+    Attributes:
+        mask: ``[T, T]`` bool, True where query ``i`` may attend key ``j`` (same document, ``j <= i``);
+            under CP ``[T / W, T]``: the rows of this rank's tokens, keys in packed order.
+        positions: ``[T]`` int64 position of each token inside its document (for RoPE); under CP
+            ``[T / W]``, this rank's tokens (a document continues its count across ranks).
+        cp: the CP configuration when the batch is sharded (keys and values are then gathered).
+    """
+
+    mask: torch.Tensor
+    positions: torch.Tensor
+    cp: CPConfig | None = None
+
+    @classmethod
+    def from_seqlens(cls, seqlens: LayerLocalSeqlens, device: torch.device) -> AttentionLayout:
+        lens = torch.tensor(seqlens.seq_lens(), dtype=torch.int64)
+        doc = torch.repeat_interleave(torch.arange(lens.numel()), lens)              # [T] document id
+        starts = torch.cumsum(lens, 0) - lens
+        positions = torch.arange(doc.numel()) - starts[doc]                          # [T]
+        causal = torch.ones(doc.numel(), doc.numel(), dtype=torch.bool).tril()
+        mask = causal & (doc[:, None] == doc[None, :])
+        if seqlens.cp is not None:  # this rank's query rows, every key
+            index = cp_token_index(seqlens.num_tokens, seqlens.cp)
+            mask, positions = mask[index], positions[index]
+        return cls(mask.to(device), positions.to(device), seqlens.cp)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class PackedAttention(nn.Module):
+    """Causal multi-head attention restricted to each packed document (GQA, optional gate/RoPE/qk-norm).
+
+    With ``gated=True`` (Qwen3.5 / Qwen3.8) ``q_proj`` also produces a per-channel output gate, applied
+    as ``sigmoid(gate)`` before ``o_proj``; ``qk_norm`` RMS-normalises q and k per head; RoPE (over the
+    first ``rotary_dim`` channels of each head, positions restarting at every document) when
+    ``rotary_dim > 0``.
+
+    Args:
+        hidden_size: model width ``D``.
+        num_heads: query heads.
+        num_kv_heads: key/value heads; ``num_heads % num_kv_heads == 0``.
+        head_dim: channels per head.
+        gated: Qwen3.5's output gate.
+        qk_norm: per-head RMSNorm of q and k.
+        rotary_dim: channels per head that RoPE rotates (even; 0 = no positional encoding).
+        rope_theta: RoPE base.
+        eps: RMSNorm epsilon.
+
+    Forward: ``hidden_states [1, T, D]``, :class:`AttentionLayout` -> ``[1, T, D]``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        gated: bool,
+        qk_norm: bool,
+        rotary_dim: int,
+        rope_theta: float = 10_000.0,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.gated, self.rotary_dim, self.rope_theta = gated, rotary_dim, rope_theta
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * (2 if gated else 1), bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(head_dim, eps=eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(head_dim, eps=eps) if qk_norm else None
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.rotary_dim:
+            return x
+        inv_freq = 1.0 / self.rope_theta ** (
+            torch.arange(0, self.rotary_dim, 2, device=x.device, dtype=torch.float32) / self.rotary_dim
+        )
+        angles = positions.float()[:, None] * inv_freq[None]                          # [T, R/2]
+        cos = torch.cat([angles.cos(), angles.cos()], -1)[None, :, None]               # [1, T, 1, R]
+        sin = torch.cat([angles.sin(), angles.sin()], -1)[None, :, None]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        rot = (rot.float() * cos + _rotate_half(rot.float()) * sin).to(x.dtype)
+        return torch.cat([rot, rest], dim=-1)
+
+    def forward(self, hidden_states: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+        batch, tokens, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(batch, tokens, self.num_heads, -1)
+        gate = None
+        if self.gated:
+            q, gate = q.split(self.head_dim, dim=-1)                                   # [B, T, H, Dh] each
+        k = self.k_proj(hidden_states).view(batch, tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(batch, tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rope(q, layout.positions), self._rope(k, layout.positions)
+        if layout.cp is not None:  # context parallelism: every rank's keys and values, packed order
+            k, v = gather_unshard(k, layout.cp), gather_unshard(v, layout.cp)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=layout.mask
+        ).transpose(1, 2)                                                              # [B, T, H, Dh]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(batch, tokens, -1))
+
+
+# --------------------------------------------------------------------------------------------- blocks
+class DecoderBlock(nn.Module):
+    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + moe(post_norm(x))`` when it has an MoE.
+
+    ``mixer`` is a token mixer (``forward(h, seqlens)``), a :class:`PackedAttention`, or ``None`` (a
+    Nemotron-H MoE-only block); ``moe`` is torchtitan's MoE or ``None``.
+    """
+
+    def __init__(self, kind: str, mixer: nn.Module | None, moe: nn.Module | None, hidden_size: int, eps: float):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = nn.RMSNorm(hidden_size, eps=eps) if mixer is not None else None
+        self.mixer = mixer
+        self.post_attention_layernorm = nn.RMSNorm(hidden_size, eps=eps) if moe is not None else None
+        self.mlp = moe
+
+    def forward(
+        self, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, layout: AttentionLayout
+    ) -> torch.Tensor:
+        if self.mixer is not None:
+            h = self.input_layernorm(hidden_states)
+            h = self.mixer(h, layout) if isinstance(self.mixer, PackedAttention) else self.mixer(h, seqlens)
+            hidden_states = hidden_states + h
+        if self.mlp is not None:
+            hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}"
+
+
+class TinyDecoder(nn.Module):
+    """Embedding, decoder blocks, final norm and LM head.
+
+    Forward: ``input_ids [1, T]`` and ONE ``LayerLocalSeqlens`` for the whole batch -> logits
+    ``[1, T, vocab]`` (float32). ``seqlens`` goes to every block unchanged.
+    """
+
+    def __init__(self, family: str, config: Any, blocks: list[DecoderBlock], vocab_size: int, eps: float):
+        super().__init__()
+        self.family = family
+        self.config = config
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(vocab_size, hidden)
+        self.layers = nn.ModuleList(blocks)
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+        self.lm_head = nn.Linear(hidden, vocab_size, bias=False)
+
+    @property
+    def conv_kernel_size(self) -> int:
+        """Width of the mixers' causal conv (``CPConfig.conv_kernel_size`` under context parallelism)."""
+        return getattr(self.config, "linear_conv_kernel_dim", None) or self.config.conv_kernel
+
+    def moes(self) -> list[nn.Module]:
+        """The torchtitan MoE modules, in layer order."""
+        from torchtitan.models.common.moe import MoE
+
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def forward(self, input_ids: torch.Tensor, seqlens: LayerLocalSeqlens) -> torch.Tensor:
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must be packed as [1, T], got shape {tuple(input_ids.shape)}")
+        seqlens.check_tokens(input_ids.shape[1], name="input_ids")
+        hidden_states = self.embed_tokens(input_ids)
+        layout = AttentionLayout.from_seqlens(seqlens, hidden_states.device)
+        for block in self.layers:
+            hidden_states = block(hidden_states, seqlens, layout)
+        return self.lm_head(self.norm(hidden_states)).float()
+
+
+# -------------------------------------------------------------------------------------------- layouts
+def _qwen_layer_types(num_layers: int) -> list[str]:
+    """Three Gated DeltaNet layers then one attention layer, repeated; a decoder of 2 or 3 layers still ends
+    with attention (the smallest decoder with both kinds, used by the context-parallel tests)."""
+    last = num_layers - 1 if 1 < num_layers < 4 else None
+    return ["full_attention" if (i + 1) % 4 == 0 or i == last else "linear_attention" for i in range(num_layers)]
+
+
+def _mixer_fields(layer: str, size: ModelSize) -> dict[str, Any]:
+    """The tiny decoder's mixer widths: heads of :attr:`ModelSize.head_dim` channels, a width-4 conv."""
+    hd = size.head_dim
+    if layer == "gdn":
+        key_heads = max(2, size.hidden_size // (4 * hd))
+        return dict(linear_num_key_heads=key_heads, linear_num_value_heads=2 * key_heads, linear_key_head_dim=hd,
+                    linear_value_head_dim=hd, linear_conv_kernel_dim=4)
+    return dict(mamba_num_heads=2 * size.hidden_size // hd, mamba_head_dim=hd, n_groups=2, ssm_state_size=32,
+                conv_kernel=4, chunk_size=64)
+
+
+def _common_fields(size: ModelSize) -> dict[str, Any]:
+    """Vocabulary, width and attention heads (two key/value heads of :attr:`ModelSize.head_dim`)."""
+    hd = size.head_dim
+    return dict(vocab_size=size.vocab_size, hidden_size=size.hidden_size, num_attention_heads=size.hidden_size // hd,
+                num_key_value_heads=2, head_dim=hd)
+
+
+def _qwen_config(family: Family, size: ModelSize) -> Any:
+    tiny = family.tiny
+    types = [tiny.attention_type if t == "full_attention" else t for t in _qwen_layer_types(size.num_layers)]
+    return family.config_class()(
+        **_common_fields(size), **_mixer_fields(family.layer, size), num_hidden_layers=size.num_layers,
+        num_experts=size.num_experts, num_experts_per_tok=size.top_k, moe_intermediate_size=size.hidden_size // 2,
+        shared_expert_intermediate_size=size.hidden_size // 2, layer_types=types, **dict(tiny.config),
+    )
+
+
+def _qwen_moe(config: Any, size: ModelSize, ep_enabled: bool) -> nn.Module:
+    shape = MoEShape(
+        dim=config.hidden_size,
+        hidden_dim=config.moe_intermediate_size,
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        shared_hidden_dim=config.shared_expert_intermediate_size,
+        score_func="softmax",
+        route_norm=True,
+    )
+    return build_moe(shape, num_layers=size.num_layers, ep_enabled=ep_enabled)
+
+
+def _qwen_attention(config: Any) -> PackedAttention:
+    rotary = int(config.head_dim * _partial_rotary_factor(config)) // 2 * 2
+    return PackedAttention(
+        config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+        gated=True, qk_norm=True, rotary_dim=rotary, eps=config.rms_norm_eps,
+    )
+
+
+def _partial_rotary_factor(config: Any) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.25)))
+
+
+def _make_mixer(family: Family, backend: str, mixer: str | None) -> Any:
+    """``(config, layer_idx) -> module`` of the linear-attention slots: our drop-in with ``backend``, or the user's
+    class ``mixer`` (:mod:`.user_mixer`: ``cls(config, layer_idx)``)."""
+    if mixer is None:
+        ours = family.mixer_class()
+        return lambda config, i: ours(config, i, backend=backend)
+    from fla_ac_isolation.harness.regression.user_mixer import load_mixer
+
+    return load_mixer(mixer)
+
+
+def _qwen_blocks(family: Family, config: Any, size: ModelSize, backend: str, ep_enabled: bool,
+                 mixer: str | None = None) -> list[DecoderBlock]:
+    mixer_cls = _make_mixer(family, backend, mixer)
+    blocks = []
+    for i, kind in enumerate(config.layer_types):
+        if kind == "linear_attention":
+            mixer = mixer_cls(config, i)
+            name = "gdn+moe"
+        else:
+            mixer = _qwen_attention(config)
+            name = "attention+moe"
+        blocks.append(DecoderBlock(name, mixer, _qwen_moe(config, size, ep_enabled), config.hidden_size,
+                                   config.rms_norm_eps))
+    return blocks
+
+
+def _nemotron_h_config(family: Family, size: ModelSize) -> Any:
+    pattern = ["mamba", "moe", "attention", "moe"]
+    types = {"mamba": "linear_attention", "moe": "moe", "attention": family.tiny.attention_type}
+    return family.config_class()(
+        **_common_fields(size), **_mixer_fields(family.layer, size),
+        layers_block_type=[types[pattern[i % 4]] for i in range(size.num_layers)],
+        n_routed_experts=size.num_experts, num_experts_per_tok=size.top_k, moe_intermediate_size=size.hidden_size // 2,
+        moe_shared_expert_intermediate_size=size.hidden_size // 2, n_shared_experts=1, **dict(family.tiny.config),
+    )
+
+
+def _nemotron_h_blocks(family: Family, config: Any, size: ModelSize, backend: str,
+                       ep_enabled: bool, mixer: str | None = None) -> list[DecoderBlock]:
+    mamba2_cls = _make_mixer(family, backend, mixer)
+    eps = config.layer_norm_epsilon
+    blocks = []
+    for i, kind in enumerate(config.layers_block_type):
+        if kind == "linear_attention":
+            blocks.append(DecoderBlock("mamba2", mamba2_cls(config, i), None,
+                                       config.hidden_size, eps))
+        elif kind == family.tiny.attention_type:
+            attention = PackedAttention(
+                config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                gated=False, qk_norm=False, rotary_dim=0, eps=eps,
+            )
+            blocks.append(DecoderBlock("attention", attention, None, config.hidden_size, eps))
+        else:
+            shape = MoEShape(
+                dim=config.hidden_size,
+                hidden_dim=config.moe_intermediate_size,
+                num_experts=config.n_routed_experts,
+                top_k=config.num_experts_per_tok,
+                shared_hidden_dim=config.moe_shared_expert_intermediate_size if config.n_shared_experts else None,
+                score_func="sigmoid",
+                route_norm=bool(config.norm_topk_prob),
+            )
+            moe = build_moe(shape, num_layers=size.num_layers, ep_enabled=ep_enabled)
+            blocks.append(DecoderBlock("moe", None, moe, config.hidden_size, eps))
+    return blocks
+
+
+class _Layout(NamedTuple):
+    config: Any  # (family, size) -> transformers config
+    blocks: Any  # (family, config, size, backend, ep_enabled, mixer) -> [DecoderBlock]
+    eps: str  # the config's norm epsilon field
+
+
+LAYOUTS: dict[str, _Layout] = {
+    "qwen": _Layout(_qwen_config, _qwen_blocks, "rms_norm_eps"),
+    "nemotron_h": _Layout(_nemotron_h_config, _nemotron_h_blocks, "layer_norm_epsilon"),
+}
+"""The tiny decoders' layouts by :attr:`fla_ac_isolation.families.TinyRecipe.layout` (see the module docstring)."""
+
+
+def build_model(
+    family: str, size: ModelSize = ModelSize(), *, backend: str = "auto", ep_enabled: bool = False,
+    mixer: str | None = None,
+) -> TinyDecoder:
+    """Build the tiny ``family`` decoder on the CPU in float32, initialised from the global RNG.
+
+    Seed the RNG first (``torch.manual_seed``) for identical weights across modes and ranks. Move it
+    to its device/dtype and apply expert parallelism afterwards
+    (:func:`~fla_ac_isolation.harness.regression.expert_parallel.apply_expert_parallel`).
+
+    Args:
+        family: a key of :data:`fla_ac_isolation.families.FAMILIES`.
+        size: model sizes.
+        backend: the mixers' backend, ``"auto"`` | ``"fla"`` | ``"reference"``.
+        ep_enabled: build the MoEs' expert-parallel sharding plan (EP > 1).
+        mixer: ``"module:qualname"`` of a user's mixer class for the linear-attention slots, built as
+            ``cls(config, layer_idx)`` (:mod:`.user_mixer`: the contract); ``None``: the family's drop-in.
+
+    Raises:
+        ValueError: unknown ``family``; ``num_experts`` smaller than ``top_k``; a ``mixer`` that cannot be
+            imported or built as ``cls(config, layer_idx)``.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {family!r}")
+    if size.top_k > size.num_experts:
+        raise ValueError(f"top_k ({size.top_k}) must not exceed num_experts ({size.num_experts})")
+    entry = FAMILIES[family]
+    layout = LAYOUTS[entry.tiny.layout]
+    config = layout.config(entry, size)
+    blocks = layout.blocks(entry, config, size, backend, ep_enabled, mixer)
+    model = TinyDecoder(family, config, blocks, size.vocab_size, getattr(config, layout.eps))
+    with torch.no_grad():
+        nn.init.normal_(model.embed_tokens.weight, std=0.02)
+        nn.init.normal_(model.lm_head.weight, std=0.02)
+    return model

@@ -1,0 +1,445 @@
+"""What a regression run is asked to do (:class:`RegressionSpec`) and what it returns (:class:`ModeResult`,
+:class:`RegressionResult`).
+
+Every default and every rule of a run lives here, once: ``fla-ac-isolation regress`` builds a spec from its
+flags and shows this module's error messages; ``run_regression(RegressionSpec(cp=2))`` from Python runs what
+``fla-ac-isolation regress --cp 2`` runs, and ``RegressionSpec(pp=2)`` what ``regress --pp 2`` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import pickle
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from fla_ac_isolation.families import FAMILIES
+from fla_ac_isolation.harness.environment import resolve_device
+from fla_ac_isolation.harness.modes import ALL_MODES, CP_MODES, MODE_NAMES
+from fla_ac_isolation.ops import BACKENDS
+from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES, ParallelMesh, check_schedule
+from fla_ac_isolation.policies import POLICIES
+
+__all__ = [
+    "CP1_REFERENCE",
+    "DTYPES",
+    "KERNELS",
+    "PP1_REFERENCE",
+    "ModeResult",
+    "RegressionResult",
+    "RegressionSpec",
+]
+
+CP1_REFERENCE = "no-ac-cp1"
+"""Under context parallelism: the run without AC and without CP (one rank, the whole batch), first."""
+
+PP1_REFERENCE = "no-ac-pp1"
+"""Under pipeline parallelism: the run without AC, PP, EP or microbatches (one rank, the whole batch of every
+data-parallel rank), first."""
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Parameter/activation dtypes by the names a spec takes."""
+
+KERNELS: tuple[str, ...] = ("native", "interpreter")
+"""How the ranks run FLA's kernels: ``native`` (CUDA), or ``interpreter``: Triton's interpreter on a CPU
+(``TRITON_INTERPRET=1`` in every rank's environment and
+:func:`fla_ac_isolation.harness.fla_seam.interpreter.cpu_cp_kernels`
+entered by every rank)."""
+
+@dataclass(frozen=True)
+class RegressionSpec:
+    """What to run. Fields left at ``None`` or ``"auto"`` are resolved when the spec is built (read them back
+    from the spec); :meth:`validate` checks every field.
+
+    Attributes:
+        model: family name, a key of :data:`fla_ac_isolation.families.FAMILIES`.
+        mixer: a user's own mixer class for the family's linear-attention slots, given as the class or as
+            ``"module:qualname"`` (kept as that string: the rank processes import it by module path); built as
+            ``cls(config, layer_idx)`` and called as ``mixer(hidden_states [1, T, D], seqlens)``, the contract of
+            :mod:`fla_ac_isolation.harness.regression.user_mixer`. ``None``: the family's drop-in (with ``backend``).
+            Needs ``backend="auto"`` (the mixer picks its own) and ``cp == 1``.
+        ep: expert-parallel degree; ``None``: 2 without context or pipeline parallelism, 1 with either. Without CP
+            the ``ep`` ranks are data-parallel ranks (one process each; under PP, of each stage); with CP the EP
+            ranks are borrowed from the CP ranks (as torchtitan does): ``ep`` is 1 (experts replicated) or ``cp``.
+            The layout is :attr:`mesh`.
+        cp: context-parallel degree (FLA's CP; 1 = none). With ``cp > 1`` the ranks train on ONE global
+            batch sharded in ``cp_layout``, a :data:`CP1_REFERENCE` run (one rank, no CP, no AC) comes
+            first, and the CP-only ``field`` mode runs by default.
+        cp_layout: FLA's CP layout, ``"contiguous"`` or ``"zigzag"``.
+        pp: pipeline-parallel degree (PP ranks per data-parallel rank; 1 = none). With ``pp > 1`` the decoder is
+            split into stages run by ``torch.distributed.pipelining`` (``schedule``), every data-parallel rank's
+            batch is cut into ``microbatches`` (documents whole, one token count for every step), a
+            :data:`PP1_REFERENCE` run (one rank, no PP, no AC) comes first, and ``no-ac`` runs the same schedule.
+            Not combined with ``cp > 1``.
+        microbatches: microbatches per step under PP; ``None``: ``2 * pp`` (with ``pp = 1``: ``None``, unused).
+            At most 8 (the regression's PP batches hold 8 non-empty documents at their smallest, and documents
+            are not split).
+        schedule: the pipeline schedule, a key of :data:`fla_ac_isolation.parallel.SCHEDULES`; the zero-bubble
+            ones run only with ``ac="full"`` (:data:`fla_ac_isolation.parallel.pipeline.ZERO_BUBBLE_SAC`).
+        steps: AdamW steps per mode; ``None``: 3, or 2 with ``cp > 1`` or ``pp > 1``.
+        ac: ``"full"`` or ``"selective"`` checkpointing for the AC modes.
+        policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`), used with ``ac="selective"``.
+        freq: checkpoint every ``freq``-th block.
+        backend: mixers' backend, ``auto`` | ``fla`` | ``reference``. ``auto`` on a CPU under context
+            parallelism, for a family whose mixers run FLA's CP kernels (:attr:`Family.fla_cp
+            <fla_ac_isolation.families.Family.fla_cp>`), becomes ``fla`` (run by Triton's interpreter, see
+            ``kernels``); elsewhere the mixers resolve ``auto`` themselves (FLA's kernels on CUDA, the
+            reference on a CPU).
+        device: ``cpu``, ``cuda``, or ``auto``: ``cuda`` when at least :attr:`world` GPUs are visible, else
+            ``cpu`` (:func:`fla_ac_isolation.harness.environment.resolve_device`, as everywhere in this package).
+        dtype: parameter/activation dtype name (``float32``, ``bfloat16``, ``float16``); ``auto``: ``bfloat16``
+            on CUDA, ``float32`` on a CPU.
+        hidden_size: model width; ``None``: 512 on CUDA, 64 on a CPU under context parallelism (sized for
+            the interpreter), else 128.
+        num_layers, num_experts, top_k: model sizes.
+        data_ranks: number of ranks the data is generated for; ``None`` = ``ep``. With ``ep=1`` and
+            ``data_ranks=2`` the single rank trains on both ranks' documents (the same global batch).
+        seed: weights and data.
+        lr: AdamW learning rate.
+        modes: modes to run; ``no-ac`` is always run first (it is the reference). ``None``: the four of
+            :data:`~fla_ac_isolation.harness.modes.MODES`, plus ``field`` under context parallelism for the families
+            whose mixers build FLA's CP context (not Nemotron-H: its head-parallel Mamba2 builds none, so
+            ``field`` would repeat ``shared``).
+        timeout_s: wall-clock limit per mode in seconds, > 0 (also the process-group timeout).
+        early_stop: torch's checkpoint early stop.
+        fail_on: testing hook, ``(mode, rank)`` or ``(mode, rank, message)``: that rank raises
+            ``RuntimeError(message)`` between the first forward and backward of that mode, to show that
+            one failing rank ends all ranks promptly and that its error text reaches the report verbatim.
+        kernels: how the ranks run FLA's kernels, one of :data:`KERNELS`; ``auto``: ``interpreter`` on a CPU
+            under context parallelism with ``backend`` ``fla`` (FLA's CP kernels have no other way to run
+            there), else ``native``. ``interpreter`` needs ``device="cpu"``.
+        rank_setup: a module-level function (it is pickled into the rank processes) called in every rank
+            process before training, e.g. a GPU test harness's switch that lifts FLA's Hopper guard for a test
+            run (the GPU tests pass theirs); when it returns a context manager, that is entered and kept for
+            the life of the process. ``None``: nothing.
+        env: environment variables set in every rank process before it imports anything; rank processes
+            are then started with ``spawn`` (a fresh interpreter) instead of the preloaded fork server.
+            ``kernels="interpreter"`` adds ``TRITON_INTERPRET=1`` (:attr:`rank_env`).
+    """
+
+    model: str = "qwen3_5_moe"
+    mixer: str | type | None = None
+    ep: int | None = None
+    cp: int = 1
+    cp_layout: str = "contiguous"
+    pp: int = 1
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    steps: int | None = None
+    ac: str = "selective"
+    policy: str = "save-all-copies"
+    freq: int = 1
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    hidden_size: int | None = None
+    num_layers: int = 4
+    num_experts: int = 16
+    top_k: int = 4
+    data_ranks: int | None = None
+    seed: int = 0
+    lr: float = 1e-3
+    modes: tuple[str, ...] | None = None
+    timeout_s: float = 300.0
+    early_stop: bool = True
+    fail_on: tuple[str, int] | tuple[str, int, str] | None = None
+    kernels: str = "auto"
+    rank_setup: Callable[[], Any] | None = None
+    env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        """Resolve the ``None`` and ``"auto"`` defaults (see the attributes); nothing is checked here."""
+
+        def resolve(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        cp = self.cp > 1 if isinstance(self.cp, int) else False
+        pp = self.pp > 1 if isinstance(self.pp, int) and not isinstance(self.pp, bool) else False
+        if isinstance(self.mixer, type):  # kept as "module:qualname" (validate() checks it imports)
+            resolve("mixer", f"{self.mixer.__module__}:{self.mixer.__qualname__}")
+        if self.ep is None:
+            resolve("ep", 1 if cp or pp else 2)
+        if self.steps is None:
+            resolve("steps", 2 if cp or pp else 3)
+        if self.microbatches is None and pp:
+            resolve("microbatches", 2 * self.pp)
+        if self.device == "auto":
+            with contextlib.suppress(ValueError):  # an invalid mesh: validate() names it
+                resolve("device", resolve_device("auto", self.mesh.world))
+        if self.dtype == "auto":
+            resolve("dtype", "bfloat16" if self.device == "cuda" else "float32")
+        if self.hidden_size is None:
+            resolve("hidden_size", 512 if self.device == "cuda" else 64 if cp else 128)
+        interpreted = cp and self.device == "cpu" and self._fla_cp
+        if interpreted and self.backend == "auto":
+            resolve("backend", "fla")
+        if self.kernels == "auto":
+            resolve("kernels", "interpreter" if interpreted and self.backend == "fla" else "native")
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The ranks' layout: ``ParallelMesh(ep=ep, cp=cp, pp=pp)`` (its rules: :mod:`fla_ac_isolation.parallel.mesh`).
+
+        Raises:
+            ValueError: ``ep``, ``cp`` or ``pp`` is not an int >= 1, or ``ep`` is neither 1 nor ``cp`` under CP.
+        """
+        return ParallelMesh(ep=self.ep, cp=self.cp, pp=self.pp)
+
+    @property
+    def world(self) -> int:
+        """Number of rank processes (:attr:`ParallelMesh.world <fla_ac_isolation.parallel.ParallelMesh.world>`)."""
+        return self.mesh.world
+
+    @property
+    def rank_env(self) -> tuple[tuple[str, str], ...]:
+        """``env``, plus ``TRITON_INTERPRET=1`` with ``kernels="interpreter"``: what every rank process starts with."""
+        extra = (("TRITON_INTERPRET", "1"),) if self.kernels == "interpreter" else ()
+        return (*self.env, *(item for item in extra if item not in self.env))
+
+    def validate(self) -> RegressionSpec:
+        """Return self after checking every field; errors name the field (``ValueError``).
+
+        The rules come in order of how fundamental they are: the family, the ranks' layout (:attr:`mesh`),
+        then what must divide by it.
+        """
+        if self.model not in FAMILIES:
+            raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {self.model!r}")
+        mesh = self.mesh  # how the ranks are laid out comes before what must divide by them
+        for name in ("steps", "freq", "hidden_size", "num_layers", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self._validate_width()
+        self._validate_mixer()
+        if self.ac not in ("full", "selective"):
+            raise ValueError(f"ac must be 'full' or 'selective', got {self.ac!r}")
+        if self.ac == "selective" and self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.num_experts % self.ep:
+            raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of ep ({self.ep})")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
+        if self.data_ranks is not None and self.data_ranks < self.ep:
+            raise ValueError(f"data_ranks ({self.data_ranks}) must be >= ep ({self.ep})")
+        allowed = tuple(ALL_MODES) if self.cp > 1 else MODE_NAMES
+        if self.modes is not None and (not self.modes or any(m not in allowed for m in self.modes)):
+            cp_only = [m for m in self.modes if m in CP_MODES]
+            hint = f" ({', '.join(cp_only)} needs cp > 1)" if cp_only and self.cp == 1 else ""
+            raise ValueError(f"modes must be a non-empty subset of {allowed}{hint}, got {self.modes!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not (
+            0 < self.timeout_s < math.inf
+        ):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (0 <= self.lr < math.inf):
+            raise ValueError(f"lr must be a finite number >= 0 (AdamW learning rate), got {self.lr!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        self._validate_fail_on()
+        self._validate_cp()
+        self._validate_pp()
+        self._validate_ranks()
+        resolve_device(self.device, mesh.world)  # a CUDA run needs one GPU per rank
+        return self
+
+    def _validate_width(self) -> None:
+        """The tiny decoders split ``hidden_size`` into an even number of heads (two key/value heads)."""
+        from fla_ac_isolation.harness.regression.model import ModelSize
+
+        head_dim = ModelSize(hidden_size=self.hidden_size).head_dim
+        if self.hidden_size % (2 * head_dim):
+            raise ValueError(
+                f"hidden_size must be a multiple of {2 * head_dim} (an even number of {head_dim}-channel heads at "
+                f"this width), got {self.hidden_size}"
+            )
+
+    def _validate_mixer(self) -> None:
+        """A user's mixer: importable here by module path, an ``nn.Module`` built as ``cls(config, layer_idx)``."""
+        if self.mixer is None:
+            return
+        from fla_ac_isolation.harness.regression.user_mixer import load_mixer
+
+        load_mixer(self.mixer)
+        if self.backend != "auto":
+            raise ValueError(f"backend applies to this package's mixers; with mixer={self.mixer!r} it must be 'auto' "
+                             f"(your mixer picks its own kernels), got {self.backend!r}")
+        if self.cp > 1:
+            raise ValueError(f"mixer={self.mixer!r} runs without context parallelism: cp must be 1, got {self.cp}")
+
+    def _validate_fail_on(self) -> None:
+        if self.fail_on is None:
+            return
+        fail_on = tuple(self.fail_on)
+        ok = len(fail_on) in (2, 3) and fail_on[0] in ALL_MODES and isinstance(fail_on[1], int) and (
+            not isinstance(fail_on[1], bool) and 0 <= fail_on[1] < self.world
+        )
+        if not ok or (len(fail_on) == 3 and not isinstance(fail_on[2], str)):
+            raise ValueError(
+                f"fail_on must be (mode, rank) or (mode, rank, message) with a mode of {tuple(ALL_MODES)} and "
+                f"0 <= rank < {self.world} (the ranks), got {self.fail_on!r}"
+            )
+
+    def _validate_cp(self) -> None:
+        if self.cp_layout not in LAYOUTS:
+            raise ValueError(f"cp_layout must be one of {LAYOUTS}, got {self.cp_layout!r}")
+        if self.cp == 1:
+            return
+        runs_reference = self.backend == "reference" or (self.backend, self.device) == ("auto", "cpu")
+        if self._fla_cp and runs_reference:
+            raise ValueError(
+                f"backend must be 'fla' for context parallelism with {self.model}: its mixers need FLA's CP "
+                f"kernels, and backend={self.backend!r} on {self.device} runs the reference backend, which has none"
+            )
+
+    def _validate_pp(self) -> None:
+        """Pipeline parallelism: the schedule and its microbatches (torch's rules), stages, and what PP excludes."""
+        from fla_ac_isolation.harness.regression.data import PP_MAX_MICROBATCHES
+
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {self.schedule!r}")
+        if self.pp == 1:
+            if self.microbatches is not None:
+                raise ValueError(f"microbatches is used only with pp > 1 (pipeline parallelism), got "
+                                 f"{self.microbatches!r}")
+            return
+        if self.cp > 1:
+            raise ValueError(f"pp ({self.pp}) and cp ({self.cp}) > 1 together: the regression runs pipeline and "
+                             "context parallelism one at a time")
+        if self.data_ranks is not None:
+            raise ValueError(f"data_ranks is not used with pp > 1 (each data-parallel rank trains its own batch), got "
+                             f"{self.data_ranks!r}")
+        info = check_schedule(self.schedule, pp=self.pp, microbatches=self.microbatches,
+                              selective_ac=self.ac == "selective")
+        if self.microbatches > PP_MAX_MICROBATCHES:
+            raise ValueError(
+                f"microbatches must be <= {PP_MAX_MICROBATCHES} (the regression's PP batches hold "
+                f"{PP_MAX_MICROBATCHES} non-empty documents at their smallest, and documents are not split), got "
+                f"{self.microbatches}"
+            )
+        stages = info.num_stages(self.pp)
+        if self.num_layers < stages:
+            raise ValueError(f"num_layers ({self.num_layers}) must be >= the number of pipeline stages ({stages}: pp "
+                             f"{self.pp} x {info.stages_per_rank} per rank for schedule {self.schedule!r})")
+
+    def _validate_ranks(self) -> None:
+        """How the rank processes start: ``kernels``, ``rank_setup`` and ``env``."""
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be 'auto' or one of {KERNELS}, got {self.kernels!r}")
+        if self.kernels == "interpreter" and self.device != "cpu":
+            raise ValueError(
+                f"kernels='interpreter' runs FLA's kernels under Triton's interpreter on a CPU; device must be "
+                f"'cpu', got {self.device!r}"
+            )
+        if self.rank_setup is not None:
+            try:
+                pickle.dumps(self.rank_setup)
+                picklable = callable(self.rank_setup)
+            except (pickle.PicklingError, AttributeError, TypeError):
+                picklable = False
+            if not picklable:
+                raise ValueError(
+                    "rank_setup must be a module-level function (it is pickled into every rank process), got "
+                    f"{self.rank_setup!r}"
+                )
+        if not all(isinstance(item, tuple) and len(item) == 2 and all(isinstance(x, str) for x in item)
+                   for item in self.env):
+            raise ValueError(f"env must be a tuple of (name, value) string pairs, got {self.env!r}")
+
+    @property
+    def _fla_cp(self) -> bool:
+        """The family's mixers run FLA's CP kernels (the ``field`` mode builds FLA's CP context for them)."""
+        return self.model in FAMILIES and FAMILIES[self.model].fla_cp
+
+    @property
+    def ordered_modes(self) -> tuple[str, ...]:
+        """What runs, in order: ``no-ac`` first (under CP :data:`CP1_REFERENCE`, under PP :data:`PP1_REFERENCE`
+        before it), then the others."""
+        wanted = self.modes if self.modes is not None else (
+            (*MODE_NAMES, *CP_MODES) if self.cp > 1 and self._fla_cp else MODE_NAMES
+        )
+        order = [*MODE_NAMES[1:], *CP_MODES]
+        first = (CP1_REFERENCE,) if self.cp > 1 else (PP1_REFERENCE,) if self.pp > 1 else ()
+        return (*first, "no-ac", *(m for m in order if m in wanted))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain data (JSON): ``rank_setup`` as ``"module:function"``."""
+        out = asdict(self)
+        setup = self.rank_setup
+        out["rank_setup"] = None if setup is None else f"{setup.__module__}:{setup.__qualname__}"
+        return out
+
+
+@dataclass
+class ModeResult:
+    """Outcome of one mode, reduced over all ranks.
+
+    Attributes:
+        mode: the mode.
+        losses: global loss per completed step.
+        grad_norms: global gradient norm per completed step.
+        grad_diffs: per completed step, max ``|grad - grad_no_ac|`` over ranks and parameters
+            (``None`` for ``no-ac`` itself, or when the reference is missing).
+        ref_grad_max: per step, max ``|grad_no_ac|`` (the scale for relative differences).
+        cp1_grad_diffs: under context parallelism, per step, max ``|grad - grad_cp1|`` over every
+            parameter's full gradient (expert shards gathered) against :data:`CP1_REFERENCE`.
+        cp1_ref_grad_max: per step, max ``|grad_cp1|``.
+        pp1_grad_diffs: under pipeline parallelism, per step, max ``|grad - grad_pp1|`` over every parameter's
+            full gradient (each stage's parameters, expert shards gathered) against :data:`PP1_REFERENCE`.
+        pp1_ref_grad_max: per step, max ``|grad_pp1|``.
+        idle_experts: per step, the largest number of experts without any token in one MoE layer.
+        cache: FLA tensor-cache events summed over ranks and steps, ``{"hit": .., "miss": .., "bypass": ..}``.
+        cache_by_helper: the same per helper name.
+        error: ``"<Type>: <first line>"`` of the first failure, else ``None``.
+        timed_out: the mode was stopped at ``timeout_s`` (its ``error`` says so): not a verdict on the fault.
+        failed_ranks: ranks that raised (or died), in order of arrival; the first one's error is ``error``.
+        traceback: full traceback text of the first failure (for ``--verbose``/JSON).
+        seconds: wall time of the mode.
+        step_seconds: per completed step, the forward + backward wall time of the slowest rank
+            (device synchronised before and after; excludes data, gradient reduction and optimizer).
+    """
+
+    mode: str
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    grad_diffs: list[float | None] = field(default_factory=list)
+    ref_grad_max: list[float | None] = field(default_factory=list)
+    cp1_grad_diffs: list[float | None] = field(default_factory=list)
+    cp1_ref_grad_max: list[float | None] = field(default_factory=list)
+    pp1_grad_diffs: list[float | None] = field(default_factory=list)
+    pp1_ref_grad_max: list[float | None] = field(default_factory=list)
+    idle_experts: list[int] = field(default_factory=list)
+    cache: dict[str, int] = field(default_factory=dict)
+    cache_by_helper: dict[str, dict[str, int]] = field(default_factory=dict)
+    error: str | None = None
+    timed_out: bool = False
+    failed_ranks: list[int] = field(default_factory=list)
+    traceback: str | None = None
+    seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RegressionResult:
+    """Every mode's :class:`ModeResult`, the spec, and notes (e.g. compatibility shims applied)."""
+
+    spec: RegressionSpec
+    modes: dict[str, ModeResult]
+    notes: list[str] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.to_dict(),
+            "modes": {name: asdict(r) for name, r in self.modes.items()},
+            "notes": list(self.notes),
+            "environment": dict(self.environment),
+        }

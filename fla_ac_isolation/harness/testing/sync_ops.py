@@ -1,0 +1,111 @@
+"""Find host synchronisations without a GPU: the aten ops that would synchronise on CUDA. Test support only.
+
+On a CUDA device, ``torch.cuda.set_sync_debug_mode("warn")``
+(:func:`~fla_ac_isolation.harness.testing.gpu.host_sync_sites`)
+reports every synchronising call. A CPU has nothing to synchronise with, so :class:`SyncOpCounter` flags the
+ops that synchronise *when their operands live on a CUDA device*, as they pass the dispatcher:
+
+* ``_local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``): a device value read on the host;
+* ``nonzero``, ``masked_select``, ``index`` / ``index_put_`` with a boolean index: outputs sized by device values;
+* ``repeat_interleave`` without ``output_size``: sized by a device sum;
+* ``equal``, ``is_nonzero``: a device comparison returned as a Python bool.
+
+Every tensor counts as device-resident except those the caller names as host tensors (``host=``), whose ops
+are never flagged: on a CPU both live in the same memory. Not visible on a CPU: copies between host and
+device (``.to(device)`` from pageable memory, ``.cpu()``, ``.tolist()``), which do not pass the dispatcher as
+cross-device ops there. The GPU test with :func:`~fla_ac_isolation.harness.testing.gpu.host_sync_sites` remains the
+measurement; this counter finds the sites on a CPU and guards them in the CPU suite.
+
+Ops dispatched by Triton's interpreter itself (its copies of kernel arguments) are ignored. A site is the
+first Python frame outside torch, this module and Triton's interpreter, as ``"file:line"`` with everything
+up to ``site-packages/`` stripped (``fla/ops/common/chunk_h.py:335``), as ``host_sync_sites`` writes it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["SYNC_OPS", "SyncOpCounter"]
+
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "repeat_interleave", "equal", "is_nonzero")
+"""Op names (overload packets) that synchronise on CUDA whatever their arguments (``repeat_interleave``:
+without ``output_size``). ``index`` / ``index_put_`` are flagged only with a boolean index."""
+
+_SKIPPED_FRAMES = (f"{__name__.replace('.', '/')}.py", "/torch/", "triton/runtime/interpreter.py")
+
+
+def _site() -> str | None:
+    """``file:line`` of the first frame outside torch and this module; ``None`` inside Triton's interpreter."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if "triton/runtime/interpreter.py" in filename:
+            return None
+        if not any(part in filename for part in _SKIPPED_FRAMES):
+            return f"{filename.split('site-packages/')[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def _has_bool_index(args: tuple) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+
+
+class SyncOpCounter(TorchDispatchMode):
+    """Dispatch mode recording, in order, ``(op name, site)`` for each op that would synchronise on CUDA.
+
+    Args:
+        host: tensors that live on the host in the real run (e.g. ``cu_seqlens_cpu``); ops whose tensor
+            arguments are all among them (or are results of such ops) are not flagged.
+        is_host: alternatively, a predicate naming host tensors.
+
+    Attributes:
+        flagged: ``[(op name, "file:line")]`` in dispatch order.
+
+    Example::
+
+        with SyncOpCounter() as counter:
+            loss = layer(x, seqlens).square().mean()
+            loss.backward()
+        assert counter.sites() == []
+    """
+
+    def __init__(self, host: Iterable[torch.Tensor] = (), is_host: Callable[[torch.Tensor], bool] | None = None):
+        super().__init__()
+        self._host_ids = {id(t) for t in host}
+        self._keep = list(host)  # keep the named objects alive so that their ids stay theirs
+        self._is_host = is_host
+        self.flagged: list[tuple[str, str]] = []
+
+    def _host(self, t: torch.Tensor) -> bool:
+        return id(t) in self._host_ids or (self._is_host is not None and self._is_host(t))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if tensors and all(self._host(t) for t in tensors):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self._host_ids.add(id(t))
+                    self._keep.append(t)
+            return out
+        name = func.overloadpacket.__name__
+        syncs = (
+            (name in SYNC_OPS and not (name == "repeat_interleave" and kwargs.get("output_size") is not None))
+            or (name in ("index", "index_put_", "index_put") and _has_bool_index(args))
+        )
+        if syncs:
+            site = _site()
+            if site is not None:
+                self.flagged.append((name, site))
+        return out
+
+    def sites(self) -> list[str]:
+        """The ``file:line`` of every flagged op, in order."""
+        return [site for _, site in self.flagged]
