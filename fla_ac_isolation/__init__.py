@@ -9,7 +9,7 @@ Public names:
 * :mod:`fla_ac_isolation.policies` - SAC policies from the field and :func:`checkpoint_layers`.
 
 Every name is imported on first access, so that ``import fla_ac_isolation`` imports nothing else (not even torch:
-pytest imports :mod:`fla_ac_isolation.harness.pytest_plugin`, and so this package, in every run once it is installed);
+pytest imports this package's pytest plugin, and so this package, in every run once it is installed);
 they are listed by ``dir(fla_ac_isolation)`` and ``__all__``: the names above and ``ReplayAudit`` and
 ``ReplayDivergenceError`` (``audit``), ``CPConfig`` (``parallel``), ``swap_mixers`` / ``restore_mixers`` (``swap``),
 ``isolate_seqlens`` / ``IsolationHandle`` / ``LeakingMixerWarning`` (``isolate``) and the drop-in mixers (``mixers``).
