@@ -29,7 +29,8 @@ class Mixer(nn.Module):
 
 REFUSAL = ("isolate_seqlens: mixer (Mixer) is hooked to refresh ['cu_seqlens'], but this call passed none of them "
            "and passed the offsets-like keyword(s) ['cu_doc_lens']: the shared offsets would reach FLA unchanged (the "
-           "fault stays); pass arg_names=['cu_doc_lens'] (the names this call carries) for Mixer")
+           "fault stays); if Mixer.forward hands ['cu_doc_lens'] to FLA, hook it with arg_names=['cu_doc_lens']; if it is "
+           "a misspelling of ['cu_seqlens'], fix the call")
 
 
 @pytest.mark.parametrize("how", ["keyword", "positional"])
