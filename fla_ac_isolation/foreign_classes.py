@@ -12,8 +12,8 @@ class name: nothing here imports transformers, OLMo-core, torchtitan or FLA (:me
 
 :func:`foreign_mixer` answers for any module. Which of these classes a drop-in replaces is the families'
 registry (:mod:`fla_ac_isolation.families`); how a model's modules are classified, once, is
-:func:`fla_ac_isolation.mixer_plan.classify`. The table of ``docs/foreign-classes.md`` is rendered from here
-(``python -m fla_ac_isolation.harness.registry_table``) and tested against it.
+:func:`fla_ac_isolation.mixer_plan.classify`. The registry table of ``docs/foreign-classes.md`` is rendered from
+here, and a test holds the page to it.
 """
 
 from __future__ import annotations

@@ -149,5 +149,5 @@ def test_run_check_classifies_the_model_once(monkeypatch):
 
 
 def test_classify_refuses_a_non_module():
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got dict"):
         classify({})
