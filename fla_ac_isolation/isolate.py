@@ -10,13 +10,14 @@ mixer's call, so inside whatever region checkpoints it (the block, or the mixer 
 again in the recompute; the copy (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`) is invisible to
 dispatch modes (SAC, the audit) and to ``torch.compile``. The model keeps its modules, weights and kernels.
 
-Which mixers and arguments: what :func:`~fla_ac_isolation.families.foreign_mixer` knows (the classes
-named in :data:`~fla_ac_isolation.families.FLA_BACKED_MIXERS`, matched by module and class name along the
-class hierarchy, so FSDP2's renamed ``FSDP<Name>`` classes are found, and flash-linear-attention's own layers
-by a rule over their ``forward``), or the modules a caller names with the arguments it names. Mixers known to
-drop the offsets (:data:`~fla_ac_isolation.families.LEAKING_MIXERS`, FLA's ``Mamba2``, ...), and hooked ones
-that leak without a package missing here (transformers' Gated DeltaNets without ``causal_conv1d``), are named
-in a :class:`LeakingMixerWarning`: their packed documents leak into each other, which no isolation fixes. A hook
+Which mixers and arguments: the plan of the model (:func:`~fla_ac_isolation.mixer_plan.classify`, each
+module classified once from the registry of :mod:`fla_ac_isolation.foreign_classes`: classes named one by one,
+matched by module and class name along the class hierarchy, so FSDP2's renamed ``FSDP<Name>`` classes are found,
+and flash-linear-attention's own layers by a rule over their ``forward``), or the modules a caller names with the
+arguments it names. The classes, their offsets arguments and what is done with each are the table of
+``docs/foreign-classes.md`` (rendered from the registry). Mixers known to drop the offsets, and hooked ones
+that leak without a package missing here, are named in a :class:`LeakingMixerWarning`: their packed
+documents leak into each other, which no isolation fixes. A hook
 (:class:`~fla_ac_isolation.offsets_hook.OffsetsHook`) that receives none of its offsets arguments while the
 call carries offsets-like keywords (``cu_seq_lens_q``: the names are wrong) raises at that call; a call
 without any (an unpacked batch) passes untouched. Where the foreign forward hands FLA's own keywords on to
@@ -40,19 +41,14 @@ from typing import Any
 
 from torch import nn
 
-from fla_ac_isolation.families import (
-    FLA_BACKED_MIXERS,
-    FLA_LAYER_MODULES,
-    LeakingMixer,
-    UpstreamMixer,
-    foreign_mixer,
-    upstream_mixers,
-)
-from fla_ac_isolation.offsets_hook import CallCounter, HostOffsets, OffsetsHook
+from fla_ac_isolation.families import leak_remedy, remedy
+from fla_ac_isolation.foreign_classes import FLA_BACKED_MIXERS, FLA_LAYER_MODULES, LeakingMixer, UpstreamMixer
+from fla_ac_isolation.mixer_plan import DROP_IN, EXPOSED, HOOKED, PlannedMixer, classify
+from fla_ac_isolation.offsets_hook import HOOK_ATTRIBUTE, CallCounter, HostOffsets, OffsetsHook, is_isolated
 
 __all__ = ["IsolationHandle", "LeakingMixerWarning", "PartialIsolationWarning", "is_isolated", "isolate_seqlens"]
 
-_MARK = "_fla_ac_isolation_hook"  # in a hooked module's __dict__: the RemovableHandle of its hook
+_MARK = HOOK_ATTRIBUTE
 
 
 class PartialIsolationWarning(UserWarning):
@@ -73,10 +69,12 @@ class IsolationHandle:
 
     Attributes:
         paths: module paths (in ``model``) hooked by this call, in ``named_modules()`` order.
+        plan: the model as :func:`~fla_ac_isolation.mixer_plan.classify` found it before this call hooked it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, plan: tuple[PlannedMixer, ...] = ()) -> None:
         self.paths: list[str] = []
+        self.plan = plan
         self._hooks: list[tuple[weakref.ref, Any]] = []
         self._counter = CallCounter()
 
@@ -106,22 +104,7 @@ class IsolationHandle:
         return f"IsolationHandle({len(self._hooks)} hooked, {self.rewritten} calls rewritten: {shown})"
 
 
-def is_isolated(module: nn.Module) -> bool:
-    """``module`` carries a hook of :func:`isolate_seqlens` (not removed)."""
-    return _MARK in vars(module)
-
-
 # ------------------------------------------------------------------------------------------------- API
-def _hookable(module: nn.Module, sources: dict) -> tuple[UpstreamMixer, type] | None:
-    found = foreign_mixer(module, sources)
-    return found if found is not None and isinstance(found[0], UpstreamMixer) and found[0].offsets else None
-
-
-def _leaking(module: nn.Module, sources: dict) -> tuple[LeakingMixer, type] | None:
-    found = foreign_mixer(module, sources)
-    return found if found is not None and isinstance(found[0], LeakingMixer) else None
-
-
 def _looked_for() -> str:
     named = "; ".join(f"{u.qualified}({', '.join(u.offsets)})" for u in FLA_BACKED_MIXERS)
     return f"{named}; and flash-linear-attention's layers ({', '.join(FLA_LAYER_MODULES)}) reading cu_seqlens"
@@ -166,22 +149,29 @@ def _resolve(model: nn.Module, chosen: list) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _plan(model: nn.Module, chosen: list | None, arg_names: tuple[str, ...] | None, sources: dict):
-    """``[(path, module, names, fla_keywords, matched upstream class or None)]`` to hook."""
+def _hookable(planned: PlannedMixer | None) -> bool:
+    return planned is not None and planned.status in (EXPOSED, HOOKED)
+
+
+def _targets(model: nn.Module, plan: tuple[PlannedMixer, ...], chosen: list | None,
+             arg_names: tuple[str, ...] | None) -> list[tuple[str, nn.Module, tuple, tuple, PlannedMixer | None]]:
+    """``[(path, module, names, fla_keywords, its plan entry or None)]`` to hook."""
     if chosen is None:
-        found = [(p, m, k) for p, m in model.named_modules() if (k := _hookable(m, sources)) is not None]
-        for p, m, _ in found if arg_names is not None else ():
-            _check_accepted(p, m, arg_names)
-        return [(p, m, arg_names or k[0].offsets, () if arg_names else k[0].fla_keywords, k) for p, m, k in found]
-    plan = []
+        found = [p for p in plan if _hookable(p)]
+        for p in found if arg_names is not None else ():
+            _check_accepted(p.path, p.module, arg_names)
+        return [(p.path, p.module, arg_names or p.entry.offsets, () if arg_names else p.entry.fla_keywords, p)
+                for p in found]
+    by_module = {id(p.module): p for p in plan}
+    targets = []
     for path, module in _resolve(model, chosen):
-        leaking = _leaking(module, sources)
-        if leaking is not None:
+        planned = by_module.get(id(module))
+        if planned is not None and isinstance(planned.entry, LeakingMixer):
             raise ValueError(
-                f"isolate_seqlens: {path!r} ({type(module).__name__}) {leaking[0].why}: documents are not kept "
-                f"apart, and isolating its arguments cannot change that; {leaking[0].remedy()}"
+                f"isolate_seqlens: {path!r} ({type(module).__name__}) {planned.entry.why}: documents are not kept "
+                f"apart, and isolating its arguments cannot change that; {remedy(planned.entry)}"
             )
-        known = _hookable(module, sources)
+        known = planned if _hookable(planned) else None
         if arg_names is None and known is None:
             raise ValueError(
                 f"isolate_seqlens: {path!r} ({type(module).__name__}) is not a known FLA-backed mixer; pass "
@@ -189,30 +179,29 @@ def _plan(model: nn.Module, chosen: list | None, arg_names: tuple[str, ...] | No
             )
         if arg_names is not None:
             _check_accepted(path, module, arg_names)
-        names = arg_names or known[0].offsets
-        plan.append((path, module, names, () if arg_names else known[0].fla_keywords, known))
-    return plan
+        names = arg_names or known.entry.offsets
+        targets.append((path, module, names, () if arg_names else known.entry.fla_keywords, known))
+    return targets
 
 
-def _warn_leaking(model: nn.Module, sources: dict) -> list[str]:
-    """One :class:`LeakingMixerWarning` per class of ``model`` whose packed documents leak: those known to drop
+def _warn_leaking(plan: tuple[PlannedMixer, ...]) -> list[str]:
+    """One :class:`LeakingMixerWarning` per class of the plan whose packed documents leak: those known to drop
     the offsets (their paths are returned) and those that leak without a package missing here
-    (:meth:`~fla_ac_isolation.families.UpstreamMixer.leak`, asked once per class)."""
+    (:meth:`~fla_ac_isolation.foreign_classes.UpstreamMixer.leak`, asked once per class)."""
     by_class: dict[str, tuple[UpstreamMixer | LeakingMixer, list[str]]] = {}
-    for path, module in model.named_modules():
-        found = foreign_mixer(module, sources)
-        if found is not None and (isinstance(found[0], LeakingMixer) or found[0].leaks_without is not None):
-            by_class.setdefault(found[0].qualified, (found[0], []))[1].append(path)
+    for p in plan:
+        if isinstance(p.entry, LeakingMixer) or (isinstance(p.entry, UpstreamMixer) and p.entry.leaks_without):
+            by_class.setdefault(p.entry.qualified, (p.entry, []))[1].append(p.path)
     dropping = []
     for entry, paths in by_class.values():
         shown = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
         where = f"{entry.name} ({entry.framework}; {len(paths)} in the model: {shown})"
         if isinstance(entry, LeakingMixer):
             dropping += paths
-            text = f"{where} {entry.why}: documents are not kept apart: {entry.remedy()}"
+            text = f"{where} {entry.why}: documents are not kept apart: {remedy(entry)}"
         elif (why := entry.leak()) is not None:
             text = (f"{where} hands FLA its offsets, but {why}: documents are not kept apart: "
-                    f"{entry.leak_remedy()}")
+                    f"{leak_remedy(entry)}")
         else:
             continue
         warnings.warn(f"isolate_seqlens: {text}", LeakingMixerWarning, stacklevel=3)
@@ -239,10 +228,10 @@ def _check_accepted(path: str, module: nn.Module, arg_names: tuple[str, ...]) ->
         )
 
 
-def _warn_if_forward_overridden(path: str, module: nn.Module, known: tuple[UpstreamMixer, type] | None) -> None:
+def _warn_if_forward_overridden(path: str, module: nn.Module, known: PlannedMixer | None) -> None:
     if known is None:
         return
-    upstream, cls = known
+    upstream, cls = known.entry, known.matched
     if type(module).forward is not cls.forward:
         warnings.warn(
             f"isolate_seqlens: {path!r} ({type(module).__name__}) subclasses {upstream.qualified} and overrides "
@@ -252,9 +241,9 @@ def _warn_if_forward_overridden(path: str, module: nn.Module, known: tuple[Upstr
         )
 
 
-def _nothing_found(model: nn.Module, leaking: list[str]) -> None:
+def _nothing_found(model: nn.Module, plan: tuple[PlannedMixer, ...], leaking: list[str]) -> None:
     """Raise (nothing to isolate) or warn (everything is isolated already)."""
-    already = [p for p, m in model.named_modules() if _MARK in vars(m)]
+    already = [p for p, m in model.named_modules() if is_isolated(m)]
     if already:
         warnings.warn(
             f"isolate_seqlens: nothing new to isolate; the {len(already)} FLA-backed mixer(s) of "
@@ -262,8 +251,7 @@ def _nothing_found(model: nn.Module, leaking: list[str]) -> None:
             stacklevel=3,
         )
         return
-    ours = tuple({family.mixer_class(u) for u, family in upstream_mixers()})
-    own = [p for p, m in model.named_modules() if isinstance(m, ours)]
+    own = [p.path for p in plan if p.status == DROP_IN]
     hint = (f"; its {len(own)} fla_ac_isolation mixer(s) ({own[0]!r}, ...) take fresh offsets themselves"
             if own else "")
     if leaking:
@@ -291,35 +279,19 @@ def isolate_seqlens(
     sees (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`), so a layer's forward and its recompute both
     start with an FLA cache miss.
 
-    Known mixers (:func:`~fla_ac_isolation.families.foreign_mixer`, matched along the class hierarchy) and
-    the arguments refreshed:
+    Which classes are hooked, through which arguments, and which are only warned about: the table of
+    ``docs/foreign-classes.md``, rendered from :mod:`fla_ac_isolation.foreign_classes` (classes named one by
+    one, and a rule over flash-linear-attention's own layers). The model is classified once
+    (:func:`~fla_ac_isolation.mixer_plan.classify`); the handle keeps that plan (:attr:`IsolationHandle.plan`).
+    Host offsets (``cu_seqlens_cpu``) and FLA's chunk schedule (``chunk_indices``) are added only where the
+    foreign forward passes FLA's own keywords through to the kernel (transformers); elsewhere FLA computes them
+    itself on each (fresh) call.
 
-    * transformers 5.24's Gated DeltaNets: ``Qwen3_5MoeGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``,
-      ``Qwen4ExpTextGatedDeltaNet`` (Qwen3.8-Flash-Next), ``Qwen3NextGatedDeltaNet``, ``OlmoHybridGatedDeltaNet``,
-      ``LaraMiniGatedDeltaNet``: ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (keywords, ``[N + 1]`` int32); the hook
-      also adds ``cu_seqlens_cpu`` (``[N + 1]`` on the host) and ``chunk_indices`` (``[NT, 2]``, FLA's
-      64-token chunk schedule), which transformers hands on to FLA's ``chunk_gated_delta_rule``;
-    * flash-linear-attention 0.6's own layers and models (``fla.layers``, ``fla.models``: ``GatedDeltaNet``,
-      ``KimiDeltaAttention``, ``GatedLinearAttention``, RWKV7's blocks and feed-forwards, ...), found by a rule
-      over the class (:func:`~fla_ac_isolation.families.fla_layer_mixer`): ``cu_seqlens``;
-    * torchtitan's ``models.qwen3_5.model.GatedDeltaNet``: ``attention_masks`` (positional), a
-      ``VarlenMetadata`` whose ``cu_seq_q``/``cu_seq_k`` are replaced (``_replace``);
-    * OLMo-core's ``nn.attention.recurrent.GatedDeltaNet`` and ``nn.attention.kda.KimiDeltaAttention``:
-      ``cu_doc_lens`` (``[N + 1]`` int32, keyword or positional).
-
-    Host offsets and FLA's chunk schedule are handed on only where the foreign forward passes FLA's own
-    keywords through to the kernel (transformers); the others take neither, so there FLA computes them itself
-    on each (fresh) call.
-
-    Mixers known to drop the offsets (:data:`~fla_ac_isolation.families.LEAKING_MIXERS`: transformers'
-    ``KimiLinearDeltaAttention``, ``BailingHybridDeltaAttention``, ``Glm5NextTextLinearAttention`` and
-    ``NemotronHMamba2Mixer``, OLMo-core's ``NemotronMamba2Mixer``; FLA's ``BasedLinearAttention``,
-    ``ReBasedLinearAttention``, ``Mamba``, ``Mamba2``, ``LogLinearMamba2``) are not hooked: a
-    :class:`LeakingMixerWarning` per class names them, why, and what to do (``swap_mixers`` where this package
-    has a drop-in). transformers' six Gated DeltaNets are hooked, and warned about too when the ``causal_conv1d``
-    package cannot be imported: their short conv then runs transformers' torch fallback across document
-    boundaries (:attr:`~fla_ac_isolation.families.UpstreamMixer.leaks_without`; ``swap_mixers`` for Qwen3.5(-MoE)
-    and Qwen3.8-Flash-Next).
+    Mixers known to drop the offsets are not hooked: a :class:`LeakingMixerWarning` per class names them, why,
+    and what to do (``swap_mixers`` where this package has a drop-in). Hooked classes that leak without a
+    package missing here (transformers' Gated DeltaNets without ``causal_conv1d``: their short conv runs across
+    document boundaries; :attr:`~fla_ac_isolation.foreign_classes.UpstreamMixer.leaks_without`) are hooked and
+    warned about too.
 
     A hook never passes a packed call silently: when none of its arguments arrives but the call carries
     offsets-like keywords (a 1-D integer tensor under a name starting with ``cu_``, e.g. ``cu_seq_lens_q``),
@@ -360,16 +332,16 @@ def isolate_seqlens(
         handle = isolate_seqlens(model)   # handle.paths == ['blocks.0._checkpoint_wrapped_module.attention', ...]
     """
     chosen, names = _check_arguments(model, modules, arg_names)
-    sources: dict = {}  # FLA forward sources read by the FLA rule, once per call
-    plan = _plan(model, chosen, names, sources)
-    leaking = _warn_leaking(model, sources)
-    handle = IsolationHandle()
+    plan = classify(model)  # every module classified once; warnings, targets and the handle read this plan
+    targets = _targets(model, plan, chosen, names)
+    leaking = _warn_leaking(plan)
+    handle = IsolationHandle(plan)
     host = HostOffsets()
-    for path, module, offsets, fla_keywords, known in plan:
+    for path, module, offsets, fla_keywords, known in targets:
         if _MARK in vars(module):  # hooked already, by this call (a module listed twice) or an earlier one
             continue
         _warn_if_forward_overridden(path, module, known)
-        registry = known[0].offsets if known is not None else ()
+        registry = known.entry.offsets if known is not None else ()
         hook = module.register_forward_pre_hook(
             OffsetsHook(path or type(module).__name__, module, tuple(offsets), tuple(fla_keywords), host,
                         handle._counter, registry),
@@ -379,9 +351,9 @@ def isolate_seqlens(
         handle.paths.append(path)
         handle._hooks.append((weakref.ref(module), hook))
     if not handle.paths:
-        _nothing_found(model, leaking)
+        _nothing_found(model, plan, leaking)
     elif chosen is not None:
-        missed = [p for p, m in model.named_modules() if _hookable(m, sources) is not None and _MARK not in vars(m)]
+        missed = [p.path for p in plan if _hookable(p) and not is_isolated(p.module)]
         if missed:
             warnings.warn(
                 f"isolate_seqlens: modules= left {len(missed)} FLA-backed mixer(s) of the model unhooked "

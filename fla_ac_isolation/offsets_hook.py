@@ -8,6 +8,7 @@
   model-level offsets object (host offsets and FLA's chunk schedule, built once per batch).
 * :class:`CallCounter` - how many calls the hooks of one handle rewrote.
 * :func:`offsets_like_keywords` - the keywords of a call that look like packed offsets.
+* :func:`is_isolated` - a module carries the hook (:data:`HOOK_ATTRIBUTE` in its ``__dict__``).
 
 Offsets are 1-D integer tensors (``[N + 1]`` ``cu_seqlens``, int32/int64) or NamedTuples holding them
 (torchtitan's ``VarlenMetadata``); "offsets-like" keywords are those whose name starts with ``cu_``
@@ -27,9 +28,18 @@ from torch.utils._python_dispatch import _disable_current_modes
 from fla_ac_isolation.local_seqlens import LocalSeqlens, fresh_copy
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
-__all__ = ["CallCounter", "HostOffsets", "OffsetsHook", "is_offsets", "offsets_like_keywords", "refresh"]
+__all__ = ["HOOK_ATTRIBUTE", "CallCounter", "HostOffsets", "OffsetsHook", "is_isolated", "is_offsets",
+           "offsets_like_keywords", "refresh"]
+
+HOOK_ATTRIBUTE = "_fla_ac_isolation_hook"
+"""Where a hooked module keeps the ``RemovableHandle`` of its hook (in its ``__dict__``)."""
 
 _CACHE_LIMIT = 8  # offsets objects whose host offsets and schedule are kept (one per live batch)
+
+
+def is_isolated(module: nn.Module) -> bool:
+    """``module`` carries a hook of :func:`~fla_ac_isolation.isolate_seqlens` (not removed)."""
+    return HOOK_ATTRIBUTE in vars(module)
 
 
 def is_offsets(value: Any) -> bool:

@@ -7,21 +7,9 @@ its Kimi Delta Attention mixers (Kimi-Linear, GLM-5-next, Bailing) never hand FL
 :func:`swap_mixers` replaces each supported transformers mixer with this package's drop-in
 (:mod:`fla_ac_isolation.mixers`), which isolates ``cu_seq_lens_q`` inside its own forward.
 
-Supported (exact classes; a subclass is not swapped, since it may change ``forward``):
-
-==================================================  ====================================================
-transformers class                                   replaced by (``fla_ac_isolation.mixers``)
-==================================================  ====================================================
-``qwen3_5_moe.Qwen3_5MoeGatedDeltaNet``               ``Qwen3_5MoeGatedDeltaNet``
-``qwen3_5.Qwen3_5GatedDeltaNet`` (dense Qwen3.5)      ``Qwen3_5MoeGatedDeltaNet``
-``qwen4_exp.Qwen4ExpTextGatedDeltaNet``               ``Qwen3_8FlashNextGatedDeltaNet``
-``nemotron_h.NemotronHMamba2Mixer``                   ``NemotronHMamba2Mixer``
-OLMo-core ``recurrent.NemotronMamba2Mixer``            ``OlmoNemotronMamba2Mixer`` (OLMo-core's interface)
-flash-linear-attention ``fla.layers.Mamba2``          ``FlaMamba2`` (FLA's interface)
-``kimi_linear.KimiLinearDeltaAttention``              ``KimiLinearDeltaAttention``
-``glm5_next.Glm5NextTextLinearAttention``             ``Glm5NextTextLinearAttention``
-``bailing_hybrid.BailingHybridDeltaAttention``        ``BailingHybridDeltaAttention``
-==================================================  ====================================================
+Supported: the upstream classes of :data:`~fla_ac_isolation.families.FAMILIES` (:data:`SUPPORTED_MIXERS`),
+exact classes (a subclass is not swapped, since it may change ``forward``); which drop-in replaces which class is
+the table of ``docs/foreign-classes.md``, rendered from the registry.
 
 OLMo-core's Mamba2 has no config object: the replacement reads its configuration from the module's
 attributes (``OlmoNemotronMamba2Mixer.config_from``), and its ``init_weights`` runs OLMo-core's own

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from fla_ac_isolation.families import FAMILIES, FLA_BACKED_MIXERS
+from fla_ac_isolation.families import FAMILIES
+from fla_ac_isolation.foreign_classes import FLA_BACKED_MIXERS
 from fla_ac_isolation.harness.environment import environment_report
 
 BROKEN = 'raise OSError("libcudart.so.11.0: cannot open shared object file: No such file or directory")\n'

@@ -14,7 +14,7 @@ from helpers import fla_layer
 from torch import nn
 
 from fla_ac_isolation import isolate_seqlens
-from fla_ac_isolation.families import LeakingMixer, UpstreamMixer, fla_layer_mixer, foreign_mixer
+from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer, fla_layer_mixer, foreign_mixer
 from fla_ac_isolation.harness.foreign_models import build_tiny
 from fla_ac_isolation.isolate import LeakingMixerWarning
 

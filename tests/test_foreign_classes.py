@@ -31,7 +31,8 @@ from helpers import (
 from torch import nn
 
 from fla_ac_isolation import isolate_seqlens, swap_mixers
-from fla_ac_isolation.families import ForeignClass, LeakingMixer, UpstreamMixer, drop_in_for, fla_layer_mixer
+from fla_ac_isolation.families import drop_in_for
+from fla_ac_isolation.foreign_classes import ForeignClass, LeakingMixer, UpstreamMixer, fla_layer_mixer
 from fla_ac_isolation.harness.foreign_models import build_tiny
 from fla_ac_isolation.harness.reference_kernels import reference_kernels
 from fla_ac_isolation.isolate import LeakingMixerWarning

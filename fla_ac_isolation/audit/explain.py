@@ -16,7 +16,8 @@ from __future__ import annotations
 from torch import nn
 
 from fla_ac_isolation.audit.records import CacheDifference
-from fla_ac_isolation.families import LeakingMixer, UpstreamMixer, drop_in_for, foreign_mixer
+from fla_ac_isolation.families import drop_in_for, remedy
+from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer, foreign_mixer
 
 __all__ = ["explain", "foreign_fix"]
 
@@ -26,14 +27,14 @@ VERBS = {"miss": "missed", "hit": "hit", "bypass": "bypassed the cache", "not ca
 
 def foreign_fix(running: list[nn.Module]) -> str | None:
     """The fix sentence for the innermost module of ``running`` (innermost first) that is a known FLA-backed
-    class of another library (:func:`~fla_ac_isolation.families.foreign_mixer`), or ``None``."""
+    class of another library (:func:`~fla_ac_isolation.foreign_classes.foreign_mixer`), or ``None``."""
     for module in running:
         found = foreign_mixer(module)
         if found is None:
             continue
         entry = found[0]
         if isinstance(entry, LeakingMixer):
-            return f"{entry.name} ({entry.framework}) drops the packed offsets: {entry.remedy()}."
+            return f"{entry.name} ({entry.framework}) drops the packed offsets: {remedy(entry)}."
         if isinstance(entry, UpstreamMixer) and entry.offsets:
             swap = " (or swap_mixers(model), which replaces it with a drop-in)" if drop_in_for(entry) else ""
             return (f"{entry.name} ({entry.framework}) is code you do not own: call isolate_seqlens(model) once after "

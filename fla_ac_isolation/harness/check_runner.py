@@ -53,17 +53,11 @@ import torch
 from torch import nn
 
 from fla_ac_isolation.audit import ReplayAudit
-from fla_ac_isolation.families import (
-    FLA_BACKED_MIXERS,
-    ForeignClass,
-    LeakingMixer,
-    UpstreamMixer,
-    drop_in_for,
-    foreign_mixer,
-)
+from fla_ac_isolation.families import drop_in_for, leak_remedy, remedy
+from fla_ac_isolation.foreign_classes import FLA_BACKED_MIXERS, ForeignClass, LeakingMixer, UpstreamMixer
 from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.harness.failures import first_line
-from fla_ac_isolation.isolate import is_isolated
+from fla_ac_isolation.mixer_plan import DROP_IN, EXPOSED, LEAKING, PlannedMixer, classify
 from fla_ac_isolation.policies import POLICIES
 
 __all__ = ["CheckEnvironmentError", "CheckInputError", "CheckResult", "CheckSpec", "CheckStep", "MixerFinding",
@@ -429,48 +423,38 @@ def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
 def _finding(entry: UpstreamMixer | LeakingMixer, status: str, paths: list[str]) -> MixerFinding:
     if status == "leaking":
         return MixerFinding(entry.qualified, entry.name, entry.framework, status, tuple(paths), why=entry.why,
-                            fix=entry.remedy())
+                            fix=remedy(entry))
     fix = None
     if status == "exposed":
         swap = drop_in_for(entry)
         fix = "isolate_seqlens(model)" + (" (or swap_mixers(model): a drop-in replaces it)" if swap else "")
     why = entry.leak()  # e.g. transformers' Gated DeltaNets without causal_conv1d: their conv mixes documents
     return MixerFinding(entry.qualified, entry.name, entry.framework, status, tuple(paths), entry.offsets, why=why,
-                        fix=fix, leak_fix=entry.leak_remedy() if why else None)
+                        fix=fix, leak_fix=leak_remedy(entry) if why else None)
 
 
-def _drop_in(cls: type) -> bool:
-    """``cls`` is one of this package's mixers (:mod:`fla_ac_isolation.mixers`' public classes), not one of
-    their sub-modules (gates, norms)."""
-    if not cls.__module__.startswith("fla_ac_isolation.mixers"):
-        return False
-    mixers = importlib.import_module("fla_ac_isolation.mixers")
-    return getattr(mixers, cls.__qualname__, None) is cls
+_CHECK_STATUS = {EXPOSED: "exposed", LEAKING: "leaking"}  # hooked and drop-in: "covered"
 
 
-def survey(model: nn.Module) -> list[MixerFinding]:
-    """The FLA-backed classes of ``model`` this package knows (:func:`~fla_ac_isolation.families.foreign_mixer`),
-    and its own drop-ins, grouped by class and status, in module order."""
-    sources: dict = {}
-    groups: dict[tuple[str, str], tuple[Any, list[str]]] = {}
-    for path, module in model.named_modules():
-        cls = type(module)
-        if _drop_in(cls):
-            key = (f"{cls.__module__}.{cls.__qualname__}", "covered")
-            groups.setdefault(key, (cls, []))[1].append(path)
-            continue
-        found = foreign_mixer(module, sources)
-        if found is None or (isinstance(found[0], UpstreamMixer) and not found[0].offsets):
-            continue
-        entry = found[0]
-        status = "leaking" if isinstance(entry, LeakingMixer) else ("covered" if is_isolated(module) else "exposed")
-        groups.setdefault((entry.qualified, status), (entry, []))[1].append(path)
+def survey(model: nn.Module, plan: tuple[PlannedMixer, ...] | None = None) -> list[MixerFinding]:
+    """The FLA-backed classes of ``model`` this package knows, and its own drop-ins, grouped by class and status
+    (``exposed``, ``covered``: hooked or a drop-in, ``leaking``), in module order.
+
+    Args:
+        model: the model.
+        plan: its plan (:func:`~fla_ac_isolation.mixer_plan.classify`), when the caller has it (not classified
+            again); ``None``: classified here.
+    """
+    plan = classify(model) if plan is None else plan
+    groups: dict[tuple[str, str], tuple[PlannedMixer, list[str]]] = {}
+    for p in plan:
+        groups.setdefault((p.cls, _CHECK_STATUS.get(p.status, "covered")), (p, []))[1].append(p.path)
     out = []
-    for (qualified, status), (entry, paths) in groups.items():
-        if isinstance(entry, type):  # one of our drop-ins
-            out.append(MixerFinding(qualified, entry.__name__, "fla_ac_isolation", status, tuple(paths)))
+    for (qualified, status), (first, paths) in groups.items():
+        if first.status == DROP_IN:
+            out.append(MixerFinding(qualified, first.matched.__name__, "fla_ac_isolation", status, tuple(paths)))
         else:
-            out.append(_finding(entry, status, paths))
+            out.append(_finding(first.entry, status, paths))
     return out
 
 
@@ -694,7 +678,7 @@ def _apply_fix(model: nn.Module, mixers: list[MixerFinding]) -> tuple[str, ...]:
         if any(drop_in_for(ForeignClass(*m.cls.rsplit(".", 1))) for m in leaking):
             swap_mixers(model)
             applied.append("swap_mixers(model)")
-        if any(m.status == "exposed" for m in survey(model)):
+        if any(p.status == EXPOSED for p in classify(model)):  # the model as swapped
             isolate_seqlens(model)
             applied.append("isolate_seqlens(model)")
     return tuple(applied)
@@ -729,7 +713,7 @@ def run_check(spec: CheckSpec) -> CheckResult:
     if spec.device == "auto":
         spec = replace(spec, device=resolve_device("auto"))
     model, batch = load_model(spec)
-    mixers = survey(model)
+    mixers = survey(model, classify(model))
     self_checkpointed, reference = _dry_run(model, batch, spec)
     watch = tuple(p for m in mixers if m.status == "exposed" for p in m.paths)
     as_given = _step(model, batch, spec, self_checkpointed=self_checkpointed, watch=watch, reference=reference)

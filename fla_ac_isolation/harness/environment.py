@@ -12,7 +12,7 @@ by the benchmarks (their JSON files). Nothing here renders; everything returns p
 * :func:`environment_report` - all of the above, with the device, FLA's cache state and whether the packages
   some classes need to keep packed documents apart import (``causal_conv1d``), as ``{label: text}``.
 * :func:`fla_backed_classes` - every FLA-backed class of other libraries this package knows
-  (:mod:`fla_ac_isolation.families`), whether its library is installed, and its status here.
+  (:mod:`fla_ac_isolation.foreign_classes`), whether its library is installed, and its status here.
 * :func:`resolve_device` - what ``device="auto"`` means in every command and spec: ``cuda`` when enough GPUs
   are visible for the ranks, else ``cpu``; and the check that a ``cuda`` run has its GPUs.
 """
@@ -27,17 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
-from fla_ac_isolation.families import (
+from fla_ac_isolation.families import drop_in_for, leak_remedy, remedy
+from fla_ac_isolation.fla_seam import cache
+from fla_ac_isolation.fla_seam import versions as fla_versions
+from fla_ac_isolation.foreign_classes import (
     FLA_BACKED_MIXERS,
     LEAKING_MIXERS,
     LeakingMixer,
     PackageLeak,
     UpstreamMixer,
-    drop_in_for,
     fla_layer_mixer,
 )
-from fla_ac_isolation.fla_seam import cache
-from fla_ac_isolation.fla_seam import versions as fla_versions
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -317,19 +317,19 @@ def _package_leaks() -> dict[PackageLeak, list[str]]:
 
 def _status(entry: UpstreamMixer | LeakingMixer) -> str:
     if isinstance(entry, LeakingMixer):
-        return f"leaking (documents are not kept apart): {entry.remedy()}"
+        return f"leaking (documents are not kept apart): {remedy(entry)}"
     swap = "; swap_mixers has a drop-in" if drop_in_for(entry) else ""
     covered = f"covered by isolate_seqlens ({', '.join(entry.offsets)}){swap}"
     why = entry.leak()
     if why is None:
         return covered
     offsets = ", ".join(entry.offsets)
-    return (f"leaking here (documents are not kept apart): {why}: {entry.leak_remedy()}; the AC fault: covered by "
+    return (f"leaking here (documents are not kept apart): {why}: {leak_remedy(entry)}; the AC fault: covered by "
             f"isolate_seqlens ({offsets})")
 
 
 def fla_backed_classes() -> list[ForeignClassStatus]:
-    """Every FLA-backed class of :mod:`fla_ac_isolation.families` (named ones first, then FLA's own layers as
+    """Every FLA-backed class of :mod:`fla_ac_isolation.foreign_classes` (named ones first, then FLA's own layers as
     counted by the FLA rule when flash-linear-attention is installed), with whether it is installed here."""
     out = [ForeignClassStatus(e.framework, e.name, _installed(e.module), _status(e))
            for e in (*FLA_BACKED_MIXERS, *LEAKING_MIXERS)]

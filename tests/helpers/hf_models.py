@@ -26,7 +26,7 @@ from transformers import (
 from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 from transformers.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-from fla_ac_isolation import families
+from fla_ac_isolation import families, foreign_classes
 from fla_ac_isolation.ops import reference
 from fla_ac_isolation.policies import sac_context_fn, save_all_copies, save_ops
 
@@ -84,7 +84,7 @@ class ModelFamily:
 
     build: Callable[[], nn.Module]
     family: families.Family  # the library's registry entry
-    upstream: families.UpstreamMixer  # the transformers mixer class (the library's registry)
+    upstream: foreign_classes.UpstreamMixer  # the transformers mixer class (the library's registry)
     ours: type  # our drop-in
     paths: tuple[str, ...]  # mixer paths in the tiny model
 

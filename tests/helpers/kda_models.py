@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import DataCollatorWithFlattening
 
-from fla_ac_isolation import families
+from fla_ac_isolation import families, foreign_classes
 from fla_ac_isolation.ops import reference_kda
 
 VOCAB = 128
@@ -72,7 +72,7 @@ class KDAModel:
 
     name: str
     build: Callable[[], nn.Module]
-    upstream: families.UpstreamMixer  # the transformers mixer class (the library's registry)
+    upstream: foreign_classes.UpstreamMixer  # the transformers mixer class (the library's registry)
     paths: tuple[str, ...]            # mixer paths in the tiny model
     has_head: bool = True             # GLM-5-next's text model has no LM head: its output is the last hidden state
 

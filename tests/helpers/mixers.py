@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fla_ac_isolation import families
+from fla_ac_isolation import families, foreign_classes
 
 warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
 
@@ -94,7 +94,7 @@ class MixerFamily:
 
     name: str
     family: families.Family   # the library's registry entry
-    upstream: families.UpstreamMixer
+    upstream: foreign_classes.UpstreamMixer
     config: Any               # () -> config
 
     @property

@@ -50,7 +50,7 @@ def fla_causal_lm_class(config_class: type) -> type[nn.Module]:
 
 def fla_layer_and_model_classes() -> list[type[nn.Module]]:
     """Every ``nn.Module`` class defined in a module of ``fla.layers`` or ``fla.models.*.modeling_*``, in file
-    order (what :func:`fla_ac_isolation.families.fla_layer_mixer` judges). A module that fails to import (a
+    order (what :func:`fla_ac_isolation.foreign_classes.fla_layer_mixer` judges). A module that fails to import (a
     missing optional dependency) is skipped.
 
     Raises:

@@ -1,0 +1,105 @@
+"""What each FLA-backed module of a model is, decided once: the plan :func:`~fla_ac_isolation.isolate_seqlens`
+hooks from and warns from, and ``fla-ac-isolation check`` reports (its ``survey``).
+
+:func:`classify` walks ``model.named_modules()`` once and asks the registry
+(:func:`~fla_ac_isolation.foreign_classes.foreign_mixer`) once per module. Each module it knows becomes one
+:class:`PlannedMixer` with a status:
+
+* ``"exposed"``: hands the model's shared offsets to FLA through :attr:`~fla_ac_isolation.foreign_classes.
+  UpstreamMixer.offsets` (the fault): what ``isolate_seqlens`` hooks;
+* ``"hooked"``: the same, already carrying ``isolate_seqlens``'s hook (covered);
+* ``"drop-in"``: one of this package's mixers (:mod:`fla_ac_isolation.mixers`), which take fresh offsets
+  themselves (covered);
+* ``"leaking"``: drops the offsets (:class:`~fla_ac_isolation.foreign_classes.LeakingMixer`): its packed documents
+  leak into each other, which no isolation fixes.
+
+Modules of no known FLA-backed class are not in the plan.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fla_ac_isolation.families import drop_in_for
+from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer, foreign_mixer
+from fla_ac_isolation.offsets_hook import is_isolated
+
+__all__ = ["DROP_IN", "EXPOSED", "HOOKED", "LEAKING", "STATUSES", "PlannedMixer", "classify"]
+
+EXPOSED, HOOKED, DROP_IN, LEAKING = "exposed", "hooked", "drop-in", "leaking"
+STATUSES: tuple[str, ...] = (EXPOSED, HOOKED, DROP_IN, LEAKING)
+"""Every status a :class:`PlannedMixer` can have."""
+
+
+@dataclass(frozen=True)
+class PlannedMixer:
+    """One FLA-backed module of a model, as :func:`classify` found it.
+
+    Attributes:
+        path: its path in the model (``"model.layers.0.linear_attn"``; ``""``: the model itself).
+        cls: its class, ``"module.Class"`` (the registry's name for a foreign class; for FSDP2's renamed or a
+            subclass, the registry's class it matched).
+        status: one of :data:`STATUSES`.
+        entry: the registry's entry for the class; ``None`` for a drop-in.
+        matched: the class of the module's hierarchy the entry matched (the drop-in's class for a drop-in).
+        module: the module itself (not compared).
+    """
+
+    path: str
+    cls: str
+    status: str
+    entry: UpstreamMixer | LeakingMixer | None
+    matched: type
+    module: nn.Module = field(compare=False, repr=False)
+
+    @property
+    def covered(self) -> bool:
+        """Its offsets are fresh per call already: hooked, or a drop-in."""
+        return self.status in (HOOKED, DROP_IN)
+
+    @property
+    def swappable(self) -> bool:
+        """:func:`~fla_ac_isolation.swap_mixers` has a drop-in for its class (:func:`~fla_ac_isolation.families.
+        drop_in_for`)."""
+        return self.entry is not None and drop_in_for(self.entry) is not None
+
+
+def _is_drop_in(cls: type) -> bool:
+    """``cls`` is one of this package's mixers (a public class of :mod:`fla_ac_isolation.mixers`), not one of
+    their sub-modules (gates, norms)."""
+    if not cls.__module__.startswith("fla_ac_isolation.mixers"):
+        return False
+    return getattr(importlib.import_module("fla_ac_isolation.mixers"), cls.__qualname__, None) is cls
+
+
+def classify(model: nn.Module) -> tuple[PlannedMixer, ...]:
+    """The plan of ``model``: every module of a known FLA-backed class or of this package's drop-ins, in
+    ``named_modules()`` order, each classified once (FLA's ``forward`` sources read once per call).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    sources: dict = {}
+    plan = []
+    for path, module in model.named_modules():
+        cls = type(module)
+        if _is_drop_in(cls):
+            plan.append(PlannedMixer(path, f"{cls.__module__}.{cls.__qualname__}", DROP_IN, None, cls, module))
+            continue
+        found = foreign_mixer(module, sources)
+        if found is None:
+            continue
+        entry, matched = found
+        if isinstance(entry, LeakingMixer):
+            status = LEAKING
+        elif entry.offsets:
+            status = HOOKED if is_isolated(module) else EXPOSED
+        else:  # hands FLA no offsets: nothing to isolate, nothing known to leak
+            continue
+        plan.append(PlannedMixer(path, entry.qualified, status, entry, matched, module))
+    return tuple(plan)
