@@ -247,3 +247,20 @@ def _remedy(entry: ForeignClass, otherwise: str) -> str:
         return f"no drop-in here: {otherwise}"
     upstream, family = found
     return f"use swap_mixers(model) (drop-in fla_ac_isolation.mixers.{upstream.replacement or family.mixer})"
+
+
+# 0.3 names that moved to :mod:`fla_ac_isolation.foreign_classes`: still importable from here, with a warning
+_MOVED_TO_FOREIGN_CLASSES = ("FLA_BACKED_MIXERS", "FLA_LAYER_MODULES", "LEAKING_MIXERS", "PackageLeak",
+                             "fla_layer_mixer", "foreign_mixer")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_FOREIGN_CLASSES:
+        import warnings
+
+        from fla_ac_isolation import foreign_classes
+
+        warnings.warn(f"fla_ac_isolation.families.{name} is deprecated (its 0.3 place): import it from "
+                      f"fla_ac_isolation.foreign_classes", DeprecationWarning, stacklevel=2)
+        return getattr(foreign_classes, name)
+    raise AttributeError(f"module 'fla_ac_isolation.families' has no attribute {name!r}")
