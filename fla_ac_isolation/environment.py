@@ -7,7 +7,8 @@ by the benchmarks (their JSON files). Nothing here renders; everything returns p
 * :func:`versions` - ``{distribution: version}`` of torch and the libraries the checks run on.
 * :func:`torch_features` - what each known feature needs from torch, and whether this torch has it.
 * :func:`sac_replay_semantics` - ``"(op, index)"`` (torch >= 2.13) or ``"per-op FIFO"`` (2.11/2.12).
-* :func:`environment_report` - all of the above, with the device, FLA's cache state and whether the packages
+* :func:`environment_report` - all of the above, with the device, FLA's cache state, the features this FLA
+  supports (:func:`fla_ac_isolation.fla_seam.features.feature_report`) and whether the packages
   some classes need to keep packed documents apart import (``causal_conv1d``), as ``{label: text}``.
 * :func:`fla_backed_classes` - every FLA-backed class of other libraries this package knows
   (:mod:`fla_ac_isolation.families`), whether its library is installed, and its status here.
@@ -35,6 +36,7 @@ from fla_ac_isolation.families import (
     fla_layer_mixer,
 )
 from fla_ac_isolation.fla_seam import cache
+from fla_ac_isolation.fla_seam import features as fla_features
 from fla_ac_isolation.fla_seam import versions as fla_versions
 
 __all__ = [
@@ -203,6 +205,7 @@ def environment_report() -> dict[str, str]:
         shown["FLA cached helpers"] = str(len(cache.cached_helpers()))
     except ImportError as e:  # fla missing or broken
         shown["FLA tensor cache"] = f"unavailable ({e})"
+    shown.update(fla_features.feature_report())  # what this FLA supports of the features that need fla-core 0.6
     return shown
 
 
