@@ -151,3 +151,14 @@ def test_the_seam_turns_flas_import_failure_into_one_naming_the_triton_bound(tmp
                        "'fla-ac-isolation[fla052]' pins both) or upgrade to 'fla-core>=0.6,<0.7' | ValueError")
     else:  # FLA's own message, which names neither triton nor a fix
         assert out == "ValueError | key contains names that are not kernel arguments: BT | NoneType"
+
+
+def test_the_probes_read_flas_own_objects_even_while_reference_kernels_serve_its_functions():
+    from fla_ac_isolation.reference_kernels import reference_kernels
+
+    supports.cache_clear()
+    try:
+        with reference_kernels():  # FLA's chunk_gated_delta_rule is our stand-in here, which names chunk_indices
+            assert supports("gdn_chunk_indices") is NEW and supports("cp") is NEW
+    finally:
+        supports.cache_clear()

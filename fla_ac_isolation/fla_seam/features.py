@@ -132,7 +132,8 @@ class FlaFeature:
         name: what the user loses without it, in prose.
         since: the first fla-core release that has it.
         api: what of FLA it needs, as FLA spells it.
-        probe: ``() -> bool``, whether the installed FLA has :attr:`api` (imports FLA).
+        probe: ``() -> bool``, whether the installed FLA has :attr:`api` (imports FLA; reads FLA's own objects,
+            never a name :func:`~fla_ac_isolation.reference_kernels` may have replaced).
     """
 
     key: str
@@ -152,7 +153,9 @@ FEATURES: tuple[FlaFeature, ...] = (
         "gdn_chunk_indices",
         "the chunk schedule handed to FLA's gated delta rule (no host sync; CUDA graphs)", "0.6.0",
         "fla.ops.gated_delta_rule.chunk_gated_delta_rule(chunk_indices=)",
-        lambda: _has_parameter("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "chunk_indices"),
+        # read on FLA's autograd Function, which reference_kernels() never replaces (it serves the function)
+        lambda: "chunk_indices" in inspect.signature(importlib.import_module(
+            "fla.ops.gated_delta_rule.chunk").ChunkGatedDeltaRuleFunction.forward).parameters,
     ),
 )
 """The features that need fla-core 0.6 (fla-core 0.5.2 lacks what :attr:`FlaFeature.api` names)."""
