@@ -48,9 +48,10 @@ def test_the_conv_chunk_parameter_is_named_per_release_and_the_schedule_is_hande
 
 
 def test_what_needs_fla_06_is_supported_exactly_on_06():
-    assert {f.key: supports(f.key) for f in features.FEATURES} == {"cp": NEW, "gdn_chunk_indices": NEW}
+    assert {f.key: supports(f.key) for f in features.FEATURES} == {"cp": NEW, "gdn_chunk_indices": NEW,
+                                                                    "ssd_kernels": NEW}
     assert all(f.since == "0.6.0" for f in features.FEATURES)
-    with pytest.raises(ValueError, match=r"feature must be one of \('cp', 'gdn_chunk_indices'\), got 'nope'"):
+    with pytest.raises(ValueError, match=r"feature must be one of \('cp', 'gdn_chunk_indices', 'ssd_kernels'\), got 'nope'"):
         supports("nope")
 
 

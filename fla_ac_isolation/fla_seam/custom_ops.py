@@ -347,6 +347,7 @@ def causal_conv1d(
         ValueError: CPU tensors outside Triton's interpreter.
     """
     kernels._check_device(x)
+    features.require("ssd_kernels", where="ops.ssd(..., backend='fla', saveable=True)")
     return _conv_forward(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
 
 

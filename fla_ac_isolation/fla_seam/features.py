@@ -157,6 +157,13 @@ FEATURES: tuple[FlaFeature, ...] = (
         lambda: "chunk_indices" in inspect.signature(importlib.import_module(
             "fla.ops.gated_delta_rule.chunk").ChunkGatedDeltaRuleFunction.forward).parameters,
     ),
+    FlaFeature(
+        "ssd_kernels",
+        "the Mamba2 SSD on FLA's simple GLA kernels (ops.ssd backend='fla': our launches of its chunk kernels)",
+        "0.6.0", "fla-core 0.6's simple GLA chunk kernels (fla.modules.causal_conv1d layout); with 0.5.2's the "
+        "launches give wrong numbers (measured under Triton's interpreter)",
+        lambda: _module_layout() == "0.6",
+    ),
 )
 """The features that need fla-core 0.6 (fla-core 0.5.2 lacks what :attr:`FlaFeature.api` names)."""
 

@@ -129,7 +129,8 @@ def chunk_gated_delta_rule(
         cu_seqlens = cu_seqlens_cpu = None  # FLA reads the rank-local offsets from the context
     schedule_given = {}
     if chunk_indices is not None:
-        if not features.supports("gdn_chunk_indices") and torch.cuda.is_current_stream_capturing():
+        # (a CPU build of torch raises on asking whether a stream captures: ask only for CUDA tensors)
+        if not features.supports("gdn_chunk_indices") and q.is_cuda and torch.cuda.is_current_stream_capturing():
             features.require("gdn_chunk_indices", where="chunk_gated_delta_rule(chunk_indices=) in a CUDA graph")
         if features.supports("gdn_chunk_indices"):
             schedule_given["chunk_indices"] = chunk_indices
@@ -177,6 +178,7 @@ def ssd(
     ``chunk_simple_gla(q, k, v, g, scale=1, cu_seqlens=...)``, bit for bit.
     """
     _check_device(x)
+    features.require("ssd_kernels", where="ops.ssd(..., backend='fla')")
     heads, groups = x.shape[2], B.shape[2]
     if heads % groups or C.shape[2] != groups:
         raise ValueError(f"heads ({heads}) must be a multiple of the B/C groups ({groups}, {C.shape[2]})")
