@@ -296,10 +296,22 @@ FLA_TAKES = {  # fla.layers.__all__ of flash-linear-attention 0.6 minus FLA_DROP
 }
 
 
+# flash-linear-attention 0.5.2 lacks five of 0.6's layers, and its LinearAttention has no varlen path (drops
+# cu_seqlens); read with the rule on 0.5.2
+_NOT_IN_052 = {"CyclicFlowAttention", "MomentumDeltaNet", "PrecondGatedDeltaNet", "PrecondKDA", "StickBreakingAttention"}
+_FLA_CENSUS = {  # release -> (classes fla.layers exports, those taking cu_seqlens, those dropping it)
+    "0.6": (45, FLA_TAKES, set(FLA_DROPS)),
+    "0.5": (40, FLA_TAKES - _NOT_IN_052 - {"LinearAttention"}, {*FLA_DROPS, "LinearAttention"}),
+}
+
+
 def test_the_fla_rule_finds_every_offsets_taking_class_and_every_dropping_one():
     """flash-linear-attention 0.6: 40 of the 45 classes ``fla.layers`` exports take ``cu_seqlens`` (37 from
-    ``**kwargs``), 5 drop it; the rule also finds classes no export list names (``SimpleGatedLinearAttention``,
-    RWKV's nested helpers, feed-forwards and blocks) and skips FLA's ``PreTrainedModel`` classes."""
+    ``**kwargs``), 5 drop it (0.5.2: 34 of 40, 6); the rule also finds classes no export list names
+    (``SimpleGatedLinearAttention``, RWKV's nested helpers, feed-forwards and blocks) and skips FLA's
+    ``PreTrainedModel`` classes."""
+    import importlib.metadata
+
     import fla.layers
 
     from fla_ac_isolation.harness.fla_seam.models import fla_layer_and_model_classes
@@ -311,13 +323,19 @@ def test_the_fla_rule_finds_every_offsets_taking_class_and_every_dropping_one():
     drops = {q for (m, q), v in verdicts.items() if isinstance(v, LeakingMixer)}
     exported = set(fla.layers.__all__)
 
-    assert len(exported) == 45 and len(FLA_TAKES) == 40
-    assert drops == set(FLA_DROPS)
-    assert takes & exported == FLA_TAKES
+    release = ".".join(importlib.metadata.version("flash-linear-attention").split(".")[:2])
+    count, expected_takes, expected_drops = _FLA_CENSUS[release]
+    assert len(exported) == count and len(FLA_TAKES) == 40
+    assert drops == expected_drops
+    assert takes & exported == expected_takes
     assert takes - exported == {"SimpleGatedLinearAttention", "LerpLinear", "DDLerpLinear", "YOCORotaryEmbedding",
                                 "RWKV6FeedForward", "RWKV6Block", "RWKV7FeedForward", "RWKV7Block"}
     assert all(v.offsets == ("cu_seqlens",) for v in verdicts.values() if isinstance(v, UpstreamMixer))
-    assert verdicts[("fla.models.cat.modeling_cat", "CATModel")] is None  # a PreTrainedModel hands it on
+    assert verdicts[("fla.models.gla.modeling_gla", "GLAModel")] is None  # a PreTrainedModel hands it on
+    if release == "0.6":  # CAT is new in 0.6
+        assert verdicts[("fla.models.cat.modeling_cat", "CATModel")] is None
+    else:
+        assert ("fla.models.cat.modeling_cat", "CATModel") not in verdicts
 
 
 @pytest.mark.parametrize(("config", "layers"), [

@@ -284,11 +284,13 @@ def test_core_dependencies_are_torch_fla_core_and_triton_for_fla():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = [dep.split(">")[0].split("=")[0].split(";")[0].strip() for dep in project["dependencies"]]
     assert names == ["torch", "fla-core", "triton"]
-    assert "fla-core>=0.6,<0.7" in project["dependencies"]
+    assert "fla-core>=0.5.2,<0.7" in project["dependencies"]  # 0.5.2 and 0.6 (fla_seam/features.py)
     assert any(dep.startswith("triton") and "sys_platform == 'linux'" in dep for dep in project["dependencies"])
     extras = project["optional-dependencies"]
     assert {dep.split(">")[0] for dep in extras["cli"]} == {"rich", "matplotlib"}
     assert {dep.split(">")[0] for dep in extras["ep"]} == {"torchtitan", "spmd_types", "transformers"}
+    # FLA 0.5.2 does not import with triton >= 3.9 (measured: 3.9.0 fails, 3.8.0 / 3.7.1 / 3.6.0 import)
+    assert extras["fla052"] == ["fla-core==0.5.2", "triton>=3.6,<3.9; sys_platform == 'linux'"]
 
 
 _CORE_SCRIPT = r"""

@@ -58,7 +58,7 @@ import math
 import torch
 from torch import Tensor
 
-from fla_ac_isolation.fla_seam import kernels, simple_gla
+from fla_ac_isolation.fla_seam import features, kernels, simple_gla
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
 from fla_ac_isolation.op_inputs import check_groups, discretize_dt
 from fla_ac_isolation.op_names import by_operation
@@ -108,7 +108,8 @@ def _conv_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, cu_seqlens: Tensor | None,
     cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
 ) -> Tensor:
-    from fla.modules.causal_conv1d.ops import _has_non_standard_layout, causal_conv1d_fwd
+    ops = features.module("conv_ops")
+    _has_non_standard_layout, causal_conv1d_fwd = ops._has_non_standard_layout, ops.causal_conv1d_fwd
 
     with _device(x):
         y, _ = causal_conv1d_fwd(
@@ -129,7 +130,8 @@ def _conv_backward_op(
     dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    from fla.modules.causal_conv1d.ops import _has_non_standard_layout, causal_conv1d_bwd
+    ops = features.module("conv_ops")
+    _has_non_standard_layout, causal_conv1d_bwd = ops._has_non_standard_layout, ops.causal_conv1d_bwd
 
     with _device(x):
         dx, dw, db, _, _ = causal_conv1d_bwd(
@@ -168,7 +170,7 @@ def _gdn_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, use_qk_l2norm_in_kernel: bool,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    from fla.modules.norm.l2norm import l2norm_fwd
+    l2norm_fwd = features.module("l2norm").l2norm_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
     q, k, v, g, beta = (_contiguous(t) for t in (q, k, v, g, beta))
@@ -204,7 +206,8 @@ def _gdn_backward_op(
     k_rstd: Tensor, g_dtype: torch.dtype, scale: float, use_qk_l2norm_in_kernel: bool,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
+    l2norm = features.module("l2norm")
+    l2norm_bwd, l2norm_fwd = l2norm.l2norm_bwd, l2norm.l2norm_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
 
     dtypes = (q.dtype, k.dtype, v.dtype, beta.dtype)
@@ -344,6 +347,7 @@ def causal_conv1d(
         ValueError: CPU tensors outside Triton's interpreter.
     """
     kernels._check_device(x)
+    features.require("ssd_kernels", where="ops.ssd(..., backend='fla', saveable=True)")
     return _conv_forward(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
 
 

@@ -43,6 +43,7 @@ import os
 
 import torch
 
+from fla_ac_isolation.fla_seam import features
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
 from fla_ac_isolation.fla_seam.simple_gla import schedule, simple_gla
 from fla_ac_isolation.op_inputs import discretize_dt
@@ -76,7 +77,7 @@ def causal_conv1d(
     ``cp_context``: ``x [1, T / W, D]`` is this rank's shard and the result too (FLA's
     ``causal_conv1d_cp``; the gradients of ``weight``/``bias`` are this rank's part, summed by the caller).
     """
-    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+    fla_causal_conv1d = features.module("conv").causal_conv1d
 
     _check_device(x)
     if cp_context is not None:
@@ -116,12 +117,25 @@ def chunk_gated_delta_rule(
 
     ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]``. With
     ``cp_context``: ``T`` is this rank's ``T / W`` tokens; FLA passes the states along the ranks.
+    ``chunk_indices`` reaches FLA where it takes it (fla-core 0.6; 0.5.2 builds the schedule itself).
+
+    Raises:
+        FlaFeatureError: ``chunk_indices`` inside a CUDA graph capture on an FLA without ``chunk_indices=``.
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
     _check_device(q)
     if cp_context is not None:
         cu_seqlens = cu_seqlens_cpu = None  # FLA reads the rank-local offsets from the context
+    schedule_given = {}
+    if chunk_indices is not None:
+        # (a CPU build of torch raises on asking whether a stream captures: ask only for CUDA tensors)
+        if not features.supports("gdn_chunk_indices") and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            features.require("gdn_chunk_indices", where="chunk_gated_delta_rule(chunk_indices=) in a CUDA graph")
+        if features.supports("gdn_chunk_indices"):
+            schedule_given["chunk_indices"] = chunk_indices
+        # fla-core 0.5.2 takes no chunk_indices= here: it builds the schedule from this call's cu_seqlens
+        # (the layer's fresh copy, so the isolation holds), at the cost of the host sync the schedule spares.
     out, _ = fla_chunk_gated_delta_rule(
         q=q,
         k=k,
@@ -132,9 +146,9 @@ def chunk_gated_delta_rule(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
-        chunk_indices=chunk_indices,
         chunk_size=CHUNK_SIZE,
         cp_context=cp_context,
+        **schedule_given,
     )
     return out
 
@@ -164,6 +178,7 @@ def ssd(
     ``chunk_simple_gla(q, k, v, g, scale=1, cu_seqlens=...)``, bit for bit.
     """
     _check_device(x)
+    features.require("ssd_kernels", where="ops.ssd(..., backend='fla')")
     heads, groups = x.shape[2], B.shape[2]
     if heads % groups or C.shape[2] != groups:
         raise ValueError(f"heads ({heads}) must be a multiple of the B/C groups ({groups}, {C.shape[2]})")

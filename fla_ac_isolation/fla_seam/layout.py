@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fla_ac_isolation.fla_seam import features
+
 __all__ = [
     "CHUNK_SIZE",
     "chunk_indices_for",
@@ -109,12 +111,12 @@ def conv_takes_chunk_indices() -> bool:
     Only then may the conv be handed a schedule from :func:`chunk_indices_for`; FLA's conv has a fixed
     chunk size (a default argument), read here from its signature.
     """
-    from fla.modules.causal_conv1d.ops import CausalConv1dFunction, causal_conv1d_bwd
-
+    ops = features.module("conv_ops")
+    name = features.conv_chunk_parameter()  # chunk_size (fla-core 0.6) or BT (0.5.2)
     sizes = {
-        inspect.signature(fn).parameters["chunk_size"].default
-        for fn in (CausalConv1dFunction.forward, inspect.unwrap(causal_conv1d_bwd))
-        if "chunk_size" in inspect.signature(fn).parameters
+        inspect.signature(fn).parameters[name].default
+        for fn in (ops.CausalConv1dFunction.forward, inspect.unwrap(ops.causal_conv1d_bwd))
+        if name in inspect.signature(fn).parameters
     }
     return sizes == {CHUNK_SIZE}
 

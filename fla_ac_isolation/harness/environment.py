@@ -9,7 +9,8 @@ by the benchmarks (their JSON files). Nothing here renders; everything returns p
 * :func:`sac_replay_semantics` - ``"(op, index)"`` (torch >= 2.13) or ``"per-op FIFO"`` (2.11/2.12).
 * :func:`audit_self_probe` - whether :class:`~fla_ac_isolation.ReplayAudit` sees checkpoints on this torch: a
   2-op function checkpointed under it, non-reentrant (recorded and compared) and reentrant (reported).
-* :func:`environment_report` - all of the above, with the device, FLA's cache state and whether the packages
+* :func:`environment_report` - all of the above, with the device, FLA's cache state, the features this FLA
+  supports (:func:`fla_ac_isolation.fla_seam.features.feature_report`) and whether the packages
   some classes need to keep packed documents apart import (``causal_conv1d``), as ``{label: text}``.
 * :func:`fla_backed_classes` - every FLA-backed class of other libraries this package knows
   (:mod:`fla_ac_isolation.foreign_classes`), whether its library is installed, and its status here.
@@ -29,6 +30,7 @@ import torch
 
 from fla_ac_isolation.families import drop_in_for, leak_remedy, remedy
 from fla_ac_isolation.fla_seam import cache
+from fla_ac_isolation.fla_seam import features as fla_features
 from fla_ac_isolation.fla_seam import versions as fla_versions
 from fla_ac_isolation.foreign_classes import (
     FLA_BACKED_MIXERS,
@@ -276,6 +278,7 @@ def environment_report() -> dict[str, str]:
         shown["FLA cached helpers"] = str(len(cache.cached_helpers()))
     except ImportError as e:  # fla missing or broken
         shown["FLA tensor cache"] = f"unavailable ({e})"
+    shown.update(fla_features.feature_report())  # what this FLA supports of the features that need fla-core 0.6
     return shown
 
 

@@ -92,6 +92,10 @@ class CPConfig(CPSplit):
             raise ValueError(f"CPConfig.world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"CPConfig.rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if self.layout == "zigzag":
+            from fla_ac_isolation.fla_seam.features import require
+
+            require("cp", where="CPConfig(layout='zigzag')")
 
     def _resolve_from_group(self) -> None:
         import torch.distributed as dist
@@ -164,7 +168,11 @@ class CPConfig(CPSplit):
 
         Raises:
             ValueError: the token count does not split as :attr:`layout` needs (:meth:`check_num_tokens`).
+            FlaFeatureError: the installed FLA predates the CP context this builds (fla-core < 0.6).
         """
+        from fla_ac_isolation.fla_seam.features import require
         from fla_ac_isolation.parallel.seqlens_cp import CPSeqlens
+
+        require("cp", where=f"LayerLocalSeqlens(..., cp=CPConfig(layout={self.layout!r}))")
 
         return CPSeqlens(self, host, device, chunk_indices=chunk_indices)

@@ -19,10 +19,12 @@ test file); ``conftest.py`` only holds fixtures. Family facts come from the libr
 
 from helpers.faults import (
     FAULT_POLICIES,
+    INT_MEAN_MESSAGE,
     MATRIX,
     UNSWAPPED_QWEN_UNDER_SAC,
     SharedOutcome,
     expected_shared_outcome,
+    int_mean_error,
     raise_unrelated,
 )
 from helpers.foreign import (
@@ -128,6 +130,7 @@ __all__ = [
     "FAULT_POLICIES",
     "HF_KERNEL_FUNCS",
     "HIDDEN",
+    "INT_MEAN_MESSAGE",
     "INT_REPLAY",
     "KDA_DOC_LENS",
     "KDA_MODELS",
@@ -170,6 +173,7 @@ __all__ = [
     "gradient_error",
     "hf_fla_kernel_on_cpu",
     "hf_torch_fallback",
+    "int_mean_error",
     "kda_loss",
     "kda_output",
     "kda_packed_batch",

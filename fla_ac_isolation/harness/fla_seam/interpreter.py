@@ -53,6 +53,8 @@ import sys
 import warnings
 from collections.abc import Iterator
 
+from fla_ac_isolation.fla_seam import features
+
 __all__ = [
     "cp_cpu_shims",
     "cpu_cp_kernels",
@@ -74,7 +76,7 @@ _ALL_GATHER_MODULES = (
     "fla.ops.cp.comm",
     "fla.ops.cp",
     "fla.ops.cp.chunk_delta_h",
-    "fla.modules.causal_conv1d.cp",
+    "fla.modules.causal_conv1d.cp",  # features.module_path("conv_cp") of fla-core 0.6, the release CP needs
 )
 
 
@@ -253,8 +255,10 @@ def cp_cpu_shims(
 
     Raises:
         RuntimeError: ``TRITON_INTERPRET=1`` is not set, or FLA/Triton no longer has what a shim replaces.
+        FlaFeatureError: the installed FLA predates the CP API the shims replace parts of (fla-core < 0.6).
     """
     require_interpreter()
+    features.require("cp", where="FLA's CP kernels on a CPU (fla_seam.interpreter.cp_cpu_shims)")
     with contextlib.ExitStack() as stack:
         if device_check:
             stack.enter_context(

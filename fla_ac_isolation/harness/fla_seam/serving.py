@@ -39,6 +39,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from fla_ac_isolation.fla_seam import features
 from fla_ac_isolation.harness.fla_seam import served_ops
 from fla_ac_isolation.harness.fla_seam.served_ops import KernelCall, ServedKernels, recording
 
@@ -48,7 +49,7 @@ __all__ = ["KernelCall", "ServedKernels", "reference_kernels"]
 def _targets() -> dict[int, tuple[Any, Any]]:
     """``{id(FLA function): (FLA function, stand-in)}``."""
     from fla.modules.activations import swiglu, swiglu_linear
-    from fla.modules.causal_conv1d.ops import causal_conv1d
+    causal_conv1d = features.module("conv").causal_conv1d
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule
     from fla.ops.kda.chunk import chunk_kda
 

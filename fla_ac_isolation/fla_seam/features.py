@@ -1,0 +1,295 @@
+"""What the installed FLA supports: the differences between FLA releases (fla-core 0.5.2 and 0.6), once.
+
+The rest of the package asks this module instead of testing versions itself:
+
+* :func:`module_path` / :func:`module` - where the installed FLA defines its causal conv and its L2 norm.
+  fla-core 0.6 keeps the conv in ``fla.modules.causal_conv1d`` (and synthesises ``fla.modules.conv.*`` as
+  copies for old imports); 0.5.2 in ``fla.modules.conv`` (``.triton.ops``, ``.cp``); the L2 norm moved from
+  ``fla.modules.l2norm`` to ``fla.modules.norm.l2norm``. :func:`conv_chunk_parameter`: the conv's
+  chunk-size parameter (``chunk_size`` in 0.6, ``BT`` in 0.5.2).
+* :data:`FEATURES`, :func:`supports`, :func:`require` - the features of this package that need a newer FLA
+  than 0.5.2, each probed on FLA's own API (a parameter or a function), never on a version number;
+  :func:`require` raises :class:`FlaFeatureError` naming the installed version and the one needed.
+* :func:`import_problem` - why ``import fla`` fails on this install when the reason is known from the
+  installed metadata alone (FLA 0.5.2 with Triton >= 3.9), with the bound to install; :func:`explain_import`
+  makes the seam raise it in place of FLA's own message.
+
+Read in fla-core 0.5.2 and 0.6.0: ``fla/modules/conv`` and ``fla/modules/causal_conv1d``,
+``fla/ops/cp/context.py`` (``get_cp_cu_seqlens``, ``_check_cp_device``), ``fla/ops/gated_delta_rule/chunk.py``.
+Importing this module imports nothing from FLA; the probes import it on first call.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fla_ac_isolation.fla_seam.versions import fla_version
+
+__all__ = [
+    "FEATURES",
+    "FlaFeature",
+    "FlaFeatureError",
+    "conv_chunk_parameter",
+    "explain_import",
+    "feature_report",
+    "import_problem",
+    "module",
+    "module_path",
+    "require",
+    "supports",
+]
+
+
+class FlaFeatureError(RuntimeError):
+    """A feature of this package needs a newer FLA than the one installed (the message names both)."""
+
+
+# ------------------------------------------------------------------------------------------ module paths
+def _is_real_module(path: str) -> bool:
+    """Whether the installed FLA defines module ``path`` (imports its parent package)."""
+    try:
+        return importlib.util.find_spec(path) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+_MODULES = {
+    "0.6": {"conv": "fla.modules.causal_conv1d.ops", "conv_ops": "fla.modules.causal_conv1d.ops",
+            "conv_cp": "fla.modules.causal_conv1d.cp", "l2norm": "fla.modules.norm.l2norm"},
+    "0.5": {"conv": "fla.modules.conv.causal_conv1d", "conv_ops": "fla.modules.conv.triton.ops",
+            "conv_cp": "fla.modules.conv.cp.ops", "l2norm": "fla.modules.l2norm"},
+}
+
+
+@functools.cache
+def _module_layout() -> str:
+    return "0.6" if _is_real_module("fla.modules.causal_conv1d") else "0.5"
+
+
+def module_path(role: str) -> str:
+    """The module of the installed FLA that defines the functions of ``role``, by path.
+
+    * ``"conv"``: the public ``causal_conv1d(x [B, T, D], weight [D, W], ...)`` (the object foreign code
+      imports; fla-core 0.6 ``fla.modules.causal_conv1d.ops``, 0.5.2 ``fla.modules.conv.causal_conv1d``);
+    * ``"conv_ops"``: the Triton forward/backward (``causal_conv1d_fwd``, ``causal_conv1d_bwd``,
+      ``CausalConv1dFunction``, ``_has_non_standard_layout``);
+    * ``"conv_cp"``: the module defining ``causal_conv1d_cp`` (it binds FLA's CP all-gather by name);
+    * ``"l2norm"``: ``l2norm_fwd`` / ``l2norm_bwd``.
+
+    Imports ``fla.modules`` on first call.
+
+    Raises:
+        ValueError: unknown ``role``.
+    """
+    paths = _MODULES[_module_layout()]
+    if role not in paths:
+        raise ValueError(f"role must be one of {tuple(paths)}, got {role!r}")
+    return paths[role]
+
+
+def module(role: str):
+    """The module :func:`module_path` names, imported."""
+    return importlib.import_module(module_path(role))
+
+
+@functools.cache
+def conv_chunk_parameter() -> str:
+    """The name of the chunk-size parameter of FLA's conv forward/backward: ``"chunk_size"`` (0.6), ``"BT"`` (0.5.2).
+
+    Raises:
+        RuntimeError: the conv's forward has neither (a release this package does not know).
+    """
+    fwd = module("conv_ops").causal_conv1d_fwd
+    parameters = inspect.signature(inspect.unwrap(fwd)).parameters
+    for name in ("chunk_size", "BT"):
+        if name in parameters:
+            return name
+    raise RuntimeError(f"FLA's causal_conv1d_fwd ({module_path('conv_ops')}) has no chunk_size or BT parameter "
+                       f"(fla-core {fla_version()}): this package knows fla-core 0.5.2 and 0.6")
+
+
+# ------------------------------------------------------------------------------------------ features
+def _has_parameter(module: str, function: str, parameter: str) -> bool:
+    fn = getattr(importlib.import_module(module), function)
+    return parameter in inspect.signature(inspect.unwrap(fn)).parameters
+
+
+@dataclass(frozen=True)
+class FlaFeature:
+    """A feature of this package that needs something of FLA that fla-core 0.5.2 lacks.
+
+    Attributes:
+        key: the name :func:`supports` and :func:`require` take.
+        name: what the user loses without it, in prose.
+        since: the first fla-core release that has it.
+        api: what of FLA it needs, as FLA spells it.
+        probe: ``() -> bool``, whether the installed FLA has :attr:`api` (imports FLA; reads FLA's own objects,
+            never a name the harness's CPU serving of FLA may have replaced).
+    """
+
+    key: str
+    name: str
+    since: str
+    api: str
+    probe: Callable[[], bool]
+
+
+FEATURES: tuple[FlaFeature, ...] = (
+    FlaFeature(
+        "cp", "context parallelism (CPConfig, LayerLocalSeqlens(cp=), CP kernels on a CPU)", "0.6.0",
+        "fla.ops.cp.context.get_cp_cu_seqlens(layout=) and its layout-aware FLACPContext",
+        lambda: _has_parameter("fla.ops.cp.context", "get_cp_cu_seqlens", "layout"),
+    ),
+    FlaFeature(
+        "gdn_chunk_indices",
+        "the chunk schedule handed to FLA's gated delta rule (no host sync; CUDA graphs)", "0.6.0",
+        "fla.ops.gated_delta_rule.chunk_gated_delta_rule(chunk_indices=)",
+        # read on FLA's autograd Function, which reference_kernels() never replaces (it serves the function)
+        lambda: "chunk_indices" in inspect.signature(importlib.import_module(
+            "fla.ops.gated_delta_rule.chunk").ChunkGatedDeltaRuleFunction.forward).parameters,
+    ),
+    FlaFeature(
+        "ssd_kernels",
+        "the Mamba2 SSD on FLA's simple GLA kernels (ops.ssd backend='fla': our launches of its chunk kernels)",
+        "0.6.0", "fla-core 0.6's simple GLA chunk kernels (fla.modules.causal_conv1d layout); with 0.5.2's the "
+        "launches give wrong numbers (measured under Triton's interpreter)",
+        lambda: _module_layout() == "0.6",
+    ),
+)
+"""The features that need fla-core 0.6 (fla-core 0.5.2 lacks what :attr:`FlaFeature.api` names)."""
+
+_BY_KEY = {feature.key: feature for feature in FEATURES}
+
+
+def _feature(key: str) -> FlaFeature:
+    if key not in _BY_KEY:
+        raise ValueError(f"feature must be one of {tuple(_BY_KEY)}, got {key!r}")
+    return _BY_KEY[key]
+
+
+@functools.cache
+def supports(key: str) -> bool:
+    """Whether the installed FLA has what feature ``key`` (one of :data:`FEATURES`) needs; imports FLA.
+
+    Raises:
+        ValueError: unknown ``key``.
+        ImportError: FLA does not import (:func:`import_problem` says why when it knows).
+    """
+    feature = _feature(key)
+    explain_import()
+    return bool(feature.probe())
+
+
+def require(key: str, *, where: str) -> None:
+    """Raise :class:`FlaFeatureError` unless the installed FLA supports feature ``key``.
+
+    Args:
+        key: one of :data:`FEATURES`.
+        where: the call or argument that asked for it, as the user wrote it (``"CPConfig(layout='zigzag')"``).
+
+    Raises:
+        FlaFeatureError: naming ``where``, the feature, the installed fla-core version and the one needed.
+        ValueError: unknown ``key``.
+    """
+    if supports(key):
+        return
+    feature = _feature(key)
+    raise FlaFeatureError(
+        f"{where} needs fla-core >= {feature.since} ({feature.name}: {feature.api}); installed: fla-core "
+        f"{fla_version()}. Install 'fla-core>={feature.since},<0.7' (pip install -U fla-ac-isolation brings it)"
+    )
+
+
+def feature_report() -> dict[str, str]:
+    """``{feature name: "yes" | "no (needs fla-core >= X; installed Y)"}`` for every feature of :data:`FEATURES`.
+
+    ``{"FLA features": "unavailable (...)"}`` when FLA does not import.
+    """
+    try:
+        explain_import()
+        return {
+            f"FLA feature: {f.name}": "yes" if supports(f.key) else
+            f"no (needs fla-core >= {f.since}: {f.api}; installed {fla_version()})"
+            for f in FEATURES
+        }
+    except ImportError as e:
+        return {"FLA features": f"unavailable ({e})"}
+
+
+# ------------------------------------------------------------------------------------------ import
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def import_problem() -> str | None:
+    """Why ``import fla`` fails on this install, when the installed metadata alone says so; else ``None``.
+
+    The one case known: fla-core < 0.6 (0.5.2) with Triton >= 3.9, where FLA's import stops in
+    ``fla/ops/cp/chunk_delta_h.py`` with ``ValueError: key contains names that are not kernel arguments: BT``
+    (0.5.2 imports with Triton 3.6.0, 3.7.1 and 3.8.0). Reads metadata only; imports nothing.
+    """
+    fla = fla_version()
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if fla is None or _version_tuple(fla) >= (0, 6) or _version_tuple(triton) < (3, 9):
+        return None
+    return (f"fla-core {fla} does not import with triton {triton} (FLA's autotune keys name BT, which Triton >= 3.9 "
+            f"refuses); install 'triton>=3.6,<3.9' (pip install 'fla-ac-isolation[fla052]' pins both) or "
+            f"upgrade to 'fla-core>=0.6,<0.7'")
+
+
+class _ExplainedLoader(importlib.abc.Loader):
+    """FLA's own loader, with the failure :func:`import_problem` predicts re-raised as an ``ImportError``."""
+
+    def __init__(self, loader: importlib.abc.Loader, problem: str) -> None:
+        self._loader, self._problem = loader, problem
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        try:
+            self._loader.exec_module(module)
+        except ValueError as e:
+            raise ImportError(self._problem) from e
+
+
+class _ExplainedFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, problem: str) -> None:
+        self._problem = problem
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "fla":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ExplainedLoader(spec.loader, self._problem)
+        return spec
+
+
+@functools.cache
+def explain_import() -> None:
+    """On an install where :func:`import_problem` knows ``import fla`` fails, make that import raise
+    ``ImportError(import_problem())`` (chained to FLA's own error) wherever it first happens; else nothing.
+
+    Installs a finder for the top-level ``fla`` package only, only on such an install, and only if ``fla``
+    was not imported yet. The seam calls it when it is imported.
+    """
+    problem = import_problem()
+    if problem is not None and "fla" not in sys.modules:
+        sys.meta_path.insert(0, _ExplainedFinder(problem))
