@@ -60,11 +60,8 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
 
     @staticmethod
     def config_from(upstream: nn.Module) -> types.SimpleNamespace:
-        """The configuration of an OLMo-core ``NemotronMamba2Mixer``, read from its attributes.
-
-        Raises:
-            AttributeError: ``upstream`` lacks one (not OLMo-core 3.0's class).
-        """
+        """The configuration of an OLMo-core 3.0 ``NemotronMamba2Mixer``, read from its attributes
+        (``AttributeError`` else)."""
         return types.SimpleNamespace(
             hidden_size=upstream.d_model, mamba_num_heads=upstream.num_heads, mamba_head_dim=upstream.head_dim,
             n_groups=upstream.n_groups, ssm_state_size=upstream.ssm_state_size,
@@ -82,19 +79,19 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
         attention_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Mix ``x [B, T, D]`` along time, documents kept apart; returns ``[B, T, D]`` in the dtype of ``x``.
+        """``x [B, T, D]`` -> ``[B, T, D]``, documents kept apart.
 
         Args:
-            x: ``[B, T, D]``; with ``cu_doc_lens`` the rows are one packed sequence (OLMo-core's offsets span
-                the flattened batch), flattened to ``[1, B * T, D]`` here and restored after.
-            cu_doc_lens: OLMo-core's ``[N + 1]`` int32 document offsets (start at 0, end at ``B * T``).
-            max_doc_len: the longest document (OLMo-core passes it with ``cu_doc_lens``).
+            x: ``[B, T, D]``; with ``cu_doc_lens`` the rows are one packed sequence, flattened to
+                ``[1, B * T, D]`` here and restored after.
+            cu_doc_lens: OLMo-core's ``[N + 1]`` int32 offsets over the flattened batch (0 to ``B * T``).
+            max_doc_len: the longest document.
             attention_mask: ``None`` or a ``[B, T]`` padding mask.
             **kwargs: OLMo-core's other block keywords (rotary tables, ...), ignored as OLMo-core does.
 
         Raises:
-            ValueError: invalid ``cu_doc_lens`` (the checks of :class:`~fla_ac_isolation.LayerLocalSeqlens`),
-                token count not ``cu_doc_lens[-1]``, bad ``attention_mask``.
+            ValueError: invalid ``cu_doc_lens`` (as :class:`~fla_ac_isolation.LayerLocalSeqlens`), a token count
+                other than ``cu_doc_lens[-1]``, a bad ``attention_mask``.
         """
         flatten = cu_doc_lens is not None and x.dim() == 3 and x.shape[0] > 1
         if flatten:
@@ -106,12 +103,8 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
 
     @torch.no_grad()
     def init_weights(self, **kwargs: Any) -> None:
-        """OLMo-core's own ``init_weights`` (same keywords), run by the module this one replaced, on its tensors.
-
-        Raises:
-            RuntimeError: this module was not made by :func:`~fla_ac_isolation.swap_mixers` (it holds no
-                OLMo-core module to initialise with).
-        """
+        """OLMo-core's own ``init_weights`` (same keywords), run by the replaced module on this one's tensors;
+        ``RuntimeError`` when this module was not made by :func:`~fla_ac_isolation.swap_mixers`."""
         with lent_to_original(self) as olmo:
             olmo.init_weights(**kwargs)
 
@@ -121,17 +114,9 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
         return 0
 
     def apply_tp(self, *args: Any, **kwargs: Any) -> None:
-        """Refused, as OLMo-core's class refuses it.
-
-        Raises:
-            NotImplementedError: always.
-        """
+        """Raises ``NotImplementedError``, as OLMo-core's class does."""
         raise NotImplementedError("Tensor parallelism is not implemented for OlmoNemotronMamba2Mixer")
 
     def apply_cp(self, *args: Any, **kwargs: Any) -> None:
-        """Refused, as OLMo-core's class refuses it.
-
-        Raises:
-            NotImplementedError: always.
-        """
+        """Raises ``NotImplementedError``, as OLMo-core's class does."""
         raise NotImplementedError("Context parallelism is not implemented for OlmoNemotronMamba2Mixer")
