@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fla_ac_isolation.local_seqlens import LocalSeqlens
+from fla_ac_isolation.ops.backend import resolve_backend
 from fla_ac_isolation.seqlens import LayerLocalSeqlens, devices_match
 
 
@@ -118,6 +119,18 @@ def _wrap_cu_seq_lens_q(cu_seq_lens_q: Any, max_length_q: Any, hidden_states: to
         )
     except (TypeError, ValueError) as err:
         raise type(err)(f"cu_seq_lens_q is not valid packed-sequence offsets: {err}") from err
+
+
+def varlen_kwargs(local: LocalSeqlens | None, backend: str, hidden_states: torch.Tensor, **extra: Any) -> dict:
+    """The keywords every op of one mixer call takes: this call's ``cu_seqlens``/``cu_seqlens_cpu`` (``None``
+    unpacked) and the backend resolved for ``hidden_states`` (:func:`~fla_ac_isolation.ops.backend.resolve_backend`
+    raises for ``"fla"`` on CPU tensors outside Triton's interpreter), plus ``extra``."""
+    return {
+        "cu_seqlens": local.cu_seqlens if local is not None else None,
+        "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
+        "backend": resolve_backend(backend, hidden_states),
+        **extra,
+    }
 
 
 def apply_padding_mask(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

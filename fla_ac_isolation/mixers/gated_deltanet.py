@@ -30,9 +30,10 @@ from fla_ac_isolation.mixers._common import (
     reject_cache,
     resolve_seqlens,
     text_config,
+    varlen_kwargs,
 )
 from fla_ac_isolation.mixers._cp import check_cp_conv
-from fla_ac_isolation.ops.backend import check_backend, check_saveable, resolve_backend
+from fla_ac_isolation.ops.backend import check_backend, check_saveable
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm"]
@@ -158,12 +159,7 @@ class GatedDeltaNet(nn.Module):
             seqlens, hidden_states,
             cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, seq_idx=kwargs.get("seq_idx"),
         )
-        varlen = {
-            "cu_seqlens": local.cu_seqlens if local is not None else None,
-            "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
-            "backend": resolve_backend(self.backend, hidden_states),
-            "saveable": self.saveable,
-        }
+        varlen = varlen_kwargs(local, self.backend, hidden_states, saveable=self.saveable)
         chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
         cp_context = local.cp_context if local is not None else None  # FLA's CP metadata (context parallelism)
         if cp_context is not None:

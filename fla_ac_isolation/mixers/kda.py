@@ -32,8 +32,9 @@ from fla_ac_isolation.mixers._common import (
     reject_cache,
     resolve_seqlens,
     text_config,
+    varlen_kwargs,
 )
-from fla_ac_isolation.ops.backend import check_backend, check_saveable, resolve_backend
+from fla_ac_isolation.ops.backend import check_backend, check_saveable
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = [
@@ -244,11 +245,7 @@ class KimiDeltaAttention(nn.Module):
                 f"{type(self).__name__} has no context-parallel path: pass seqlens built without cp= "
                 "(whole sequences on every rank)"
             )
-        varlen = {
-            "cu_seqlens": local.cu_seqlens if local is not None else None,
-            "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
-            "backend": resolve_backend(self.backend, hidden_states),
-        }
+        varlen = varlen_kwargs(local, self.backend, hidden_states)
         hidden_states = apply_padding_mask(hidden_states, attention_mask)
         heads = (batch, tokens, self.num_heads, self.head_dim)
 

@@ -31,8 +31,9 @@ from fla_ac_isolation.mixers._common import (
     reject_cache,
     resolve_seqlens,
     text_config,
+    varlen_kwargs,
 )
-from fla_ac_isolation.ops.backend import check_backend, check_saveable, resolve_backend
+from fla_ac_isolation.ops.backend import check_backend, check_saveable
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["GroupedGatedRMSNorm", "NemotronHMamba2Mixer"]
@@ -182,12 +183,7 @@ class NemotronHMamba2Mixer(nn.Module):
             seqlens, hidden_states,
             cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, seq_idx=kwargs.get("seq_idx"),
         )
-        varlen = {
-            "cu_seqlens": local.cu_seqlens if local is not None else None,
-            "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
-            "backend": resolve_backend(self.backend, hidden_states),
-            "saveable": self.saveable,
-        }
+        varlen = varlen_kwargs(local, self.backend, hidden_states, saveable=self.saveable)
         chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
         chunk_offsets = local.chunk_offsets if local is not None else None  # its first row per document
         dtype = hidden_states.dtype

@@ -1,19 +1,10 @@
 """Drop-in for OLMo-core's ``NemotronMamba2Mixer``: our packed-correct Mamba2 behind OLMo-core's interface.
 
-OLMo-core 3.0's ``olmo_core.nn.attention.recurrent.NemotronMamba2Mixer`` is transformers' Nemotron-H Mamba2
-mixer, parameter for parameter (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
-``out_proj``; same shapes), with a pure-torch SSD that
-
-* drops ``cu_doc_lens`` (``del kwargs``): conv and scan run across packed documents;
-* is not causal across its own chunks: the inter-chunk state sum runs over the *target* chunk axis
-  (``recurrent.py:779``, ``(decay_chunk[..., None, None] * states_permuted[:, :, None, ...]).sum(dim=2)``),
-  so any output before the last ``chunk_size``-token chunk depends on later tokens.
-
-:class:`OlmoNemotronMamba2Mixer` is :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` (conv and scan
-restarted at every document, ``cu_seqlens`` localised inside ``forward``) with OLMo-core's call convention
-(``forward(x, cu_doc_lens=None, max_doc_len=None, **kwargs)``; ``B > 1`` packed rows are flattened, as
-OLMo-core's ``KimiDeltaAttention`` does) and the rest of its ``SequenceMixer`` interface. It is what
-:func:`~fla_ac_isolation.swap_mixers` puts in place of OLMo-core's class, on the same tensors.
+OLMo-core 3.0's ``olmo_core.nn.attention.recurrent.NemotronMamba2Mixer`` has transformers' Nemotron-H parameters
+and a pure-torch SSD that drops ``cu_doc_lens`` (``del kwargs``) and is not causal across its own chunks: the
+inter-chunk state sum runs over the *target* chunk axis (``recurrent.py:779``), so any output before the last
+``chunk_size``-token chunk depends on later tokens. :class:`OlmoNemotronMamba2Mixer` is
+:class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` with OLMo-core's ``SequenceMixer`` interface.
 """
 
 from __future__ import annotations
@@ -36,20 +27,14 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
     """Our Mamba2 with OLMo-core's ``SequenceMixer`` interface; replaces OLMo-core's ``NemotronMamba2Mixer``.
 
     Args:
-        config: fields as read by :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`; for an OLMo-core
-            module, :meth:`config_from` builds them from its attributes.
-        layer_idx: the block index (``layer_idx`` of OLMo-core's module).
-        backend: ``"auto"`` (default) | ``"fla"`` | ``"reference"``, keyword only.
+        config: fields as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` reads them (:meth:`config_from`
+            builds them from an OLMo-core module).
+        layer_idx, backend: as there.
 
-    Parameters: OLMo-core's names, shapes and ``state_dict`` order (``dt_bias [H]``, ``A_log [H]``,
-    ``D [H]``, ``in_proj.weight [I + E + H, D]``, ``conv1d.weight [E, 1, W]``, ``conv1d.bias [E]``,
-    ``norm.weight [I]``, ``out_proj.weight [D, I]``). Built empty: initialise with :meth:`init_weights`
-    (OLMo-core's own initialisation) or share an OLMo-core module's tensors (:func:`~fla_ac_isolation.swap_mixers`).
-
-    Numerics against OLMo-core's class: equal up to rounding on inputs of at most its ``chunk_size`` tokens
-    (one of its chunks); on longer ones OLMo-core's is not causal (module docstring) and this one is, so the
-    numbers change even on unpacked batches. ``softplus(dt + dt_bias)`` runs in float32 here (OLMo-core: the
-    parameter dtype), and the scan chunks by 64 tokens whatever ``chunk_size`` says.
+    Parameters: OLMo-core's names, shapes and ``state_dict`` order, built empty: initialise with
+    :meth:`init_weights` or share an OLMo-core module's tensors (:func:`~fla_ac_isolation.swap_mixers`).
+    Numbers equal OLMo-core's up to rounding on inputs of at most one of its chunks; on longer ones it is not
+    causal and this one is. ``softplus(dt + dt_bias)`` runs in float32 (OLMo-core: the parameter dtype).
     """
 
     def __init__(self, config: Any, layer_idx: int | None = None, *, backend: str = "auto") -> None:
