@@ -1,13 +1,7 @@
-"""What :class:`~fla_ac_isolation.LayerLocalSeqlens` needs from its ``cp=`` argument: an interface the core owns.
+"""The interface ``LayerLocalSeqlens(..., cp=)`` talks to, so the core never imports ``parallel/``.
 
-Context parallelism (CP) sits above the core. ``parallel/`` implements this interface
-(:class:`~fla_ac_isolation.parallel.CPConfig` is a :class:`CPSplit`; its per-batch part is
-:class:`~fla_ac_isolation.parallel.seqlens_cp.CPSeqlens`), and ``seqlens.py`` talks to CP only through it,
-so the core never imports ``parallel/``.
-
-* :class:`CPSplit` - how a packed batch is split across the CP ranks; builds the per-batch part once.
-* :class:`CPBatchSeqlens` - that per-batch part: a fresh FLA CP context per layer call.
-* :func:`check_cp_argument` - what ``LayerLocalSeqlens(..., cp=...)`` checks before anything else.
+``parallel/`` implements it: :class:`~fla_ac_isolation.parallel.CPConfig` is a :class:`CPSplit`, its per-batch
+part :class:`~fla_ac_isolation.parallel.seqlens_cp.CPSeqlens` a :class:`CPBatchSeqlens`.
 """
 
 from __future__ import annotations
@@ -24,13 +18,8 @@ __all__ = ["CPBatchSeqlens", "CPSplit", "check_cp_argument"]
 
 
 class CPBatchSeqlens(Protocol):
-    """This rank's CP metadata for one batch, built once by :meth:`CPSplit.batch_seqlens`.
-
-    Attributes:
-        config: the :class:`CPSplit` it was built from.
-        num_tokens: tokens this rank holds, ``T / W``.
-        max_seqlen: longest document piece on this rank, in tokens.
-    """
+    """This rank's CP metadata for one batch (``num_tokens``: this rank's ``T / W``; ``max_seqlen``: its longest
+    document piece), built once by :meth:`CPSplit.batch_seqlens`."""
 
     config: CPSplit
     num_tokens: int
@@ -43,30 +32,18 @@ class CPBatchSeqlens(Protocol):
         """The same objects on every call (the unsafe shared mode)."""
 
     def check_tokens(self, num_tokens: int, name: str, total: int) -> None:
-        """Refuse ``num_tokens`` (named ``name``) unless it is this rank's share of the ``total`` tokens.
-
-        Raises:
-            ValueError: naming ``name`` and what this rank holds.
-        """
+        """Raise ``ValueError`` naming ``name`` unless ``num_tokens`` is this rank's share of ``total``."""
 
 
 class CPSplit(abc.ABC):
-    """How a packed batch is split across the ranks of a CP group (``LayerLocalSeqlens(..., cp=)``).
-
-    Implemented by :class:`~fla_ac_isolation.parallel.CPConfig`. An implementation has an int attribute
-    ``world_size`` (the CP degree ``W``) and builds its per-batch part with :meth:`batch_seqlens`.
-    """
+    """How a packed batch is split across a CP group of ``world_size`` (``W``) ranks."""
 
     __slots__ = ()
 
     @abc.abstractmethod
     def batch_seqlens(self, host: torch.Tensor, device: torch.device, *, chunk_indices: bool) -> CPBatchSeqlens:
-        """This rank's part of one batch, built once, outside every checkpointed region.
-
-        Args:
-            host: ``[N + 1]`` GLOBAL host offsets of the whole batch, already validated.
-            device: the activations' device (where the rank-local offsets go).
-            chunk_indices: precompute the rank-local chunk schedule (FLA's ``chunk_indices``).
+        """This rank's part of one batch, built once outside every checkpointed region, from the validated
+        ``[N + 1]`` GLOBAL host offsets ``host``; rank-local tensors go to ``device``.
 
         Raises:
             ValueError: the batch does not split as this CP layout needs.
@@ -74,13 +51,8 @@ class CPSplit(abc.ABC):
 
 
 def check_cp_argument(cp: object, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None) -> None:
-    """What ``LayerLocalSeqlens(..., cp=...)`` checks before anything else.
-
-    Raises:
-        TypeError: ``cp`` is not a :class:`CPSplit` (a :class:`~fla_ac_isolation.parallel.CPConfig`).
-        ValueError: ``cu_seqlens`` is not on the CPU and no ``cu_seqlens_cpu`` is given: FLA's CP metadata
-            is computed on the host, and reading device offsets there is a device-to-host sync.
-    """
+    """Raise ``TypeError`` unless ``cp`` is a :class:`CPSplit`, ``ValueError`` for device offsets without
+    ``cu_seqlens_cpu`` (FLA computes CP metadata on the host)."""
     if not isinstance(cp, CPSplit):
         raise TypeError(f"cp must be a fla_ac_isolation.parallel.CPConfig or None, got {type(cp).__name__}")
     if cu_seqlens_cpu is None and cu_seqlens.device.type != "cpu":

@@ -1,8 +1,6 @@
-"""What valid packed-sequence offsets are: the checks :class:`~fla_ac_isolation.LayerLocalSeqlens` runs at its boundary.
+"""The checks of packed-sequence offsets run at :class:`~fla_ac_isolation.LayerLocalSeqlens`'s boundary.
 
-Each function raises the error the public builders document (``TypeError`` for a wrong kind of value,
-``ValueError`` for a wrong value), naming the argument: ``cu_seqlens``/``cu_seqlens_cpu`` tensors, document
-lengths, packed ``position_ids``, ``num_tokens``, devices, and whether offsets fit their integer dtype.
+Each raises ``TypeError`` for a wrong kind of value and ``ValueError`` for a wrong value, naming the argument.
 """
 
 from __future__ import annotations
@@ -49,11 +47,7 @@ def lengths(seq_lens: object) -> list[int]:
 
 
 def check_positions(host: torch.Tensor, name: str) -> None:
-    """Every position is 0 (a document starts) or the previous one plus 1.
-
-    Raises:
-        ValueError: naming the first index that breaks the rule, its value and what was expected.
-    """
+    """Every position is 0 (a document starts) or the previous one plus 1; the error names the first bad index."""
     if int(host[0]) != 0:
         raise ValueError(f"position_ids must start at 0 (a document start), got {name}[0]={int(host[0])}")
     ok = (host[1:] == 0) | (host[1:] == host[:-1] + 1)
@@ -78,11 +72,7 @@ def check_index_tensor(t: object, name: str) -> None:
 
 
 def parse_device(device: torch.device | str, name: str = "device") -> torch.device:
-    """``torch.device(device)``, with an error naming ``name`` for a string torch cannot parse.
-
-    Raises:
-        ValueError: e.g. ``device="gpu"``.
-    """
+    """``torch.device(device)``; ``ValueError`` naming ``name`` for a string torch cannot parse (``"gpu"``)."""
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as err:
@@ -90,11 +80,7 @@ def parse_device(device: torch.device | str, name: str = "device") -> torch.devi
 
 
 def check_available(device: torch.device, name: str = "device") -> None:
-    """Refuse a CUDA device this process cannot use (no CUDA build or driver, or an index out of range).
-
-    Raises:
-        ValueError: naming ``name`` and what is available.
-    """
+    """``ValueError`` naming ``name`` for a CUDA device this process cannot use (no CUDA, index out of range)."""
     if device.type != "cuda":
         return
     if not torch.cuda.is_available():
@@ -136,15 +122,8 @@ def checked_host_copy(cu_seqlens_cpu: torch.Tensor, own: torch.Tensor) -> torch.
 
 
 def check_offsets(offsets: list[int], num_tokens: int | None) -> list[int]:
-    """Document lengths of ``offsets`` (the values of ``cu_seqlens``) after every check on their values.
-
-    Everything the chunk schedule's size depends on is checked here, before it is allocated: with
-    ``num_tokens`` given, a last offset that is not the packed token count is refused, so one bad value
-    (``[0, 5, 2**33]`` for 10 tokens) cannot make a schedule of ``2**27`` rows.
-
-    Raises:
-        ValueError: a first offset other than 0, a decrease, or a last offset other than ``num_tokens``.
-    """
+    """Document lengths of the values of ``cu_seqlens``, after every check on them: a start other than 0, a
+    decrease, or (before the chunk schedule is sized by it) a last offset other than ``num_tokens``."""
     if offsets[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
     lens = [b - a for a, b in itertools.pairwise(offsets)]
@@ -163,11 +142,7 @@ def check_offsets(offsets: list[int], num_tokens: int | None) -> list[int]:
 
 
 def check_fits(last_offset: int, dtype: torch.dtype, name: str) -> None:
-    """Refuse offsets that ``dtype`` cannot hold (``from_seq_lens([2**31])`` with int32 would wrap).
-
-    Raises:
-        ValueError: naming ``name`` and the dtype that would hold them.
-    """
+    """``ValueError`` naming ``name`` when ``last_offset`` does not fit ``dtype`` (``[2**31]`` with int32)."""
     limit = torch.iinfo(dtype).max
     if last_offset > limit:
         raise ValueError(

@@ -1,18 +1,9 @@
 """Per-layer ``cu_seqlens``: the isolation that makes FLA layers safe under activation checkpointing.
 
-FLA memoises metadata derived from ``cu_seqlens`` by argument *identity* (``fla.utils.tensor_cache``).
-When every layer receives the same ``cu_seqlens`` object, one checkpointed layer can miss that cache in
-its forward and hit it in its recompute (or the reverse), so the recompute runs a different sequence of
-aten ops and selective activation checkpointing replays saved tensors into the wrong ops.
-
-:class:`LayerLocalSeqlens` is built once per model forward (validated there, once) and handed to every
-layer. Each layer calls :meth:`LayerLocalSeqlens.local` *inside* its own forward, i.e. inside whatever
-region is checkpointed, and receives tensors that are new Python objects with the same values. Forward
-and recompute of a layer then both start with a cache miss, while FLA's reuse inside one layer (its
-forward, its recompute, its backward) is kept.
-
-Vocabulary: ``cu_seqlens`` ``[N + 1]`` integer offsets of ``N`` packed sequences
-(documents); ``cu_seqlens_cpu`` the same offsets on the host; ``max_seqlen`` the longest document.
+FLA caches metadata derived from ``cu_seqlens`` by argument identity (``fla.utils.tensor_cache``). With one
+shared object, a checkpointed layer can miss that cache in its forward and hit it in its recompute, so the
+recompute runs other aten ops and SAC replays saved tensors into the wrong ops. :class:`LayerLocalSeqlens`
+hands each layer call fresh objects with the same values: forward and recompute both miss.
 """
 
 from __future__ import annotations
@@ -59,87 +50,47 @@ def devices_match(actual: torch.device, expected: torch.device) -> bool:
 class LayerLocalSeqlens:
     """Packed-sequence boundaries that hand each layer its own ``cu_seqlens`` object.
 
-    Build one per model forward (it validates its inputs once, here) and pass it to every layer. Inside
-    its forward, each FLA-backed layer calls :meth:`local` and passes the returned tensors to FLA.
+    Build one per model forward (inputs are validated once, here, on a snapshot clone: later changes to the
+    caller's tensors change nothing) and pass it to every layer; each layer calls :meth:`local` inside its
+    forward. Validation reads the offsets on the host once (one device-to-host copy when ``cu_seqlens`` is on
+    a GPU); :meth:`local` never synchronises.
 
     Args:
-        cu_seqlens: ``[N + 1]`` int32 or int64 tensor of document offsets: starts at 0, non-decreasing
-            (zero-length documents are legal), last value = number of packed tokens ``T``. It must live on
-            the device of the activations.
-        max_seqlen: longest document in tokens. Computed when ``None``; when given, it must be an ``int``
-            at least as large as the longest document (an upper bound is accepted, as in flash-attn).
-        cu_seqlens_cpu: optional ``[N + 1]`` host (CPU) copy of ``cu_seqlens`` with equal values (int32 or
-            int64, either way: FLA only reads it on the host). FLA uses host offsets to avoid
-            device-to-host syncs; pass it when you have it.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets on the activations' device: starts at 0,
+            non-decreasing (empty documents are legal), last value = packed token count ``T``.
+        max_seqlen: longest document in tokens (an upper bound is accepted); computed when ``None``.
+        cu_seqlens_cpu: optional ``[N + 1]`` host copy of ``cu_seqlens`` (int32 or int64, equal values);
+            it spares FLA device-to-host syncs.
         device: optional device the activations live on; ``cu_seqlens`` must be on it.
-        num_tokens: optional packed token count ``T`` (``hidden_states.shape[1]``); when given, the last
-            offset must equal it, checked before anything proportional to the offsets is allocated (see
-            "Chunk schedule" below). Pass it whenever you have it.
+        num_tokens: optional ``T`` (``hidden_states.shape[1]``); checked against ``cu_seqlens[-1]``
+            before the chunk schedule (sized by the offsets) is allocated.
         chunk_indices: precompute FLA's chunk schedule
-            (:func:`~fla_ac_isolation.fla_seam.layout.chunk_indices_for`, of
-            :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`-token chunks) once, here, and hand each
-            layer a fresh copy as ``LocalSeqlens.chunk_indices``. The mixers pass it to FLA's conv and
-            gated delta rule, which then skip ``prepare_chunk_indices`` and the
-            blocking host-to-device copy it ends with (a stream synchronisation per call). ``False``
-            restores FLA's own computation inside every layer call.
-        cp: context parallelism (:class:`~fla_ac_isolation.parallel.CPConfig`: group, layout, conv width).
-            ``cu_seqlens`` (and ``num_tokens``) then describe the WHOLE packed batch of all CP ranks, and
-            FLA's CP context for this rank is built here, once, from the host offsets (no device-to-host
-            sync); :meth:`local` hands each layer a fresh copy (``LocalSeqlens.cp_context``), and
-            :meth:`check_tokens` expects this rank's ``T / W`` tokens. See ``docs/context-parallel.md``.
-        static: graph-safe metadata (:class:`~fla_ac_isolation.static_seqlens.StaticSeqlens`): after
-            validation, this batch's offsets, chunk schedule and chunk offsets are written, padded to the
-            static bound, into ``static``'s buffers, in place (no allocation whose address a CUDA graph could
-            miss), and :meth:`local` hands out fresh copies of those buffers. ``cu_seqlens`` may then be a
-            host tensor (nothing is read back from the device) or live on ``static.device``; ``num_tokens``
-            and ``cu_seqlens[-1]`` must be ``static.num_tokens``. The object is valid until the next batch is
-            written into the same buffers. See ``docs/graphs.md``.
+            (:func:`~fla_ac_isolation.fla_seam.layout.chunk_indices_for`) once and hand each layer a fresh
+            copy, so FLA skips ``prepare_chunk_indices`` and its blocking copy; ``False``: FLA computes it.
+        cp: :class:`~fla_ac_isolation.parallel.CPConfig`; ``cu_seqlens``/``num_tokens`` then describe the
+            WHOLE batch of all CP ranks, and this rank's FLA CP context is built here from the host offsets
+            (``docs/context-parallel.md``).
+        static: :class:`~fla_ac_isolation.static_seqlens.StaticSeqlens` whose buffers receive this batch,
+            padded, in place (``docs/graphs.md``); ``cu_seqlens`` may then be host offsets, and the object is
+            valid until the next batch is written into the same buffers.
 
     Raises:
-        TypeError: ``cu_seqlens``/``cu_seqlens_cpu`` is not a tensor, or not int32/int64; ``max_seqlen``
-            or ``num_tokens`` is not an ``int``; ``chunk_indices`` is not a bool; ``cp`` is not a
-            :class:`~fla_ac_isolation.parallel.CPConfig`; ``static`` is not a
-            :class:`~fla_ac_isolation.static_seqlens.StaticSeqlens`.
-        ValueError: ``cu_seqlens`` is not 1-D with at least 2 entries, does not start at 0, decreases,
-            is a meta tensor, sits on another device than ``device``, or its last value differs from ``num_tokens``;
-            ``cu_seqlens_cpu`` is not on the CPU or differs in shape or values (compared as int64, so an
-            int32 copy of larger offsets cannot pass); ``max_seqlen`` is smaller than the longest
-            document; ``num_tokens`` is negative; ``device`` is not a device; with ``cp``: ``cu_seqlens``
-            off the CPU without ``cu_seqlens_cpu``, a token count that does not split as ``cp.layout``
-            needs, an interval shorter than ``cp.conv_kernel_size - 1``
+        TypeError: an argument of the wrong kind (``cu_seqlens``/``cu_seqlens_cpu`` not an int32/int64
+            tensor; ``max_seqlen``/``num_tokens`` not an ``int``; ``chunk_indices`` not a bool; ``cp``,
+            ``static`` of the wrong class).
+        ValueError: offsets that are not 1-D ``[N + 1]``, do not start at 0, decrease, sit on a meta or other
+            device, or end at another count than ``num_tokens``; a ``cu_seqlens_cpu`` off the CPU or with
+            other values (compared as int64); ``max_seqlen`` below the longest document; with ``cp``: device
+            offsets without ``cu_seqlens_cpu`` or a batch that does not split
             (:meth:`~fla_ac_isolation.parallel.CPConfig.check_num_tokens`); with ``static``: ``cp`` or
-            ``chunk_indices=False`` given too, ``cu_seqlens`` (or ``device``) on another device than the host
-            or ``static.device``, more documents than ``static.max_docs``, a token count other than
-            ``static.num_tokens``.
-        RuntimeError: with ``static``, construction while the current CUDA stream captures a graph.
-
-    Ownership: the object keeps its own snapshot, one clone of ``cu_seqlens`` (and of
-    ``cu_seqlens_cpu``) taken here and validated; mutating or reusing the caller's tensors afterwards
-    changes nothing that :meth:`local` hands out. On a GPU the clone is ordered on the current stream,
-    so it sees the values written before this call and adds no synchronisation.
-
-    Chunk schedule: ``sum(ceil(len / CHUNK_SIZE))`` rows over the documents, at most
-    ``T / CHUNK_SIZE + N`` for consistent offsets (``T = cu_seqlens[-1]``). Every check on the values
-    runs before it is allocated; with ``num_tokens`` given, a last offset that is not the token count is
-    refused first, so one bad value cannot allocate a schedule sized by it. Without ``num_tokens``,
-    ``cu_seqlens[-1]`` is trusted as ``T``. The mixers pass ``hidden_states.shape[1]`` when they wrap
-    transformers' ``cu_seq_lens_q``.
-
-    Cost: validation reads the offsets on the host once. With ``cu_seqlens`` on a GPU and no
-    ``cu_seqlens_cpu`` that is one device-to-host copy (kept, and handed to every layer as
-    ``cu_seqlens_cpu``); with ``cu_seqlens_cpu`` it is one comparison (also a device-to-host copy, of
-    ``cu_seqlens``). The chunk schedule goes to the device through pinned memory without blocking the
-    host. :meth:`local` never synchronises.
+            ``chunk_indices=False`` too, another device, too many documents or tokens.
+        RuntimeError: with ``static``, construction during CUDA graph capture.
 
     Example::
 
         seqlens = LayerLocalSeqlens(cu_seqlens, cu_seqlens_cpu=cu_seqlens_host)
-        for layer in model.layers:                 # checkpointed or not
-            hidden = layer(hidden, seqlens=seqlens)
-        # inside a layer's forward:
-        local = seqlens.local()                    # fresh objects, same values
-        fla_op(..., cu_seqlens=local.cu_seqlens, cu_seqlens_cpu=local.cu_seqlens_cpu,
-               chunk_indices=local.chunk_indices)   # where the FLA op takes chunk_indices
+        for layer in model.layers:
+            hidden = layer(hidden, seqlens=seqlens)   # inside: local = seqlens.local()
     """
 
     __slots__ = (
@@ -174,8 +125,7 @@ class LayerLocalSeqlens:
         if cu_seqlens.device.type == "meta":
             raise ValueError("cu_seqlens is a meta tensor, which holds no values; build it on the activations' device")
         check_num_tokens(num_tokens)
-        # The snapshot: one clone of each caller tensor, validated and then kept, so that the caller may
-        # reuse or mutate its own tensors afterwards. On a GPU the clone is stream-ordered (no sync).
+        # the snapshot (stream-ordered on a GPU: no sync)
         own = cu_seqlens.detach().clone()
         own_host = None if cu_seqlens_cpu is None else checked_host_copy(cu_seqlens_cpu, own)
         host = own_host if own_host is not None else (own if own.device.type == "cpu" else own.cpu())
@@ -200,13 +150,10 @@ class LayerLocalSeqlens:
         self.max_seqlen: int = max_seqlen
         self.num_tokens: int = offsets[-1]
         self.num_seqs: int = len(lens)
-        schedule = chunk_indices and static is None
-        self._chunk_indices = (
-            host_to_device(chunk_indices_for(offsets).to(own.dtype), own.device) if schedule else None
-        )
-        self._chunk_offsets = (
-            host_to_device(chunk_offsets_for(offsets).to(own.dtype), own.device) if schedule else None
-        )
+        self._chunk_indices = self._chunk_offsets = None
+        if chunk_indices and static is None:
+            self._chunk_indices = host_to_device(chunk_indices_for(offsets).to(own.dtype), own.device)
+            self._chunk_offsets = host_to_device(chunk_offsets_for(offsets).to(own.dtype), own.device)
         self._static = static
         self._generation = static.fill(offsets) if static is not None else 0
         # under CP, the per-batch part comes from the CP object itself (parallel/ sits above this module)
@@ -214,7 +161,6 @@ class LayerLocalSeqlens:
             None if cp is None else cp.batch_seqlens(host, cu_seqlens.device, chunk_indices=chunk_indices)
         )
 
-    # ----------------------------------------------------------------------------------------- builders
     @classmethod
     def from_seq_lens(
         cls,
@@ -229,22 +175,15 @@ class LayerLocalSeqlens:
         """Build from document lengths, e.g. ``[5, 0, 17]`` -> ``cu_seqlens = [0, 5, 5, 22]``.
 
         Args:
-            seq_lens: non-negative document lengths in tokens (zero is legal): Python ints or numpy
-                integer scalars (``np.int64``, ... are exact integers and accepted); not floats, bools
-                or tensors (pass a tensor as ``seq_lens.tolist()``).
-            device: device of the activations (``cu_seqlens`` is created there); CPU when ``None``.
-            dtype: ``torch.int32`` (FLA's and flash-attn's convention) or ``torch.int64``.
-            with_cpu: also keep the host offsets as ``cu_seqlens_cpu`` (no sync needed later).
-            chunk_indices: precompute FLA's chunk schedule (see the class); ``None``: the class default
-                (``True``; ``False`` for the harness's ``modes.SharedSeqlens``).
-            cp: context parallelism (see the class): ``seq_lens`` are then the documents of the whole batch.
+            seq_lens: non-negative lengths in tokens: ints or numpy integers (a tensor: ``.tolist()``).
+            device: the activations' device; CPU when ``None``.
+            dtype: ``torch.int32`` (FLA's convention) or ``torch.int64``.
+            with_cpu: also keep the host offsets as ``cu_seqlens_cpu``.
+            chunk_indices, cp: as in the class; ``None`` keeps the class default.
 
         Raises:
-            TypeError: ``seq_lens`` is not an iterable of lengths (``None``, a string), a length is not an
-                integer, or ``dtype`` is not int32/int64.
-            ValueError: ``seq_lens`` is empty or holds a negative length; the lengths add up to more
-                than ``dtype`` can hold (``[2**31]`` with int32); ``device`` is not a device, or a CUDA
-                device this process cannot use.
+            TypeError: ``seq_lens`` is not an iterable of integers, or ``dtype`` is not int32/int64.
+            ValueError: no or a negative length; a total ``dtype`` cannot hold; a bad or unusable ``device``.
         """
         lens = lengths(seq_lens)
         if dtype not in INDEX_DTYPES:
@@ -263,23 +202,18 @@ class LayerLocalSeqlens:
     def from_position_ids(
         cls, position_ids: torch.Tensor, dtype: torch.dtype = torch.int32, *, chunk_indices: bool | None = None
     ) -> LayerLocalSeqlens:
-        """Build from packed ``position_ids`` (the transformers convention).
-
-        A new document starts wherever ``position_ids`` is 0, as transformers' packing collator writes it
-        (``DataCollatorWithFlattening``); within a document the positions count up by one. Zero-length
-        documents cannot be expressed this way.
+        """Build from packed ``position_ids``: a document starts wherever the position is 0 (transformers'
+        ``DataCollatorWithFlattening``); empty documents cannot be expressed.
 
         Args:
-            position_ids: ``[T]`` or ``[1, T]`` integer tensor: ``0, 1, 2, ...`` per document.
-            dtype: dtype of the resulting ``cu_seqlens`` (int32 or int64).
-            chunk_indices: precompute FLA's chunk schedule (see the class); ``None``: the class default
-                (``True``; ``False`` for the harness's ``modes.SharedSeqlens``).
+            position_ids: ``[T]`` or ``[1, T]`` integer tensor, ``0, 1, 2, ...`` per document.
+            dtype: dtype of ``cu_seqlens`` (int32 or int64).
+            chunk_indices: as in the class; ``None`` keeps the class default.
 
         Raises:
             TypeError: ``position_ids`` is not an integer tensor.
-            ValueError: batch size > 1, empty, a meta tensor, or positions that do not start each
-                document at 0 and count up by one (``[0, 1, 2, 1, 2]``, ``[0, 1, 5, 6]``, negatives): the
-                message names the first bad index; more tokens than ``dtype`` can hold.
+            ValueError: batch size > 1, empty, meta, positions that do not restart at 0 and count up by one
+                (the message names the first bad index), or more tokens than ``dtype`` holds.
         """
         if not isinstance(position_ids, torch.Tensor):
             raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
@@ -303,28 +237,17 @@ class LayerLocalSeqlens:
         offsets = torch.cat([starts, torch.tensor([host.numel()])]).to(dtype)
         return cls(offsets.to(position_ids.device), cu_seqlens_cpu=offsets, **_given(chunk_indices=chunk_indices))
 
-    # --------------------------------------------------------------------------------------------- use
     def local(self, *, whole_batch: bool = False) -> LocalSeqlens:
-        """Fresh ``cu_seqlens`` (and ``cu_seqlens_cpu``) objects for the calling layer.
+        """Fresh offsets for the calling layer: call it inside the layer's forward (its checkpointed region).
 
-        Call it inside the layer's forward, so inside its checkpointed region. Every call returns new
-        tensor objects with the same values; the copies are invisible to dispatch modes (SAC replay,
-        :class:`~fla_ac_isolation.ReplayAudit`) and to ``torch.compile``, so a SAC policy can never hand
-        a recompute the forward's object back. No device-to-host synchronisation happens here.
+        Every call returns new tensor objects with the same values, made invisibly to dispatch modes and
+        ``torch.compile`` (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`); no device-to-host sync.
 
         Returns:
-            :class:`LocalSeqlens` ``(cu_seqlens, cu_seqlens_cpu, max_seqlen, chunk_indices)``.
-            ``cu_seqlens_cpu`` is always set: the host offsets given at construction, or the copy that
-            validation read; FLA then builds whatever index it still needs on the host, so a
-            recompute's cache miss costs no device-to-host sync. ``chunk_indices`` is the schedule
-            precomputed at construction (``None`` if built with ``chunk_indices=False``); FLA ops that
-            take it skip their own ``prepare_chunk_indices`` and its blocking copy (docs/benchmarks.md).
-            ``chunk_offsets`` (each document's first schedule row) comes with ``chunk_indices``. With
-            ``static=``: fresh copies of the static buffers (padded; ``max_seqlen`` is the static bound).
-            Under context parallelism (``cp=``): this rank's offsets and schedule and a fresh
-            ``cp_context`` (see :class:`LocalSeqlens`); with ``whole_batch=True`` the GLOBAL offsets of
-            the whole batch instead, fresh, with ``cp_context=None`` (for layers that run whole sequences:
-            head-parallel Mamba2, gathered attention). Without ``cp``, ``whole_batch`` changes nothing.
+            :class:`LocalSeqlens`; ``cu_seqlens_cpu`` is always set. With ``static=``: copies of the padded
+            static buffers. With ``cp=``: this rank's offsets, schedule and a fresh ``cp_context``, or with
+            ``whole_batch=True`` the GLOBAL offsets and ``cp_context=None`` (for layers that run whole
+            sequences: head-parallel Mamba2, gathered attention); without ``cp``, ``whole_batch`` is ignored.
         """
         if self._cp is not None and not whole_batch:
             return self._cp.local()
@@ -336,19 +259,15 @@ class LayerLocalSeqlens:
                     "use one StaticSeqlens per batch in flight"
                 )
             return self._static.local()
-        chunk_indices = fresh_copy(self._chunk_indices) if self._chunk_indices is not None else None
-        chunk_offsets = fresh_copy(self._chunk_offsets) if self._chunk_offsets is not None else None
+        has_schedule = self._chunk_indices is not None
         return LocalSeqlens(
-            fresh_copy(self._cu_seqlens), fresh_copy(self._cu_seqlens_cpu), self.max_seqlen, chunk_indices,
-            chunk_offsets=chunk_offsets,
+            fresh_copy(self._cu_seqlens), fresh_copy(self._cu_seqlens_cpu), self.max_seqlen,
+            fresh_copy(self._chunk_indices) if has_schedule else None,
+            chunk_offsets=fresh_copy(self._chunk_offsets) if has_schedule else None,
         )
 
     def check_tokens(self, num_tokens: int, name: str = "hidden_states") -> None:
-        """Reject a batch whose packed token count differs from ``cu_seqlens[-1]`` (under CP: ``T / W``).
-
-        Raises:
-            ValueError: naming ``name`` and ``cu_seqlens`` when ``num_tokens != cu_seqlens[-1]``.
-        """
+        """Raise ``ValueError`` naming ``name`` unless ``num_tokens == cu_seqlens[-1]`` (under CP: ``T / W``)."""
         if self._cp is not None:
             self._cp.check_tokens(num_tokens, name, self.num_tokens)
         elif num_tokens != self.num_tokens:

@@ -1,41 +1,18 @@
 """Graph-safe varlen metadata: the offsets and FLA's chunk schedule in static buffers, padded to a bound.
 
-A CUDA graph replays the kernels it captured with the arguments it captured: the addresses of their tensors
-and every host value (grid sizes, tensor sizes, scalars). FLA's varlen kernels take both from the packing of
-the batch: the schedule's row count ``NT`` sizes the grids of the chunk kernels and the chunk-state tensors,
-the document count ``N`` the grids of the state passes, and the offsets and the schedule are read from device
-memory. A graph captured for one packing therefore cannot run another, unless
+A CUDA graph replays the tensor addresses and host values (grid sizes) it captured, and FLA's varlen kernels
+take both from the batch's packing. :class:`StaticSeqlens` fixes both (``docs/graphs.md``):
 
-* **the sizes are fixed**: ``cu_seqlens`` is padded to ``max_docs + 1`` documents with zero-length documents
-  (the last offset repeated; the last document is always one of them), and the schedule to
-  :attr:`StaticSeqlens.max_chunks` rows whose extra rows ``(max_docs, 0)`` point at that zero-length
-  document. FLA's GDN, simple GLA and conv kernels mask every load and store of a zero-length document, so
-  those rows compute nothing and write nothing (padded chunk-state rows and conv weight-gradient partials
-  stay unused or zero); the numbers of the real documents are unchanged (tests: bit for bit under Triton's
-  interpreter). FLA 0.6 has no sentinel check in these kernels (its ``-1`` rows, FLA #1212, are for KDA
-  only), hence rows that point at a real, empty document;
-* **the values live at fixed addresses**: :class:`StaticSeqlens` owns the device buffers, and
-  ``LayerLocalSeqlens(..., static=static)`` validates each batch's offsets and writes their padded metadata
-  into them, in place, on the current stream, before the graph is replayed (or the layers run eagerly).
+* sizes: ``cu_seqlens`` is padded to ``max_docs + 1`` documents with zero-length ones (the last offset
+  repeated), the schedule to ``max_chunks`` rows ``(max_docs, 0)`` that point at the last, empty document.
+  FLA's GDN, simple GLA and conv kernels mask every load and store of an empty document, so those rows write
+  nothing (FLA 0.6's ``-1`` sentinel rows, FLA #1212, are for KDA only);
+* addresses: the buffers are refilled in place by ``LayerLocalSeqlens(..., static=)``.
 
-Fresh objects stay fresh. :meth:`StaticSeqlens.local` hands each layer call a clone of each buffer (the
-isolation's fresh copy). While a graph is captured the clones are captured too, so every replay re-reads the
-buffers into each layer's own copies; FLA's identity cache sees a new object per layer call during capture and
-in eager steps, never one shared between layers, and a replay runs no Python, so it consults no cache.
-A layer's forward and its recompute therefore miss FLA's cache alike, as without graphs. The copies matter
-twice here: the buffers keep their identity from batch to batch, so handing FLA the buffers themselves would
-let its identity cache return an earlier batch's metadata in eager steps (the tests show it), besides sharing
-one object between layers.
-
-Host values: ``LocalSeqlens.max_seqlen`` is the bound ``num_tokens`` (a per-batch value would be frozen into a
-graph), and ``cu_seqlens_cpu`` the padded host offsets of the current batch (correct in eager steps; nothing
-this library runs reads them once ``chunk_indices`` and ``chunk_offsets`` are given, and a graph would freeze
-any host read made during capture).
-
-Sizes: ``NT = sum(ceil(len_i / 64))`` over the documents is at most ``(T + 63 * N) // 64``, so
-``max_chunks = (num_tokens + 63 * max_docs) // 64`` holds every packing of ``num_tokens`` tokens in at most
-``max_docs`` documents. Padding costs a few idle programs per kernel (``max_chunks - NT`` chunk rows,
-``max_docs + 1 - N`` documents).
+:meth:`StaticSeqlens.local` still hands each layer call fresh clones (captured too, so each replay re-reads
+the buffers); handing FLA the buffers themselves would let its identity cache return an earlier batch's
+metadata in eager steps. ``max_seqlen`` is the bound ``num_tokens``; ``cu_seqlens_cpu`` holds the current
+batch's padded host offsets (a graph would freeze any host read).
 """
 
 from __future__ import annotations
@@ -61,12 +38,7 @@ def padded_metadata(
     offsets: list[int], num_tokens: int, max_docs: int, chunk_size: int = CHUNK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(cu_seqlens [max_docs + 2], chunk_indices [max_chunks, 2], chunk_offsets [max_docs + 2])``, int64 on the
-    host: the metadata of ``offsets`` padded as the module docstring says.
-
-    Args:
-        offsets: ``N + 1`` validated offsets (non-decreasing, from 0 to ``num_tokens``) with ``N <= max_docs``.
-        num_tokens: the packed token count ``T`` (``offsets[-1]``).
-        max_docs: the document bound.
+    host, for ``N + 1`` validated ``offsets`` from 0 to ``num_tokens``, padded as the module docstring says.
 
     Raises:
         ValueError: more than ``max_docs`` documents; ``offsets[-1] != num_tokens``.
@@ -90,28 +62,21 @@ def padded_metadata(
 class StaticSeqlens:
     """Device buffers for a batch's offsets and chunk schedule, padded to a bound, refilled in place per batch.
 
-    Build one per packed-batch shape (token count and document bound) and keep it for the whole run; a
-    CUDA graph captured with it replays correctly for every batch of ``num_tokens`` tokens in at most
-    ``max_docs`` documents. Fill it with ``LayerLocalSeqlens(cu_seqlens, static=static)`` (validation and
-    the in-place write) and hand that object to the layers, as without graphs.
-
-    Args:
-        num_tokens: packed tokens ``T`` of every batch (``hidden_states.shape[1]``).
-        max_docs: the most documents a batch may hold (zero-length ones count).
-        device: the activations' device.
-        dtype: dtype of the offsets and schedule, ``torch.int32`` (default) or ``torch.int64``.
+    Build one per packed-batch shape and keep it; a CUDA graph captured with it replays correctly for every
+    batch of ``num_tokens`` tokens in at most ``max_docs`` documents (empty ones count). Fill it with
+    ``LayerLocalSeqlens(cu_seqlens, static=static)``.
 
     Attributes:
         cu_seqlens: ``[max_docs + 2]`` device buffer; ``chunk_indices`` ``[max_chunks, 2]``;
-            ``chunk_offsets`` ``[max_docs + 2]``; ``cu_seqlens_cpu`` ``[max_docs + 2]`` host copy of the
-            padded offsets. Their addresses never change; their values are the last filled batch's.
+            ``chunk_offsets`` ``[max_docs + 2]``; ``cu_seqlens_cpu`` ``[max_docs + 2]`` padded host offsets.
+            Fixed addresses; the last filled batch's values.
         max_chunks: schedule rows, :func:`max_chunks_for`.
         generation: how many batches have been filled in.
 
     Raises:
         TypeError: ``num_tokens``/``max_docs`` not ints; ``dtype`` not int32/int64.
-        ValueError: ``num_tokens < 1`` or ``max_docs < 1``; offsets that ``dtype`` cannot hold; ``device``
-            not a device, or a CUDA device this process cannot use.
+        ValueError: ``num_tokens`` or ``max_docs`` below 1; offsets ``dtype`` cannot hold; a bad or unusable
+            ``device``.
 
     Example::
 
@@ -148,17 +113,13 @@ class StaticSeqlens:
         self.generation = 0
 
     def fill(self, offsets: list[int]) -> int:
-        """Write the padded metadata of ``offsets`` into the buffers, in place; returns the new generation.
+        """Write the padded metadata of validated ``offsets`` into the buffers; returns the new generation.
 
-        Called by ``LayerLocalSeqlens(..., static=self)`` after it validated ``offsets`` (``N + 1`` ints
-        from 0 to ``num_tokens``). On CUDA the writes are host-to-device copies from fresh pinned memory on
-        the current stream, without blocking the host; work queued earlier on that stream (a replay reading
-        the previous batch) is ordered before them. Fill on the stream that replays the graph.
+        On CUDA: pinned host-to-device copies on the current stream (fill on the stream that replays).
 
         Raises:
             ValueError: see :func:`padded_metadata`.
-            RuntimeError: called while the current stream is capturing a graph (the write would be captured
-                with this batch's values and replayed for every later batch).
+            RuntimeError: called during graph capture (the write would be replayed for every later batch).
         """
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(

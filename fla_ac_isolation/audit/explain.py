@@ -1,14 +1,8 @@
 """The text of a divergence: what differed, why (FLA's cache, or other state), and the fix.
 
-:func:`explain` names the region, the op index, the innermost module running there, both ops, the FLA
-helpers whose cache state differed (when FLA is involved) and what to do: for a known FLA-backed class of
-another library running there (:func:`foreign_fix`, from :mod:`fla_ac_isolation.families`), the one call that
-fixes code the user does not own (``isolate_seqlens(model)``, or ``swap_mixers(model)`` where a drop-in
-exists); for their own code, ``LayerLocalSeqlens`` or the global disable. A divergence that no FLA helper
-explains is described as state that changed between forward and backward, without naming FLA: the
-callers pass only differences that implicate FLA's cache
-(:func:`~fla_ac_isolation.audit.records.implicating_fla`), not helpers that ran in one pass only because
-the region took another path.
+The fix is :func:`foreign_fix` for a known FLA-backed class of another library (``isolate_seqlens(model)`` or
+``swap_mixers(model)``), else ``LayerLocalSeqlens`` or FLA's cache disabled; a divergence that no FLA cache
+difference explains (:func:`~fla_ac_isolation.audit.records.implicating_fla`) is described without naming FLA.
 """
 
 from __future__ import annotations

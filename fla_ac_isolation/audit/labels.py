@@ -1,13 +1,9 @@
 """How the audit names a region and the module running at a divergent op.
 
-A region is named by the module path of the checkpointed module (or, when the checkpointed callable is not
-a module, of the module calling checkpoint), inside the audited ``model`` or, without one, inside the
-outermost module running when the region starts; ``_checkpoint_wrapped_module`` and ``_orig_mod`` are
-dropped from paths. Otherwise ``region #i (ClassName)`` or ``region #i``.
-
-With a region tag (``ReplayAudit(region_tag=...)``: a callable asked when a region's forward starts, e.g.
-:class:`~fla_ac_isolation.parallel.StageRegionTags` under a pipeline schedule) the label is ``"<tag>: <path>"``
-(``stage 1 / mb 0: layers.2``); the module named at a divergent op stays a plain path.
+A region is named by the path of the checkpointed module (or of the module calling checkpoint) inside the
+audited ``model``, else inside the outermost running module, without ``_checkpoint_wrapped_module`` and
+``_orig_mod``; otherwise ``region #i (ClassName)`` or ``region #i``. A region tag (``region_tag=``) goes in
+front: ``stage 1 / mb 0: layers.2``.
 """
 
 from __future__ import annotations
@@ -67,11 +63,8 @@ class RegionNamer:
         self._untagged: dict[str, str] = {}  # tagged label -> the label without its tag
 
     def tagged(self, label: str) -> str:
-        """``label`` with the current region tag in front (``"<tag>: <label>"``), or ``label`` without a tag.
-
-        Raises:
-            TypeError: the tag callable returned something other than a string or ``None``.
-        """
+        """``"<tag>: <label>"`` with the current region tag, or ``label`` without one; ``TypeError`` when the tag
+        callable returns something other than a string or ``None``."""
         tag = self._tag() if self._tag is not None else None
         if tag is None:
             return label

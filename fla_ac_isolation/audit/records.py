@@ -1,14 +1,7 @@
-"""What the audit records: per region, each pass's ops (op, output metadata) and FLA cache events.
+"""What the audit records: per region, each pass's ops and FLA cache events; what is ignored; how ops print.
 
-* :data:`OpRecord` - one recorded op: ``(op overload, per output leaf (shape, dtype, device) or type name)``;
-  plain tuples keep the per-op cost and memory low, and nothing refers to a tensor.
-* :class:`Pass` / :class:`Region` - one forward or recompute, and one checkpointed call with its passes.
-* :class:`UnauditedRegion` - a checkpointed call the audit saw but cannot look into (reentrant, torch's debug mode).
-* :class:`CacheDifference` and :func:`cache_differences` - FLA helpers whose hit/miss differed between the
-  forward and a recompute (the n-th call of each helper in one pass against its n-th call in the other);
-  :func:`implicating_fla` - whether those differences implicate FLA's cache or only a path change.
-* :func:`ignored_ops`, :func:`out_meta`, :func:`format_op` - what is recorded and how an op is printed.
-* :func:`scope_change` - FSDP2's own profiler scopes, whose ops are not the region's (not recorded).
+An :data:`OpRecord` is ``(op overload, per output leaf (shape, dtype, device) or type name)``: plain tuples keep
+the per-op cost low, and nothing refers to a tensor.
 """
 
 from __future__ import annotations
@@ -57,16 +50,11 @@ FSDP_SCOPE = "FSDP::"
 def scope_change(func: Any, args: tuple, depth: int) -> int:
     """The depth of FSDP2 scopes after ``func``: +1 entering one (or any scope inside one), -1 leaving one.
 
-    FSDP2's forward hooks unshard parameters inside ``record_function("FSDP::pre_forward")`` (``aten.empty``,
-    ``copy_``, ``as_strided``, ``view``, collectives with world size > 1) and reshard inside
-    ``FSDP::post_forward``; in the recompute they skip that work (the pre-backward hook has unsharded), so
-    the checkpointed forward of a sharded module holds ops its recompute never runs. They are FSDP's
-    parameter management, not the region's computation, and the audit does not record them (nor the
-    scope markers). SAC itself counts them (its ``SAC_IGNORED_OPS`` are only ``detach``, ``prim.device`` and
-    metadata ops); keyed by op and invocation index, they shift only later ops of the same overload, which
-    matters only to a policy that saves ``empty``, ``copy_``, ``as_strided``, ``view`` or FSDP's all-gather,
-    as none of the field's policies does. A scope is told by its name on entry; exits are counted, since the
-    exit op receives a new wrapper of the scope object.
+    FSDP2's hooks unshard inside ``record_function("FSDP::pre_forward")`` and reshard in ``FSDP::post_forward``,
+    and skip that work in the recompute, so those ops are parameter management, not the region's, and are not
+    recorded. (SAC counts them; keyed by op and invocation index they shift only later ops of the same
+    overload, which matters only to a policy saving ``empty``, ``copy_``, ``as_strided``, ``view`` or FSDP's
+    all-gather.) A scope is told by its name on entry; exits are counted, as the exit op gets a new wrapper.
     """
     if func is _SCOPE_ENTER and (depth or (args and str(args[0]).startswith(FSDP_SCOPE))):
         return depth + 1
@@ -109,12 +97,9 @@ def op_name(op: Any) -> str:
 
 @dataclass(frozen=True)
 class CacheDifference:
-    """An FLA cached helper whose cache state differed between the forward and a recompute.
-
-    ``forward`` / ``recompute`` are ``"hit"``, ``"miss"``, ``"bypass"`` or ``"not called"`` (its n-th
-    call happened in one pass only; nested helper calls, e.g. ``prepare_lens`` inside a missing
-    ``prepare_chunk_indices``, show up that way).
-    """
+    """An FLA cached helper whose cache state differed between the forward and a recompute: ``forward`` /
+    ``recompute`` are ``"hit"``, ``"miss"``, ``"bypass"`` or ``"not called"`` (its n-th call ran in one pass only,
+    e.g. a ``prepare_lens`` nested in a missing ``prepare_chunk_indices``)."""
 
     helper: str
     forward: str
@@ -146,13 +131,11 @@ class Region:
 
 @dataclass(frozen=True)
 class UnauditedRegion:
-    """A checkpointed region that ran under the audit but that the audit cannot look into.
+    """A checkpointed region that ran under the audit but that it cannot look into.
 
     Attributes:
-        label: the region's name, as a recorded region's (module path, ``region #i (ClassName)``, ``region #i``).
-        reason: why it was not audited: ``"reentrant checkpoint: not audited"`` (``use_reentrant=True``: its
-            recompute runs inside autograd with no ``context_fn``) or ``"debug checkpoint: not audited"`` (torch's
-            checkpoint debug mode takes no ``context_fn``).
+        label: the region's name, as a recorded region's.
+        reason: ``"reentrant checkpoint: not audited"`` or ``"debug checkpoint: not audited"``.
     """
 
     label: str
@@ -167,13 +150,8 @@ def by_helper(events: list[CacheEvent]) -> dict[str, dict[str, int]]:
 
 
 def implicating_fla(diffs: list[CacheDifference]) -> tuple[CacheDifference, ...]:
-    """``diffs`` when FLA's cache is implicated, else ``()``.
-
-    FLA's cache is implicated when some helper's n-th call hit in one pass and missed (or bypassed) in
-    the other; the helpers that then ran in one pass only (nested calls of a miss) are kept with it.
-    When every difference is a helper that ran in one pass only, the region took another path for
-    reasons of its own (a memoised probe, data-dependent control flow) and FLA's cache is not the cause.
-    """
+    """``diffs`` when some helper's n-th call hit in one pass and missed (or bypassed) in the other, else ``()``:
+    helpers that ran in one pass only mean the region took another path for reasons of its own."""
     if any("not called" not in (d.forward, d.recompute) for d in diffs):
         return tuple(diffs)
     return ()

@@ -22,9 +22,8 @@ __all__ = ["ReplayAudit", "UnauditedCheckpointWarning"]
 
 
 class UnauditedCheckpointWarning(UserWarning):
-    """A checkpointed region ran under :class:`ReplayAudit` that it cannot look into (a reentrant checkpoint,
-    or one in torch's debug mode); it is listed in :attr:`ReplayAudit.unaudited` and makes the verdict
-    ``"blind"``."""
+    """A checkpointed region the audit cannot look into ran (reentrant, or torch's debug mode)."""
+
 
 _ON_DIVERGENCE = ("raise", "warn", "record")
 
@@ -48,29 +47,18 @@ class ReplayAudit:
     or build a ``context_fn`` for checkpoint calls made elsewhere (:meth:`context_fn`).
 
     Args:
-        model: optional root module, used to name regions by module path. Without it the path is taken
-            inside the outermost module running when the region starts.
-        on_divergence: ``"raise"`` (default), ``"warn"`` or ``"record"``; see the module docstring.
-        probe_fla: run FLA's cache probe while active (per-region hit/miss telemetry and attribution).
-        region_tag: optional callable asked when each region's forward starts; a string it returns goes in front
-            of the region's label (``"stage 1 / mb 0: layers.2"``), ``None`` leaves the label as it is. Under a
-            pipeline schedule pass :class:`~fla_ac_isolation.parallel.StageRegionTags` (stage, microbatch and
-            the shape-inference pass).
-
-    Verdict: :attr:`ok` is "no region diverged"; :attr:`verdict` (``"aligned"``, ``"divergent"``, ``"blind"``)
-    also says whether anything was judged: ``"blind"`` when no region was recomputed and compared, or when a
-    checkpointed region ran that the audit cannot look into (a reentrant checkpoint: :attr:`unaudited`).
+        model: optional root module for region labels (:mod:`~fla_ac_isolation.audit.labels`).
+        on_divergence: ``"raise"`` (default), ``"warn"`` or ``"record"`` (:mod:`fla_ac_isolation.audit`).
+        probe_fla: run FLA's cache probe while active (per-region telemetry and attribution).
+        region_tag: called when each region's forward starts; a returned string prefixes the label
+            (``"stage 1 / mb 0: layers.2"``; see :class:`~fla_ac_isolation.parallel.StageRegionTags`).
 
     Raises:
-        UnsupportedTorchCheckpointError: on entering the block, when the installed torch's checkpoint internals are
-            not ones the audit knows (:mod:`fla_ac_isolation.audit.torch_checkpoint`; the message names the torch
-            version and what was not found).
+        UnsupportedTorchCheckpointError: on entering, for checkpoint internals the audit does not know.
         ValueError: unknown ``on_divergence``.
-        TypeError: ``model`` is not an ``nn.Module``; ``region_tag`` is not callable (or, when a region starts,
-            returns something other than a string or ``None``).
-        ReplayDivergenceError: (``"raise"``) at the first divergent op of a recompute, from backward.
-
-    Overhead: ~8-13 us per recorded op, ~1.05x on a realistic step (measured: see the module docstring).
+        TypeError: ``model`` not an ``nn.Module``; ``region_tag`` not callable, or returning neither a str
+            nor ``None``.
+        ReplayDivergenceError: (``"raise"``) from backward, at the first divergent op of a recompute.
     """
 
     def __init__(
@@ -92,7 +80,7 @@ class ReplayAudit:
 
     @property
     def on_divergence(self) -> OnDivergence:
-        """``"raise"``, ``"warn"`` or ``"record"``: what a divergent recompute does (see the class)."""
+        """``"raise"``, ``"warn"`` or ``"record"``."""
         return self._session.on_divergence
 
     @on_divergence.setter
@@ -100,7 +88,6 @@ class ReplayAudit:
         _check_on_divergence(value)
         self._session.on_divergence = value
 
-    # -- context manager
     def __enter__(self) -> ReplayAudit:
         if self._stack is not None:
             raise RuntimeError("ReplayAudit is not reentrant; use a new instance for a nested block")
@@ -127,7 +114,6 @@ class ReplayAudit:
 
     @contextlib.contextmanager
     def _patched_checkpoint(self) -> Iterator[None]:
-        """Route every checkpoint call inside the block through the audit (:mod:`.torch_checkpoint` knows how)."""
         import torch.utils.checkpoint as cp
 
         def non_reentrant(fn: Any, context_fn: Callable[[], Any], debug: bool) -> Callable[[], Any]:
@@ -158,7 +144,6 @@ class ReplayAudit:
         warnings.warn(f"ReplayAudit: {label}: {reason} ({why})",
                       UnauditedCheckpointWarning, stacklevel=2)
 
-    # -- context_fn
     def context_fn(
         self,
         inner: Callable[[], tuple[Any, Any]] | None = None,
@@ -166,16 +151,15 @@ class ReplayAudit:
         label: str | None = None,
         _label_from: Any = None,
     ) -> Callable[[], tuple[TorchDispatchMode, TorchDispatchMode]]:
-        """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+        """A ``context_fn`` for ``checkpoint(..., use_reentrant=False)`` made outside the ``with`` block.
 
         Args:
-            inner: the ``context_fn`` to wrap (e.g. ``sac_context_fn(policy)`` or
-                ``functools.partial(create_selective_checkpoint_contexts, policy)``); ``None`` for full AC.
-            label: name for every region checkpointed with this ``context_fn`` (default: module path).
+            inner: the ``context_fn`` to wrap (e.g. ``sac_context_fn(policy)``); ``None`` for full AC.
+            label: name for every region checkpointed with it (default: the module path).
 
         Returns:
-            A callable returning ``(forward_mode, recompute_mode)``, two ``TorchDispatchMode`` s that
-            record the ops and enter ``inner``'s contexts beneath themselves.
+            A callable returning ``(forward_mode, recompute_mode)``, two recording ``TorchDispatchMode`` s
+            that enter ``inner``'s contexts beneath themselves.
         """
 
         def audited_context_fn():
@@ -189,11 +173,10 @@ class ReplayAudit:
         audited_context_fn._replay_audit = True  # type: ignore[attr-defined]
         return audited_context_fn
 
-    # -- results
     @property
     def regions(self) -> list[RegionReport]:
         """One :class:`RegionReport` per checkpointed region whose forward ran, in forward order."""
-        return [self._report(r) for r in self._session.regions]
+        return [region_report(r) for r in self._session.regions]
 
     @property
     def divergent(self) -> list[RegionReport]:
@@ -202,36 +185,31 @@ class ReplayAudit:
 
     @property
     def recompute_counts(self) -> list[int]:
-        """How many times each region (in :attr:`regions` order) was recomputed: 1 per backward normally, 0 when
-        never recomputed, more when a schedule reruns a region's backward (zero-bubble schedules split it into an
-        input and a weight pass; under full AC each pass recomputes)."""
+        """Recomputes per region (:attr:`regions` order): 0 when never recomputed, more than 1 when a
+        schedule reruns a backward (zero-bubble's input and weight passes under full AC)."""
         return [len(r.recomputes) for r in self._session.regions]
 
     @property
     def ok(self) -> bool:
-        """No region diverged (regions that were not recomputed, and unaudited ones, do not count against it: read
-        :attr:`verdict` to know whether anything was judged)."""
+        """No region diverged; read :attr:`verdict` to know whether anything was judged."""
         return not self.divergent
 
     @property
     def unaudited(self) -> list[UnauditedRegion]:
-        """The checkpointed regions that ran but that the audit cannot look into (reentrant checkpoints, torch's
-        checkpoint debug mode), in the order they ran; each also emitted an :class:`UnauditedCheckpointWarning`."""
+        """Checkpointed regions the audit could not look into, in the order they ran (each warned)."""
         return list(self._session.unaudited)
 
     @property
     def verdict(self) -> str:
-        """``"divergent"``: some region diverged. ``"blind"``: none diverged, but no region was recomputed and
-        compared, or some checkpointed region ran unaudited (:attr:`unaudited`; :attr:`why_blind` says which).
-        ``"aligned"``: at least one region was recomputed and compared, none diverged, none ran unaudited."""
+        """``"divergent"``; ``"blind"``: nothing recomputed and compared, or some region unaudited
+        (:attr:`why_blind`); else ``"aligned"``."""
         if self.divergent:
             return "divergent"
         return "blind" if self.why_blind is not None else "aligned"
 
     @property
     def why_blind(self) -> str | None:
-        """Why nothing (or not everything) checkpointed here was judged, in one line; ``None`` when every
-        checkpointed region that ran was looked into and at least one was recomputed and compared."""
+        """Why the verdict is ``"blind"``, in one line; ``None`` otherwise (or when divergent and fully seen)."""
         reasons = []
         if not any(r.verdict == "aligned" or r.verdict == "divergent" for r in self.regions):
             reasons.append("no checkpointed region ran" if not self._session.regions
@@ -242,9 +220,6 @@ class ReplayAudit:
             names = ", ".join(dict.fromkeys(u.label for u in unaudited))
             reasons.append(f"{len(unaudited)} checkpointed region run(s) not audited ({'; '.join(kinds)}): {names}")
         return "; ".join(reasons) or None
-
-    def _report(self, region: Region) -> RegionReport:
-        return region_report(region)
 
     def summary(self, *, messages: bool = True) -> str:
         """A plain-text table of every region's verdict and FLA cache telemetry (+ divergence messages)."""

@@ -1,35 +1,21 @@
 """torch's checkpoint internals, per torch release: the one place that knows which function a non-reentrant
 checkpoint runs through and how to see a reentrant one.
 
-Non-reentrant checkpoints (``use_reentrant=False``) all run through one generator of ``torch.utils.checkpoint``,
-called with the checkpointed callable and its ``context_fn``:
+Every non-reentrant checkpoint (``checkpoint``, ``checkpoint_wrapper``, transformers'
+``gradient_checkpointing_enable``, ``checkpoint_sequential``, the composable ``checkpoint``, which imported it into
+its own module) runs through one generator of ``torch.utils.checkpoint``:
 
 * torch 2.11 to 2.13: ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state, context_fn,
   determinism_check, debug, early_stop, *args, **kwargs)``, called by ``checkpoint``;
 * torch 2.14 and 2.15: ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, preserve_rng_state,
   context_fn, determinism_check, debug, early_stop, respect_saved_tensors_hooks)``, called by
-  ``_checkpoint_impl`` (which ``checkpoint`` and its curried form call). The old name is still there, a
-  compatibility shim that no in-tree caller uses: intercepting it alone sees nothing.
+  ``_checkpoint_impl``; the old name remains as an unused shim (intercepting it alone sees nothing).
 
-Every way users checkpoint reaches that generator: ``checkpoint`` itself (also when imported or bound in a
-``functools.partial`` earlier, since ``checkpoint`` looks the generator up when it runs), torch's
-``checkpoint_wrapper`` (torchtitan's ``apply_ac``), transformers' ``gradient_checkpointing_enable``,
-``checkpoint_sequential``; the composable ``torch.distributed._composable.checkpoint`` imported the generator
-into its own module, so it is intercepted there too.
-
-Which generator this torch uses is found by looking (:func:`checkpoint_internals`): the name that
-``checkpoint``'s code (or ``_checkpoint_impl``'s) calls, with the parameters listed above. A torch where
-neither layout is found raises :class:`UnsupportedTorchCheckpointError` naming ``torch.__version__`` and what was
-missing: the audit refuses to start rather than see nothing.
-
-Reentrant checkpoints (``use_reentrant=True``) run ``CheckpointFunction.forward(ctx, run_function,
-preserve_rng_state, *args)`` (same on every release above); the audit cannot look into them (the recompute
-runs inside autograd's backward of that function, with no ``context_fn``), so :func:`intercept_checkpoints`
-wraps that ``forward`` on the class itself, which also sees a ``CheckpointFunction.apply`` called directly,
-and reports each run.
-
-Upstream: ``torch/utils/checkpoint.py`` and ``torch/distributed/_composable/checkpoint_activation.py`` of each
-release.
+:func:`checkpoint_internals` finds which by looking; on a torch with neither it raises
+:class:`UnsupportedTorchCheckpointError` rather than see nothing. Reentrant checkpoints run
+``CheckpointFunction.forward(ctx, run_function, preserve_rng_state, *args)`` on every release above and cannot be
+looked into, so that ``forward`` is wrapped on the class to report each run. Upstream:
+``torch/utils/checkpoint.py`` and ``torch/distributed/_composable/checkpoint_activation.py``.
 """
 
 from __future__ import annotations
@@ -66,15 +52,9 @@ class UnsupportedTorchCheckpointError(RuntimeError):
 
 @dataclass(frozen=True)
 class CheckpointInternals:
-    """How this torch runs a checkpoint.
-
-    Attributes:
-        torch_version: ``torch.__version__``.
-        generator: the name, in ``torch.utils.checkpoint``, of the generator every non-reentrant checkpoint runs
-            through (``"_checkpoint_without_reentrant_generator_impl"`` on torch 2.14 and 2.15).
-        signature: its signature (bound to find ``fn``, ``context_fn`` and ``debug`` of each call).
-        caller: the function of ``torch.utils.checkpoint`` whose code calls it (``"_checkpoint_impl"``).
-    """
+    """How this torch runs a checkpoint: ``generator``, the name in ``torch.utils.checkpoint`` every non-reentrant
+    checkpoint runs through, its ``signature`` (bound to find ``fn``, ``context_fn``, ``debug``), and ``caller``,
+    the function whose code calls it (``"_checkpoint_impl"`` on torch 2.14+)."""
 
     torch_version: str
     generator: str
@@ -97,13 +77,9 @@ def _code_names(fn: Any) -> tuple[str, ...]:
 def checkpoint_internals() -> CheckpointInternals:
     """Find the non-reentrant generator and the reentrant ``CheckpointFunction`` of the installed torch.
 
-    Returns:
-        The :class:`CheckpointInternals` found.
-
     Raises:
-        UnsupportedTorchCheckpointError: neither known generator is what ``checkpoint`` calls with the known parameters,
-            or ``CheckpointFunction.forward`` does not take ``(ctx, run_function, preserve_rng_state, *args)``
-            (the message names ``torch.__version__`` and what was looked for).
+        UnsupportedTorchCheckpointError: no known generator is what ``checkpoint`` calls with the known
+            parameters, or ``CheckpointFunction.forward`` has another signature (naming ``torch.__version__``).
     """
     import torch.utils.checkpoint as cp
 
@@ -155,17 +131,13 @@ def intercept_checkpoints(
     on_non_reentrant: Callable[[Any, Callable[[], Any], bool], Callable[[], Any]],
     on_reentrant: Callable[[Any], None],
 ) -> Iterator[CheckpointInternals]:
-    """Inside the block, route every checkpoint through the two callbacks.
+    """Inside the block, route every checkpoint through the two callbacks; yields the internals intercepted.
 
     Args:
-        on_non_reentrant: called as ``on_non_reentrant(fn, context_fn, debug)`` as each non-reentrant checkpoint
-            starts (``fn``: the checkpointed callable; ``debug``: torch's debug mode is on for it, by argument or
-            ``set_checkpoint_debug_enabled``, in which torch takes no ``context_fn``); returns the ``context_fn``
-            the checkpoint runs with.
-        on_reentrant: called as ``on_reentrant(run_function)`` as each reentrant checkpoint's forward starts.
-
-    Yields:
-        The :class:`CheckpointInternals` intercepted.
+        on_non_reentrant: ``on_non_reentrant(fn, context_fn, debug)`` as each non-reentrant checkpoint starts
+            (``debug``: torch's debug mode is on for it, which takes no ``context_fn``); returns the
+            ``context_fn`` to run with.
+        on_reentrant: ``on_reentrant(run_function)`` as each reentrant checkpoint's forward starts.
 
     Raises:
         UnsupportedTorchCheckpointError: on entry, from :func:`checkpoint_internals`.

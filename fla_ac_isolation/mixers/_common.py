@@ -1,8 +1,5 @@
-"""Input handling shared by every mixer's ``forward``: checks, packed-sequence resolution, padding mask.
-
-Each function raises at the boundary with an error that names the offending argument, so a mixer's
-forward can call them first and then read as plain maths.
-"""
+"""Input handling shared by every mixer's ``forward``: checks (raised at the boundary, naming the argument),
+packed-sequence resolution, padding mask."""
 
 from __future__ import annotations
 
@@ -11,20 +8,15 @@ from typing import Any
 import torch
 
 from fla_ac_isolation.local_seqlens import LocalSeqlens
+from fla_ac_isolation.ops.backend import resolve_backend
 from fla_ac_isolation.seqlens import LayerLocalSeqlens, devices_match
 
 
 def check_hidden_states(hidden_states: Any, hidden_size: int, weight: torch.Tensor) -> tuple[int, int]:
-    """Return ``(B, T)`` of ``hidden_states [B, T, hidden_size]``.
-
-    The dtype rule (the mixers' docstrings state it): outside ``torch.autocast``, ``hidden_states`` must
-    have the dtype of the mixer's weights (``weight``, its input projection); nothing is cast silently.
-    Under autocast for the device of ``hidden_states`` any floating dtype is accepted: autocast casts per
-    op, as transformers relies on.
+    """``(B, T)`` of ``hidden_states [B, T, hidden_size]``, whose dtype must be ``weight``'s outside autocast.
 
     Raises:
-        TypeError: not a floating-point tensor; its dtype differs from ``weight``'s outside autocast
-            (the message names both dtypes).
+        TypeError: not a floating-point tensor; another dtype than ``weight``'s outside autocast.
         ValueError: not 3-D, or the last dim is not ``hidden_size``.
     """
     if not isinstance(hidden_states, torch.Tensor):
@@ -44,11 +36,7 @@ def check_hidden_states(hidden_states: Any, hidden_size: int, weight: torch.Tens
 
 
 def reject_cache(**caches: Any) -> None:
-    """These mixers train on full sequences; cached (incremental) decoding is left to transformers.
-
-    Raises:
-        NotImplementedError: naming the first non-``None`` cache argument.
-    """
+    """``NotImplementedError`` naming the first non-``None`` cache argument (no cached decoding here)."""
     for name, value in caches.items():
         if value is not None:
             raise NotImplementedError(
@@ -65,27 +53,17 @@ def resolve_seqlens(
     max_length_q: int | torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
 ) -> LocalSeqlens | None:
-    """This layer's own ``cu_seqlens``: call it inside the mixer's forward (so inside its AC region).
+    """This layer's own offsets (``seqlens.local()``): call it inside the mixer's forward (its AC region).
 
-    * ``seqlens`` given: check it against ``hidden_states`` and return ``seqlens.local()`` (fresh tensor
-      objects, the isolation that keeps FLA's identity cache consistent between forward and recompute).
-      A ``cu_seq_lens_q`` passed alongside (transformers forwards it to every layer) must describe the
-      same number of documents; ``seqlens`` is used.
-    * only ``cu_seq_lens_q`` given (transformers' packed keyword): it is validated and wrapped in a
-      :class:`LayerLocalSeqlens` here, then ``.local()`` is taken the same way. The validation reads the
-      offsets on the host once per layer call (a device-to-host copy on GPU); build one
-      ``LayerLocalSeqlens`` per model forward and pass it as ``seqlens`` to avoid that.
-    * neither: ``None`` (each batch row is one document). ``seq_idx`` (mamba_ssm's per-token document
-      index) is refused then, since ignoring it would let state flow across documents, and so is
-      ``T == 0`` (an unpacked batch without tokens has no document to mix; packed, zero-length documents
-      are legal and ``T == 0`` works).
+    ``seqlens`` wins over a ``cu_seq_lens_q`` passed alongside (which must count as many documents); a lone
+    ``cu_seq_lens_q`` is validated and wrapped here, per layer call (one host read: pass ``seqlens`` to avoid
+    it). Neither: ``None`` (one document per row), refusing ``seq_idx`` (state would flow across documents)
+    and ``T == 0``.
 
     Raises:
-        TypeError: ``seqlens`` is not a LayerLocalSeqlens; ``cu_seq_lens_q`` is not an int32/int64 tensor.
-        ValueError: packed input with batch size > 1; token count differs from ``cu_seqlens[-1]`` (for
-            ``cu_seq_lens_q``: refused before its chunk schedule is built); offsets on another device than
-            ``hidden_states``; invalid ``cu_seq_lens_q`` offsets; ``seq_idx`` without offsets; ``T == 0``
-            without offsets.
+        TypeError: ``seqlens`` not a LayerLocalSeqlens; ``cu_seq_lens_q`` not an int32/int64 tensor.
+        ValueError: packed input with batch size > 1; a token count other than ``cu_seqlens[-1]``; offsets
+            on another device; invalid ``cu_seq_lens_q``; ``seq_idx`` or ``T == 0`` without offsets.
     """
     batch, tokens = hidden_states.shape[0], hidden_states.shape[1]
     if seqlens is None and cu_seq_lens_q is None:
@@ -132,8 +110,7 @@ def _check_unpacked(hidden_states: torch.Tensor, seq_idx: Any) -> None:
 
 
 def _wrap_cu_seq_lens_q(cu_seq_lens_q: Any, max_length_q: Any, hidden_states: torch.Tensor) -> LayerLocalSeqlens:
-    """``cu_seq_lens_q`` validated against ``hidden_states`` (its device, and its token count before the
-    chunk schedule is built: one bad offset cannot allocate a schedule sized by it)."""
+    """``cu_seq_lens_q`` validated against ``hidden_states`` (device; token count before the schedule is built)."""
     if isinstance(max_length_q, torch.Tensor):
         max_length_q = int(max_length_q)
     try:
@@ -144,14 +121,23 @@ def _wrap_cu_seq_lens_q(cu_seq_lens_q: Any, max_length_q: Any, hidden_states: to
         raise type(err)(f"cu_seq_lens_q is not valid packed-sequence offsets: {err}") from err
 
 
-def apply_padding_mask(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Zero padded positions, as transformers does before its linear-attention mixers.
+def varlen_kwargs(local: LocalSeqlens | None, backend: str, hidden_states: torch.Tensor, **extra: Any) -> dict:
+    """The keywords every op of one mixer call takes: this call's ``cu_seqlens``/``cu_seqlens_cpu`` (``None``
+    unpacked) and the backend resolved for ``hidden_states`` (:func:`~fla_ac_isolation.ops.backend.resolve_backend`
+    raises for ``"fla"`` on CPU tensors outside Triton's interpreter), plus ``extra``."""
+    return {
+        "cu_seqlens": local.cu_seqlens if local is not None else None,
+        "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
+        "backend": resolve_backend(backend, hidden_states),
+        **extra,
+    }
 
-    ``attention_mask`` is transformers' 2-D ``[B, T]`` padding mask (1 = token, 0 = padding) or ``None``.
-    Other shapes (e.g. a 4-D attention bias) carry no padding information for a recurrent mixer.
+
+def apply_padding_mask(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Zero padded positions of a 2-D ``[B, T]`` mask (1 = token), as transformers does; ``None`` passes.
 
     Raises:
-        ValueError: a 2-D mask whose shape is not ``[B, T]``, or a mask of another rank.
+        ValueError: a mask of another shape or rank (a 4-D attention bias carries no padding here).
     """
     if attention_mask is None:
         return hidden_states
@@ -170,22 +156,18 @@ def text_config(config: Any) -> Any:
 
 
 def config_field(config: Any, name: str) -> Any:
-    """``getattr(config, name)``, with an error that names the field and the config class.
-
-    Raises:
-        ValueError: the config has no such field.
-    """
+    """``getattr(config, name)``; ``ValueError`` naming the field and the config class when missing."""
     if not hasattr(config, name):
         raise ValueError(f"config ({type(config).__name__}) has no field {name!r}, which this mixer needs")
     return getattr(config, name)
 
 
 def layer_type(config: Any, layer_idx: int | None) -> str | None:
-    """``config.layer_types[layer_idx]`` (transformers' per-layer kind), or ``None`` without either.
+    """``config.layer_types[layer_idx]``, or ``None`` without either.
 
     Raises:
-        TypeError: ``layer_idx`` is neither an ``int`` nor ``None`` (a bool, a float, a string).
-        ValueError: ``layer_idx`` is outside ``config.layer_types`` (e.g. a config of a shallower model).
+        TypeError: ``layer_idx`` neither an ``int`` nor ``None``.
+        ValueError: ``layer_idx`` outside ``config.layer_types``.
     """
     if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int)):
         raise TypeError(f"layer_idx must be an int (this layer's index in the decoder) or None, got {layer_idx!r}")

@@ -1,10 +1,6 @@
-"""What a mixer checks before it runs under context parallelism (CP), at its forward's boundary.
-
-The Gated DeltaNet mixers run FLA's CP-aware conv and gated delta rule on this rank's shard when
-``LocalSeqlens.cp_context`` is set; these checks turn what would otherwise fail deep inside FLA (an
-assertion, a collective on the wrong group, a conv history read past the previous rank) into errors
-that name the argument.
-"""
+"""What a Gated DeltaNet mixer checks at its forward's boundary before FLA's CP kernels run, so that what would
+fail deep inside FLA (an assertion, a collective on no group, a conv history read past the previous rank) is an
+error naming the argument."""
 
 from __future__ import annotations
 
@@ -23,12 +19,10 @@ def check_cp_conv(
     """Check that a mixer with a causal conv of width ``conv_kernel_size`` can run under ``cp_context``.
 
     Raises:
-        NotImplementedError: the mixer's ``backend`` has no CP kernels, or the mixer was built with
-            ``saveable=True`` (FLA's CP kernels are not custom operators;
-            :func:`~fla_ac_isolation.ops.backend.check_cp_backend`).
-        ValueError: the context's ``conv_kernel_size`` is ``None`` or smaller than this layer's conv width
-            (the interval-length check of ``CPConfig`` then did not cover this conv), or the context has no
-            process group (a ``CPConfig`` built with ``world_size``/``rank`` only, for metadata).
+        NotImplementedError: a ``backend`` without CP kernels, or ``saveable=True``
+            (:func:`~fla_ac_isolation.ops.backend.check_cp_backend`).
+        ValueError: the context's ``conv_kernel_size`` is ``None`` or below this conv's width, or it has no
+            process group.
     """
     check_cp_backend(cp_context, backend, hidden_states, saveable)
     width = cp_context.conv1d_kernel_size

@@ -1,15 +1,9 @@
 """Drop-in for flash-linear-attention's ``fla.layers.Mamba2``: our packed-correct Mamba2 behind FLA's interface.
 
-flash-linear-attention 0.6's ``fla.layers.mamba2.Mamba2`` takes ``**kwargs`` and never reads ``cu_seqlens``
-(its mamba_ssm path hard-codes ``seq_idx=None``, its torch path scans the packed row), so
-``fla.models.Mamba2ForCausalLM``, which hands one ``cu_seqlens`` to every block, mixes packed documents. Its
-parameters are those of transformers' Nemotron-H mixer (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``,
-``norm``, ``D``, ``out_proj``, same order and shapes), so :class:`FlaMamba2` is
-:class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` (conv and SSD restarted at every document,
-``cu_seqlens`` localised inside ``forward``) with FLA's configuration names, its gated norm (both gate orders,
-or none) and its call convention (``forward(hidden_states, attention_mask, past_key_values, use_cache,
-output_attentions, **kwargs) -> (out, None, past_key_values)``, offsets from the ``cu_seqlens`` keyword).
-:func:`~fla_ac_isolation.swap_mixers` puts it in place of FLA's class, on the same tensors.
+FLA 0.6's ``Mamba2`` never reads ``cu_seqlens`` (its mamba_ssm path hard-codes ``seq_idx=None``), so
+``fla.models.Mamba2ForCausalLM`` mixes packed documents. Its parameters are those of transformers' Nemotron-H
+mixer, so :class:`FlaMamba2` is :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` with FLA's config names,
+gated norm and call convention; :func:`~fla_ac_isolation.swap_mixers` puts it in place on the same tensors.
 """
 
 from __future__ import annotations
@@ -35,15 +29,9 @@ _INIT_FIELDS = {"A_init_range": (1, 16), "dt_min": 0.001, "dt_max": 0.1, "dt_ini
 
 class FlaGatedRMSNorm(GroupedGatedRMSNorm):
     """FLA's ``RMSNormGated`` (``fla.modules.layernorm_gated``, no bias) in torch: grouped RMS norm of
-    ``x [..., I]`` with the gate ``silu(z)`` applied before (``norm_before_gate=False``, FLA's default) or after
-    it, computed in float32 (the weight too) and cast to the dtype of ``x``, as FLA's ``rms_norm_ref``.
-
-    Args:
-        hidden_size: channels ``I`` (``weight [I]``).
-        group_size: channels per group (``I // n_groups``).
-        eps: added to each group's mean square.
-        norm_before_gate: normalise first, then multiply by ``silu(z)``.
-    """
+    ``x [..., I]`` in groups of ``group_size``, with ``silu(z)`` applied before (FLA's default) or, with
+    ``norm_before_gate``, after it; float32 throughout (the weight too), cast to ``x``'s dtype (FLA's
+    ``rms_norm_ref``)."""
 
     def __init__(self, hidden_size: int, group_size: int, eps: float, norm_before_gate: bool) -> None:
         super().__init__(hidden_size, group_size, eps)
@@ -75,33 +63,22 @@ class FlaMamba2(NemotronHMamba2Mixer):
     """Our Mamba2 with flash-linear-attention's interface; replaces ``fla.layers.Mamba2`` (FLA 0.6).
 
     Args:
-        config: FLA's field names, as ``fla.models.Mamba2Config`` has them (the model's config can be passed
-            as is): ``hidden_size`` (``D``), ``num_heads`` (``H``; ``None``/0: ``expand * D // head_dim``),
-            ``head_dim`` (``P``), ``state_size`` (``N``), ``expand``, ``n_groups`` (``G``), ``conv_kernel``
-            (``W``), ``use_conv_bias``, ``hidden_act`` (the conv's activation: SiLU only), ``D_has_hdim``
-            (must be false), ``rmsnorm``, ``norm_before_gate``, ``dt_limit`` (``(lo, hi)`` clamp of the time
-            step), ``use_bias``, ``norm_eps``, ``chunk_size`` (kept; both backends chunk by 64 tokens, which
-            changes rounding only); optional ``A_init_range``, ``dt_min``, ``dt_max``, ``dt_init_floor`` (the
-            initialisation). :meth:`config_from` reads them off an FLA layer.
-        layer_idx: the layer's index (``layer_idx`` of FLA's module).
-        backend: ``"auto"`` (default) | ``"fla"`` | ``"reference"``, keyword only.
-        saveable: as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`, keyword only.
+        config: with ``fla.models.Mamba2Config``'s field names (the model's config as is; :meth:`config_from`
+            reads them off an FLA layer): ``hidden_size``, ``num_heads`` (``None``/0:
+            ``expand * D // head_dim``), ``head_dim``, ``state_size``, ``expand``, ``n_groups``, ``conv_kernel``,
+            ``use_conv_bias``, ``hidden_act``, ``D_has_hdim``, ``rmsnorm``, ``norm_before_gate``, ``dt_limit``
+            (``(lo, hi)``), ``use_bias``, ``norm_eps``, ``chunk_size``; optionally :meth:`init_fla_weights`'s.
+        layer_idx, backend, saveable: as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`.
 
-    Parameters (FLA's names, shapes and ``state_dict`` order; ``I = H * P``, ``E = I + 2*G*N``):
-    ``conv1d.weight [E, 1, W]`` (+ ``conv1d.bias [E]``), ``in_proj.weight [I + E + H, D]`` (+ bias if
-    ``use_bias``), ``dt_bias [H]``, ``A_log [H]``, ``norm.weight [I]`` (if ``rmsnorm``), ``D [H]``,
-    ``out_proj.weight [D, I]`` (+ bias). Built on a real device they are initialised as FLA's constructor
-    does (``A_log = log(U(A_init_range))``, ``D = 1``, ``dt_bias`` the inverse softplus of a log-uniform
-    ``dt`` in ``[dt_min, dt_max]``); FLA's ``_init_weights`` of its model may overwrite them, as for FLA's layer.
-
-    Numerics against FLA's torch path: the same maths; the SSD chunks by 64 tokens (FLA's ``chunk_size``,
-    default 256), so results agree up to rounding (``docs/models/fla_mamba2.md``).
+    Parameters: FLA's names, shapes and ``state_dict`` order (``norm.weight`` only if ``rmsnorm``), initialised
+    on a real device as FLA's constructor does. The SSD chunks by 64 tokens (FLA's default 256), so results agree
+    with FLA's torch path up to rounding (``docs/models/fla_mamba2.md``).
 
     Raises:
-        ValueError: a missing field; ``expand * hidden_size`` not a multiple of ``head_dim``; ``num_heads``
-            not ``expand * hidden_size // head_dim``; ``num_heads`` not a multiple of ``n_groups``;
-            ``hidden_act`` other than SiLU; ``dt_limit`` not two numbers ``lo <= hi``.
-        NotImplementedError: ``D_has_hdim=True`` (``D [H * P]``; the SSD op takes ``D [H]``).
+        ValueError: a missing field; ``expand * hidden_size`` not a multiple of ``head_dim`` or not
+            ``num_heads * head_dim``; ``num_heads`` not a multiple of ``n_groups``; ``hidden_act`` other than
+            SiLU; ``dt_limit`` not two numbers ``lo <= hi``.
+        NotImplementedError: ``D_has_hdim=True`` (the SSD op takes ``D [H]``).
     """
 
     def __init__(self, config: Any, layer_idx: int | None = None, *, backend: str = "auto",
@@ -137,11 +114,7 @@ class FlaMamba2(NemotronHMamba2Mixer):
 
     @staticmethod
     def config_from(upstream: nn.Module) -> types.SimpleNamespace:
-        """The configuration of an FLA ``Mamba2`` layer, read from its attributes.
-
-        Raises:
-            AttributeError: ``upstream`` lacks one (not flash-linear-attention 0.6's class).
-        """
+        """The configuration of an FLA 0.6 ``Mamba2`` layer, read from its attributes (``AttributeError`` else)."""
         return types.SimpleNamespace(
             hidden_size=upstream.hidden_size, num_heads=upstream.num_heads, head_dim=upstream.head_dim,
             state_size=upstream.ssm_state_size, expand=upstream.expand, n_groups=upstream.n_groups,
@@ -178,26 +151,14 @@ class FlaMamba2(NemotronHMamba2Mixer):
         max_seqlen: int | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None, Any]:
-        """Mix ``hidden_states [B, T, D]`` along time, documents kept apart; returns ``(out [B, T, D], None,
-        past_key_values)`` as FLA's layer does.
+        """``[B, T, D]`` -> ``(out [B, T, D], None, past_key_values)``, as FLA's layer returns.
 
-        Args:
-            hidden_states: ``[B, T, D]``; ``B == 1`` when packed; the dtype of the weights (or under autocast).
-            attention_mask: ``None`` or a ``[B, T]`` padding mask (FLA's models pass the model's).
-            past_key_values: must be ``None`` (no cached decoding; FLA's models pass ``None`` with
-                ``use_cache=False``).
-            use_cache: must be false.
-            output_attentions: ignored (FLA's layer returns no attentions either).
-            seqlens: a :class:`~fla_ac_isolation.LayerLocalSeqlens` for the whole model forward (passed to the
-                model as a keyword, FLA's models hand it on); ``.local()`` is called here.
-            cu_seqlens: FLA's packed offsets (``[N + 1]`` int32/int64), the keyword FLA's models hand every
-                layer; used when ``seqlens`` is ``None``, wrapped and localised per call.
-            max_seqlen: the longest document, if the caller passes it with ``cu_seqlens``.
-            **kwargs: other keywords FLA's models hand on, ignored as FLA's layer ignores them.
+        Offsets come from ``seqlens`` (a model-level :class:`~fla_ac_isolation.LayerLocalSeqlens` handed on as
+        a keyword) or FLA's ``cu_seqlens``/``max_seqlen`` keywords (wrapped per call); ``output_attentions`` and
+        other keywords are ignored, as by FLA's layer. Otherwise as :meth:`NemotronHMamba2Mixer.forward`.
 
         Raises:
             NotImplementedError: ``use_cache`` or ``past_key_values`` given.
-            ValueError, TypeError: as :meth:`NemotronHMamba2Mixer.forward` (bad offsets, shapes, dtypes, mask).
         """
         if use_cache or past_key_values is not None:
             raise NotImplementedError("FlaMamba2 does not implement cached decoding: call the model with "

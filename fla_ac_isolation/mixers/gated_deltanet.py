@@ -1,30 +1,16 @@
 """The Gated DeltaNet token mixer shared by Qwen3.5(-MoE) and Qwen3.8-Flash-Next.
 
-Gated Delta Networks (Yang, Kautz and Hatamizadeh, 2024, "Gated Delta Networks: Improving Mamba2 with
-Delta Rule", arXiv:2412.06464) keep a matrix state per value head and update it, token by token, with a
-decayed delta-rule write. The layer here follows transformers' ``Qwen3_5MoeGatedDeltaNet`` (5.24)
-parameter for parameter, so checkpoints load unchanged:
+Gated DeltaNet (Yang, Kautz and Hatamizadeh, arXiv:2412.06464) follows transformers'
+``Qwen3_5MoeGatedDeltaNet`` parameter for parameter: projections ``in_proj_qkv``, ``in_proj_z`` (output gate),
+``in_proj_b`` (``beta = sigmoid(b)``), ``in_proj_a`` (``g = -exp(A_log) * softplus(a + dt_bias)``); a depthwise
+causal ``conv1d`` + SiLU over q, k, v; the chunked gated delta rule with in-kernel q/k L2 norm and grouped value
+heads; a gated per-head RMSNorm (``norm``), then ``out_proj``. Unlike transformers, the conv and the recurrence
+restart at every ``cu_seqlens`` offset, taken from :meth:`~fla_ac_isolation.LayerLocalSeqlens.local` inside
+``forward``.
 
-1. four input projections: ``in_proj_qkv`` (q, k, v together), ``in_proj_z`` (output gate), ``in_proj_b``
-   (write strength ``beta = sigmoid(b)``) and ``in_proj_a`` (decay ``g = -exp(A_log) * softplus(a +
-   dt_bias)``);
-2. a depthwise causal conv (``conv1d``, no bias) + SiLU over q, k, v;
-3. the chunked gated delta rule with in-kernel L2 norm of q and k and grouped value attention;
-4. a per-head RMSNorm followed by the output gate (``norm``), then ``out_proj``.
-
-What differs from transformers: packed documents are kept apart (the conv and the recurrence restart at
-every ``cu_seqlens`` offset), each call takes this layer's own ``cu_seqlens`` objects through
-:meth:`~fla_ac_isolation.LayerLocalSeqlens.local` inside ``forward`` (safe under activation
-checkpointing), and the backend is chosen explicitly (``fla`` kernels on CUDA, the pure-torch
-``reference`` elsewhere). Cached generation is not implemented.
-
-Context parallelism: with ``seqlens`` built with ``cp=CPConfig(...)``, ``hidden_states`` is this rank's
-shard ``[1, T / W, D]`` and the layer runs FLA's CP-aware conv and gated delta rule with the fresh
-``cp_context`` of ``seqlens.local()`` (same parameters; FLA exchanges conv history and states between
-ranks). The gradients of the replicated parameters (``conv1d.weight`` included) are then this rank's
-part: sum them over the CP group, as a data-parallel reduction over the CP ranks does.
-
-The model-specific classes (:mod:`.qwen3_5_moe`, :mod:`.qwen3_8`) only choose the output gate.
+Context parallelism (``seqlens`` built with ``cp=``): ``hidden_states`` is this rank's ``[1, T / W, D]`` and
+FLA's CP-aware conv and gated delta rule run with the fresh ``cp_context``; replicated parameters' gradients
+are this rank's part, to be summed over the CP group (as a data-parallel reduction over the CP ranks does).
 """
 
 from __future__ import annotations
@@ -44,9 +30,10 @@ from fla_ac_isolation.mixers._common import (
     reject_cache,
     resolve_seqlens,
     text_config,
+    varlen_kwargs,
 )
 from fla_ac_isolation.mixers._cp import check_cp_conv
-from fla_ac_isolation.ops.backend import check_backend, check_saveable, resolve_backend
+from fla_ac_isolation.ops.backend import check_backend, check_saveable
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm"]
@@ -55,20 +42,9 @@ _GATES = {"silu": F.silu, "swish": F.silu, "sigmoid": torch.sigmoid}
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over the last dim, then multiplied by ``activation(gate)``.
-
-    Numerically the same as transformers' ``Qwen3_5MoeRMSNormGated`` / ``Qwen4ExpTextRMSNormGated``: the
-    normalisation runs in float32, is cast back to the input dtype before the weight is applied, and the
-    gate is applied in float32.
-
-    Args:
-        hidden_size: size of the normalised (last) dim, the value head dim.
-        eps: added to the mean square. Default ``1e-6``.
-        activation: ``"silu"`` (Qwen3.5) or ``"sigmoid"`` (Qwen3.8-Flash-Next). Default ``"silu"``.
-
-    Raises:
-        ValueError: unknown ``activation``.
-    """
+    """RMSNorm over the last dim (value head dim) times ``activation(gate)`` (``"silu"``: Qwen3.5, ``"sigmoid"``:
+    Qwen3.8-Flash-Next); numerically transformers' ``Qwen3_5MoeRMSNormGated``: normalised in float32, cast back
+    before the weight, gated in float32. Raises ``ValueError`` for an unknown ``activation``."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, activation: str = "silu") -> None:
         super().__init__()
@@ -91,34 +67,23 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet mixer with packed-sequence isolation; the base of the Qwen drop-ins.
 
     Args:
-        config: a transformers text config with the Qwen3.5 linear-attention fields (a multimodal config
-            is reduced to its text config).
-        layer_idx: index of this layer in the decoder (kept as ``layer_idx``; ``layer_type`` is read
-            from ``config.layer_types``).
-        backend: ``"auto"`` (default: FLA kernels for CUDA inputs, reference elsewhere), ``"fla"`` or
-            ``"reference"``.
-        output_gate: activation of the output gate, ``"silu"`` or ``"sigmoid"``. Default ``"silu"``.
-        saveable: route the conv and the gated delta rule through custom operators whose outputs a
-            selective-AC policy can save (``ops(..., saveable=True)``; save them with
-            :func:`fla_ac_isolation.policies.save_fla_ops`). Same parameters, same ``state_dict``.
-            Default ``False``.
+        config: a transformers (text) config with ``hidden_size`` (``D``), ``linear_num_key_heads`` (``H``),
+            ``linear_num_value_heads`` (``HV``), ``linear_key_head_dim`` (``K``), ``linear_value_head_dim``
+            (``V``), ``linear_conv_kernel_dim`` (``W``), ``hidden_act``, ``rms_norm_eps``, ``layer_types``.
+        layer_idx: index of this layer in the decoder.
+        backend: ``"auto"`` (FLA kernels for CUDA inputs, reference elsewhere), ``"fla"`` or ``"reference"``.
+        output_gate: ``"silu"`` or ``"sigmoid"``.
+        saveable: run the conv and the gated delta rule as custom operators a SAC policy can save
+            (:func:`fla_ac_isolation.policies.save_fla_ops`); same parameters.
 
-    Config fields read: ``hidden_size``, ``linear_num_key_heads`` (``H``), ``linear_num_value_heads``
-    (``HV``), ``linear_key_head_dim`` (``K``), ``linear_value_head_dim`` (``V``),
-    ``linear_conv_kernel_dim`` (``W``), ``hidden_act`` (conv activation), ``rms_norm_eps``,
-    ``layer_types``.
-
-    Parameters (names and shapes as transformers): ``in_proj_qkv.weight [2*H*K + HV*V, D]``,
-    ``in_proj_z.weight [HV*V, D]``, ``in_proj_b.weight [HV, D]``, ``in_proj_a.weight [HV, D]``,
-    ``conv1d.weight [2*H*K + HV*V, 1, W]``, ``dt_bias [HV]``, ``A_log [HV]``, ``norm.weight [V]``,
-    ``out_proj.weight [D, HV*V]``.
+    Parameters (as transformers): ``in_proj_qkv [2*H*K + HV*V, D]``, ``in_proj_z [HV*V, D]``,
+    ``in_proj_b``/``in_proj_a [HV, D]``, ``conv1d [2*H*K + HV*V, 1, W]``, ``dt_bias [HV]``, ``A_log [HV]``,
+    ``norm [V]``, ``out_proj [D, HV*V]``.
 
     Raises:
-        TypeError: ``saveable`` is not a bool.
-        ValueError: unknown ``backend``; a missing config field; ``HV`` not a multiple of ``H``;
-            ``hidden_act`` other than SiLU (FLA's conv offers only SiLU); unknown ``output_gate``;
-            ``layer_idx`` outside ``config.layer_types``.
-        TypeError: ``layer_idx`` is not an ``int`` (or ``None``).
+        TypeError: ``saveable`` not a bool; ``layer_idx`` not an ``int`` (or ``None``).
+        ValueError: unknown ``backend`` or ``output_gate``; a missing config field; ``HV`` not a multiple of
+            ``H``; ``hidden_act`` other than SiLU; ``layer_idx`` outside ``config.layer_types``.
     """
 
     def __init__(
@@ -183,32 +148,10 @@ class GatedDeltaNet(nn.Module):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Mix ``hidden_states [B, T, D]`` along time; returns ``[B, T, D]`` in the same dtype.
+        """``[B, T, D]`` -> ``[B, T, D]``: the forward of :mod:`fla_ac_isolation.mixers`.
 
-        Args:
-            hidden_states: ``[B, T, D]``; ``B == 1`` when packed. Its dtype must be that of the weights
-                (fp32 weights take fp32 input: nothing is cast) unless ``torch.autocast`` is active for its
-                device, where autocast casts per op as in transformers. ``T == 0`` works when packed
-                (zero-length documents) and is refused unpacked.
-            seqlens: packed-document offsets for the whole model forward; this layer calls
-                ``seqlens.local()`` here. ``None``: each batch row is one document.
-            cu_seq_lens_q: transformers' packed keyword (``[N + 1]`` int offsets), used when ``seqlens``
-                is ``None``; wrapped and localised the same way.
-            max_length_q: transformers' longest-document keyword, used with ``cu_seq_lens_q``.
-            attention_mask: ``None`` or a 2-D ``[B, T]`` padding mask (padded positions are zeroed first).
-            cache: must be ``None`` (no cached decoding).
-            cache_params: must be ``None``.
-            past_key_values: must be ``None``.
-            **kwargs: other transformers keywords (``position_ids``, ``cu_seq_lens_k``, ...) are ignored.
-
-        Raises:
-            ValueError: wrong hidden size or rank; packed input with ``B > 1``; token count differs from
-                ``cu_seqlens[-1]``; offsets on another device; bad ``cu_seq_lens_q`` or attention mask;
-                ``T == 0`` without offsets.
-            TypeError: ``hidden_states`` not a float tensor, or (outside autocast) of another dtype than the
-                weights, naming both; ``seqlens`` of the wrong type; non-integer offsets.
-            NotImplementedError: a cache was passed; context parallelism with the reference backend or with
-                ``saveable=True``.
+        Raises (besides those): ``NotImplementedError`` for context parallelism with the reference backend or
+        with ``saveable=True``.
         """
         reject_cache(cache=cache, cache_params=cache_params, past_key_values=past_key_values)
         batch, tokens = check_hidden_states(hidden_states, self.hidden_size, self.in_proj_qkv.weight)
@@ -216,12 +159,7 @@ class GatedDeltaNet(nn.Module):
             seqlens, hidden_states,
             cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, seq_idx=kwargs.get("seq_idx"),
         )
-        varlen = {
-            "cu_seqlens": local.cu_seqlens if local is not None else None,
-            "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
-            "backend": resolve_backend(self.backend, hidden_states),
-            "saveable": self.saveable,
-        }
+        varlen = varlen_kwargs(local, self.backend, hidden_states, saveable=self.saveable)
         chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
         cp_context = local.cp_context if local is not None else None  # FLA's CP metadata (context parallelism)
         if cp_context is not None:

@@ -1,30 +1,16 @@
 """The Kimi Delta Attention (KDA) token mixer of Kimi-Linear, GLM-5-next and Bailing hybrid, packed-correct.
 
-Kimi Delta Attention (Kimi Team, 2025, "Kimi Linear: An Expressive, Efficient Attention Architecture",
-arXiv:2510.26692) is the gated delta rule with a decay per key channel. transformers 5.24 ships it three
-times with the same maths and parameter names, differing only in the forget gate (read in
-``transformers/models/{kimi_linear,glm5_next,bailing_hybrid}/modeling_*.py``):
+KDA (Kimi Team, "Kimi Linear", arXiv:2510.26692) is the gated delta rule with a decay per key channel.
+transformers ships it three times (``transformers/models/{kimi_linear,glm5_next,bailing_hybrid}``) with the
+same maths and parameter names, differing in the forget gate: projections ``q_proj``, ``k_proj``, ``v_proj``;
+one depthwise causal ``conv1d`` + SiLU; the forget gate -> log decay ``g [B, T, H, K]``;
+``beta = sigmoid(b_proj(h))``; KDA with in-kernel q/k L2 norm (:func:`fla_ac_isolation.ops.chunk_kda`); a
+sigmoid-gated RMSNorm ``o_norm`` with the output gate, then ``o_proj``.
 
-1. projections ``q_proj``, ``k_proj``, ``v_proj`` (no bias), concatenated;
-2. one depthwise causal conv (``conv1d``, no bias) + SiLU over the ``3 * H * K`` channels, split back;
-3. the forget gate ``forget_gate`` -> log decay ``g [B, T, H, K]`` (:class:`LowRankForgetGate` for Kimi and
-   GLM-5-next, :class:`FullRankForgetGate` for Bailing);
-4. ``beta = sigmoid(b_proj(h))``;
-5. KDA with q and k L2-normalised inside and scale ``K ** -0.5`` (:func:`fla_ac_isolation.ops.chunk_kda`);
-6. a sigmoid-gated RMSNorm per head (``o_norm``, :class:`SigmoidGatedRMSNorm`) with the output gate
-   ``g_b_proj(g_a_proj(h))`` (Bailing: ``g_proj(h)``), then ``o_proj``.
-
-What differs from transformers: packed documents are kept apart. transformers' kernel wrapper hands FLA's
-``chunk_kda`` only FLA's own parameter names, so ``cu_seq_lens_q`` never reaches it, and its torch conv
-ignores document bounds: a packed document's output depends on the documents before it. Here the conv and
-KDA restart at every ``cu_seqlens`` offset, and each call takes this layer's own offsets through
-:meth:`~fla_ac_isolation.LayerLocalSeqlens.local` inside ``forward``, which it must: a KDA layer that hands
-FLA one ``cu_seqlens`` object shared by checkpointed layers inherits FLA's cache fault (bf16, a policy
-saving every ``_to_copy``: ``Autograd not support dtype: Int``). The backend is explicit (``fla`` kernels
-on CUDA, the pure-torch ``reference`` elsewhere). Cached generation and context parallelism are refused.
-
-The model-specific classes (:class:`KimiLinearDeltaAttention`, :class:`Glm5NextTextLinearAttention`,
-:class:`BailingHybridDeltaAttention`) only choose the gates and the dtypes transformers forces.
+Unlike transformers (whose kernel wrapper never passes ``cu_seq_lens_q`` to FLA and whose torch conv ignores
+document bounds), the conv and KDA restart at every ``cu_seqlens`` offset, taken from
+:meth:`~fla_ac_isolation.LayerLocalSeqlens.local` inside ``forward``. Cached generation and context
+parallelism are refused.
 """
 
 from __future__ import annotations
@@ -46,8 +32,9 @@ from fla_ac_isolation.mixers._common import (
     reject_cache,
     resolve_seqlens,
     text_config,
+    varlen_kwargs,
 )
-from fla_ac_isolation.ops.backend import check_backend, check_saveable, resolve_backend
+from fla_ac_isolation.ops.backend import check_backend, check_saveable
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = [
@@ -61,7 +48,6 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------- gates
 def _init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, zero_A_log: bool = False) -> None:
     """transformers' ``_init_weights`` of the forget gates (FLA's): ``A = U(1, 16)`` (GLM-5-next with a lower
     bound: ``A_log = 0``), ``dt_bias = softplus^-1(exp(U(log 1e-3, log 1e-1)))``."""
@@ -72,21 +58,12 @@ def _init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, zero_A_log: bool = F
 
 
 class LowRankForgetGate(nn.Module):
-    """Kimi-Linear's and GLM-5-next's forget gate: hidden states ``[B, T, D]`` -> log decay ``[B, T, H, K]`` float32.
+    """Kimi-Linear's and GLM-5-next's forget gate (``KimiLinearForgetGate`` / ``Glm5NextTextForgetGate``):
+    hidden states ``[B, T, D]`` -> log decay ``[B, T, H, K]`` float32.
 
-    ``x = f_b_proj(f_a_proj(h)) + dt_bias`` (in float32, per head and key channel), then
-    ``-exp(A_log) * softplus(x)`` (softplus as ``log(1 + exp(x))``, ``x`` above 20 kept), or, with a
-    ``lower_bound``, ``lower_bound * sigmoid(exp(A_log) * x)`` (GLM-5-next's bounded gate).
-
-    Follows ``KimiLinearForgetGate`` / ``Glm5NextTextForgetGate`` (transformers 5.24).
-
-    Args:
-        hidden_size: ``D``.
-        num_heads: ``H``.
-        head_dim: ``K``.
-        per_head_A_log: ``A_log`` is ``[H]`` float32 (GLM-5-next); ``False``: ``[1, 1, H, 1]`` in the
-            default dtype (Kimi-Linear).
-        lower_bound: GLM-5-next's ``linear_lower_bound``; ``None`` for the softplus gate.
+    ``x = f_b_proj(f_a_proj(h)) + dt_bias`` in float32, then ``-exp(A_log) * softplus(x)`` (``x > 20`` kept), or
+    with a ``lower_bound`` (GLM-5-next) ``lower_bound * sigmoid(exp(A_log) * x)``. ``per_head_A_log``:
+    ``A_log [H]`` float32 (GLM-5-next), else ``[1, 1, H, 1]`` in the default dtype (Kimi-Linear).
 
     Parameters: ``f_a_proj.weight [K, D]``, ``f_b_proj.weight [H*K, K]``, ``dt_bias [H*K]`` float32, ``A_log``.
     """
@@ -114,18 +91,11 @@ class LowRankForgetGate(nn.Module):
 
 
 class FullRankForgetGate(nn.Module):
-    """Bailing hybrid's forget gate: hidden states ``[B, T, D]`` -> log decay ``[B, T, H, K]`` in their dtype.
+    """Bailing hybrid's forget gate (``BailingHybridForgetGate``): ``[B, T, D]`` -> log decay ``[B, T, H, K]``
+    in the hidden states' dtype.
 
-    ``x = f_proj(h) + dt_bias`` (float32), then ``lower_bound * sigmoid(exp(A_log) * x)`` when ``safe_gate``
-    (Bailing's default, ``kda_lower_bound = -5``), else ``-exp(A_log) * softplus(x)``; cast to the dtype of
-    the hidden states as transformers does. Follows ``BailingHybridForgetGate`` (transformers 5.24).
-
-    Args:
-        hidden_size: ``D``.
-        num_heads: ``H``.
-        head_dim: ``K``.
-        safe_gate: the config's ``kda_safe_gate``.
-        lower_bound: the config's ``kda_lower_bound``.
+    ``x = f_proj(h) + dt_bias`` in float32, then ``lower_bound * sigmoid(exp(A_log) * x)`` when ``safe_gate``
+    (the config's ``kda_safe_gate``, ``kda_lower_bound``), else ``-exp(A_log) * softplus(x)``.
 
     Parameters: ``A_log [H]`` float32, ``dt_bias [H*K]`` float32, ``f_proj.weight [H*K, D]``.
     """
@@ -150,15 +120,8 @@ class FullRankForgetGate(nn.Module):
 
 
 class SigmoidGatedRMSNorm(nn.Module):
-    """RMSNorm over the last dim times ``sigmoid(gate)``, all in float32, cast back to the input dtype.
-
-    Numerically transformers' ``KimiLinearRMSNormGated`` (and GLM-5-next's, Bailing's): unlike the Qwen
-    norm, the weight is applied in float32 before the cast.
-
-    Args:
-        hidden_size: size of the normalised (last) dim, the head dim ``K``.
-        eps: added to the mean square. Default ``1e-6``.
-    """
+    """RMSNorm over the last dim ``K`` times ``sigmoid(gate)``, weight applied in float32 before the cast back
+    (numerically transformers' ``KimiLinearRMSNormGated``)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -173,39 +136,31 @@ class SigmoidGatedRMSNorm(nn.Module):
         return (self.weight.float() * x * torch.sigmoid(gate.float())).to(hidden_states.dtype)
 
 
-# ---------------------------------------------------------------------------------------------- mixer
 class KimiDeltaAttention(nn.Module):
     """Kimi Delta Attention mixer with packed-sequence isolation; the base of the three drop-ins.
 
     Args:
-        config: a transformers text config with the KDA fields below.
-        layer_idx: index of this layer in the decoder (kept as ``layer_idx``; ``layer_type`` is read from
-            ``config.layer_types`` when it has one).
-        backend: ``"auto"`` (default: FLA kernels for CUDA inputs, reference elsewhere), ``"fla"`` or
-            ``"reference"``.
-        forget_gate: builds the forget gate from ``(hidden_size, num_heads, head_dim)``: a module mapping
-            ``[B, T, D]`` to the log decay ``[B, T, H, K]``. Default: Kimi-Linear's
-            (:class:`LowRankForgetGate` with ``A_log [1, 1, H, 1]``, softplus).
-        low_rank_output_gate: output gate ``g_b_proj(g_a_proj(h))`` registered before ``o_norm`` (Kimi,
-            GLM-5-next); ``False``: ``g_proj(h)`` registered after ``o_proj`` (Bailing). Registration follows
-            transformers, so ``state_dict()`` and ``parameters()`` list the same tensors in the same order.
-        conv_dtype: dtype of ``conv1d`` (GLM-5-next and Bailing force float32; ``None``: the default dtype).
-            The conv computes in it and returns the input dtype, as transformers' torch conv does.
-        saveable: must be ``False``: KDA has no custom operator (``ops(..., saveable=True)``) yet. Taken so
-            that code building every family's mixer with ``saveable=`` gets a clear refusal.
+        config: a transformers text config with ``hidden_size`` (``D``), ``linear_num_heads`` (``H``),
+            ``linear_head_dim`` (``K``), ``linear_conv_kernel_dim`` (``W``), ``hidden_act``, ``rms_norm_eps``
+            and optionally ``layer_types``.
+        layer_idx: index of this layer in the decoder.
+        backend: ``"auto"`` (FLA kernels for CUDA inputs, reference elsewhere), ``"fla"`` or ``"reference"``.
+        forget_gate: builds from ``(D, H, K)`` a module ``[B, T, D]`` -> log decay ``[B, T, H, K]``; default
+            :class:`LowRankForgetGate` with ``A_log [1, 1, H, 1]`` (Kimi-Linear).
+        low_rank_output_gate: ``g_b_proj(g_a_proj(h))`` registered before ``o_norm`` (Kimi, GLM-5-next);
+            ``False``: ``g_proj(h)`` registered after ``o_proj`` (Bailing), so ``state_dict()`` order matches
+            transformers.
+        conv_dtype: dtype ``conv1d`` computes in (``None``: the default dtype); returns the input dtype.
+        saveable: must be ``False``: KDA has no custom operator yet.
 
-    Config fields read: ``hidden_size`` (``D``), ``linear_num_heads`` (``H``), ``linear_head_dim`` (``K``),
-    ``linear_conv_kernel_dim`` (``W``), ``hidden_act`` (conv activation), ``rms_norm_eps``, ``layer_types``.
-
-    Parameters (names and shapes as transformers): ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``
-    ``[H*K, D]``, ``conv1d.weight [3*H*K, 1, W]``, ``forget_gate.*``, ``b_proj.weight [H, D]``, the output
-    gate (``g_a_proj.weight [K, D]`` and ``g_b_proj.weight [H*K, K]``, or ``g_proj.weight [H*K, D]``),
-    ``o_norm.weight [K]``, ``o_proj.weight [D, H*K]``.
+    Parameters (as transformers): ``q_proj``, ``k_proj``, ``v_proj`` ``[H*K, D]``, ``conv1d [3*H*K, 1, W]``,
+    ``forget_gate.*``, ``b_proj [H, D]``, ``g_a_proj [K, D]`` + ``g_b_proj [H*K, K]`` or ``g_proj [H*K, D]``,
+    ``o_norm [K]``, ``o_proj [D, H*K]``.
 
     Raises:
-        ValueError: unknown ``backend``; a missing config field; ``hidden_act`` other than SiLU (FLA's conv
-            offers only SiLU); ``layer_idx`` outside ``config.layer_types``.
-        TypeError: ``layer_idx`` is not an ``int`` (or ``None``); ``saveable`` is not a bool.
+        ValueError: unknown ``backend``; a missing config field; ``hidden_act`` other than SiLU;
+            ``layer_idx`` outside ``config.layer_types``.
+        TypeError: ``layer_idx`` not an ``int`` (or ``None``); ``saveable`` not a bool.
         NotImplementedError: ``saveable=True``.
     """
 
@@ -274,31 +229,10 @@ class KimiDeltaAttention(nn.Module):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Mix ``hidden_states [B, T, D]`` along time; returns ``[B, T, D]`` in the same dtype.
+        """``[B, T, D]`` -> ``[B, T, D]``: the forward of :mod:`fla_ac_isolation.mixers`.
 
-        Args:
-            hidden_states: ``[B, T, D]``; ``B == 1`` when packed. Its dtype must be that of the weights
-                (``q_proj``) unless ``torch.autocast`` is active for its device. ``T == 0`` works when
-                packed (zero-length documents) and is refused unpacked.
-            seqlens: packed-document offsets for the whole model forward; this layer calls
-                ``seqlens.local()`` here. ``None``: each batch row is one document.
-            cu_seq_lens_q: transformers' packed keyword (``[N + 1]`` int offsets), used when ``seqlens`` is
-                ``None``; wrapped and localised the same way.
-            max_length_q: transformers' longest-document keyword, used with ``cu_seq_lens_q``.
-            attention_mask: ``None`` or a 2-D ``[B, T]`` padding mask (padded positions are zeroed first).
-            cache: must be ``None`` (no cached decoding).
-            cache_params: must be ``None``.
-            past_key_values: must be ``None``.
-            **kwargs: other transformers keywords (``position_ids``, ``cu_seq_lens_k``, ``input_ids``, ...)
-                are ignored.
-
-        Raises:
-            ValueError: wrong hidden size or rank; packed input with ``B > 1``; token count differs from
-                ``cu_seqlens[-1]``; offsets on another device; bad ``cu_seq_lens_q`` or attention mask;
-                ``T == 0`` without offsets; ``backend='fla'`` on CPU tensors outside Triton's interpreter.
-            TypeError: ``hidden_states`` not a float tensor, or (outside autocast) of another dtype than the
-                weights; ``seqlens`` of the wrong type; non-integer offsets.
-            NotImplementedError: a cache was passed; ``seqlens`` built for context parallelism.
+        Raises (besides those): ``ValueError`` for ``backend='fla'`` on CPU tensors outside Triton's interpreter;
+        ``NotImplementedError`` for ``seqlens`` built with ``cp=``.
         """
         reject_cache(cache=cache, cache_params=cache_params, past_key_values=past_key_values)
         batch, tokens = check_hidden_states(hidden_states, self.hidden_size, self.q_proj.weight)
@@ -311,11 +245,7 @@ class KimiDeltaAttention(nn.Module):
                 f"{type(self).__name__} has no context-parallel path: pass seqlens built without cp= "
                 "(whole sequences on every rank)"
             )
-        varlen = {
-            "cu_seqlens": local.cu_seqlens if local is not None else None,
-            "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
-            "backend": resolve_backend(self.backend, hidden_states),
-        }
+        varlen = varlen_kwargs(local, self.backend, hidden_states)
         hidden_states = apply_padding_mask(hidden_states, attention_mask)
         heads = (batch, tokens, self.num_heads, self.head_dim)
 
@@ -342,39 +272,18 @@ class KimiDeltaAttention(nn.Module):
         return f"heads={self.num_heads}, head_dim={self.head_dim}, backend={self.backend!r}"
 
 
-# ------------------------------------------------------------------------------------ the three drop-ins
 class KimiLinearDeltaAttention(KimiDeltaAttention):
-    """Drop-in for transformers' ``KimiLinearDeltaAttention`` (``transformers.models.kimi_linear``, config
-    ``KimiLinearConfig``): softplus forget gate with ``A_log [1, 1, H, 1]``, low-rank output gate.
-
-    Args:
-        config: ``KimiLinearConfig``.
-        layer_idx: index of the layer in the decoder.
-        backend: ``"auto"`` | ``"fla"`` | ``"reference"`` (keyword only; default ``"auto"``).
-        saveable: must be ``False`` (keyword only), see :class:`KimiDeltaAttention`.
-
-    Shapes, config fields, parameters and errors: see :class:`KimiDeltaAttention`.
-    ``forward(hidden_states [B, T, D], seqlens=None, *, cu_seq_lens_q=None, ...) -> [B, T, D]``.
-    """
+    """Drop-in for transformers' ``KimiLinearDeltaAttention`` (``KimiLinearConfig``): softplus forget gate with
+    ``A_log [1, 1, H, 1]``, low-rank output gate; otherwise :class:`KimiDeltaAttention`."""
 
     def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", saveable: bool = False) -> None:
         super().__init__(config, layer_idx, backend=backend, saveable=saveable)
 
 
 class Glm5NextTextLinearAttention(KimiDeltaAttention):
-    """Drop-in for transformers' ``Glm5NextTextLinearAttention`` (``transformers.models.glm5_next``, config
-    ``Glm5NextTextConfig``): Kimi's layer with ``A_log [H]`` float32, a float32 ``conv1d`` and, when
-    ``config.linear_lower_bound`` is set (default ``-5.0``), the bounded gate ``lower_bound * sigmoid(...)``.
-
-    Args:
-        config: ``Glm5NextTextConfig``; reads ``linear_lower_bound`` besides :class:`KimiDeltaAttention`'s fields.
-        layer_idx: index of the layer in the decoder.
-        backend: ``"auto"`` | ``"fla"`` | ``"reference"`` (keyword only; default ``"auto"``).
-        saveable: must be ``False`` (keyword only), see :class:`KimiDeltaAttention`.
-
-    Raises:
-        ValueError: as :class:`KimiDeltaAttention`; ``linear_lower_bound`` missing.
-    """
+    """Drop-in for transformers' ``Glm5NextTextLinearAttention`` (``Glm5NextTextConfig``): ``A_log [H]`` float32,
+    a float32 ``conv1d``, and the bounded gate from ``config.linear_lower_bound`` (``ValueError`` when missing);
+    otherwise :class:`KimiDeltaAttention`."""
 
     def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", saveable: bool = False) -> None:
         bound = config_field(text_config(config), "linear_lower_bound")
@@ -387,20 +296,9 @@ class Glm5NextTextLinearAttention(KimiDeltaAttention):
 
 
 class BailingHybridDeltaAttention(KimiDeltaAttention):
-    """Drop-in for transformers' ``BailingHybridDeltaAttention`` (``transformers.models.bailing_hybrid``,
-    config ``BailingHybridConfig``): full-rank gates (``forget_gate.f_proj``, ``g_proj``), ``A_log [H]`` and
-    ``conv1d`` in float32, the bounded gate when ``kda_safe_gate`` (default) with ``kda_lower_bound``.
-
-    Args:
-        config: ``BailingHybridConfig``; reads ``kda_safe_gate`` and ``kda_lower_bound`` besides
-            :class:`KimiDeltaAttention`'s fields.
-        layer_idx: index of the layer in the decoder.
-        backend: ``"auto"`` | ``"fla"`` | ``"reference"`` (keyword only; default ``"auto"``).
-        saveable: must be ``False`` (keyword only), see :class:`KimiDeltaAttention`.
-
-    Raises:
-        ValueError: as :class:`KimiDeltaAttention`; ``kda_safe_gate`` or ``kda_lower_bound`` missing.
-    """
+    """Drop-in for transformers' ``BailingHybridDeltaAttention`` (``BailingHybridConfig``): full-rank gates
+    (``forget_gate.f_proj``, ``g_proj``), ``A_log [H]`` and ``conv1d`` in float32, the bounded gate per
+    ``kda_safe_gate``/``kda_lower_bound`` (``ValueError`` when missing); otherwise :class:`KimiDeltaAttention`."""
 
     def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", saveable: bool = False) -> None:
         text = text_config(config)

@@ -1,14 +1,9 @@
 """Tensor lending between a drop-in mixer and the upstream module it replaced: slots pointed at tensors, not copies.
 
-:func:`~fla_ac_isolation.swap_mixers` builds a drop-in on the ``meta`` device and points every parameter
-and buffer slot of it at the upstream module's tensor of the same name (:func:`share_tensors`); the upstream
-module is kept on the drop-in, stripped of its tensors (:func:`keep_original`, :func:`strip_tensors`).
-:func:`lent_to_original` lends the drop-in's tensors back to it for a block, for upstream code that must
-run on them (OLMo-core's ``init_weights``, :meth:`OlmoNemotronMamba2Mixer.init_weights
-<fla_ac_isolation.mixers.olmo_core.OlmoNemotronMamba2Mixer.init_weights>`).
-
-This module belongs to the mixers' side: it imports nothing from this package, and the code that installs
-mixers (``swap.py``) imports it, never the reverse.
+:func:`~fla_ac_isolation.swap_mixers` builds a drop-in on ``meta``, points its slots at the upstream tensors
+(:func:`share_tensors`) and keeps the stripped upstream module on it (:func:`keep_original`);
+:func:`lent_to_original` lends the tensors back for upstream code (OLMo-core's ``init_weights``). Imports
+nothing from this package.
 """
 
 from __future__ import annotations
@@ -45,18 +40,11 @@ def _table(owner: nn.Module, kind: str) -> dict[str, Any]:
 
 
 def share_tensors(src: nn.Module, dst: nn.Module, what: str) -> None:
-    """Point every parameter/buffer slot of ``dst`` at the tensor object of the same name in ``src``.
-
-    Nothing is copied: dtype, device, ``requires_grad`` and identity of each tensor stay those of ``src``'s.
-
-    Args:
-        src: the module whose tensors are shared.
-        dst: the module whose slots are pointed at them.
-        what: the caller, for the messages (e.g. ``"swap_mixers('model.layers.0.linear_attn')"``).
+    """Point every parameter/buffer slot of ``dst`` at the tensor object of the same name in ``src`` (no copy).
 
     Raises:
-        RuntimeError: the two modules do not declare the same parameters and buffers (names, kinds,
-            shapes), so the replacement would not be a drop-in: its ``state_dict()`` would differ.
+        RuntimeError: naming ``what`` (the caller), when the modules do not declare the same parameters and
+            buffers (names, kinds, shapes): the replacement's ``state_dict()`` would differ.
     """
     src_slots, dst_slots = _slots(src), _slots(dst)
     if set(src_slots) != set(dst_slots):
@@ -96,26 +84,15 @@ def original_of(module: nn.Module) -> nn.Module | None:
 
 
 def release_original(replacement: nn.Module) -> nn.Module:
-    """Remove and return the upstream module kept on ``replacement``.
-
-    Raises:
-        KeyError: ``replacement`` keeps none (:func:`original_of` is ``None``).
-    """
+    """Remove and return the upstream module kept on ``replacement`` (``KeyError`` when none)."""
     return vars(replacement).pop(_ORIGINAL_ATTR)
 
 
 @contextlib.contextmanager
 def lent_to_original(module: nn.Module) -> Iterator[nn.Module]:
-    """The upstream module a swapped mixer replaced, pointed at the swapped mixer's tensors for the block.
-
-    For upstream code that must run on the swapped mixer's tensors, e.g. OLMo-core's ``init_weights``
-    (``OlmoNemotronMamba2Mixer.init_weights``). The tensors are the same objects (sharded or not); what the
-    block writes into them stays. On exit the upstream module holds no tensors again.
-
-    Raises:
-        RuntimeError: ``module`` was not made by :func:`~fla_ac_isolation.swap_mixers` (it holds no upstream
-            module).
-    """
+    """The upstream module a swapped mixer replaced, pointed at the swapped mixer's tensors (the same objects,
+    writes stay) for the block; stripped again on exit. ``RuntimeError`` when ``module`` was not made by
+    :func:`~fla_ac_isolation.swap_mixers`."""
     original = original_of(module)
     if original is None:
         raise RuntimeError(

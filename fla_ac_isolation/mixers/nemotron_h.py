@@ -1,30 +1,16 @@
 """Drop-in for transformers' ``NemotronHMamba2Mixer``, correct on packed sequences.
 
-Mamba2 (Dao and Gu, 2024, "Transformers are SSMs: Generalized Models and Efficient Algorithms Through
-Structured State Space Duality", arXiv:2405.21060) keeps a ``[N, P]`` state per head that decays by
-``exp(dt * A)`` each token and is written with ``B (x) (dt * x)``; the output reads it with ``C``. This
-class follows transformers' ``NemotronHMamba2Mixer`` (5.24) parameter for parameter:
+Mamba2 (Dao and Gu, arXiv:2405.21060), parameter for parameter as transformers: ``in_proj`` maps ``D`` to
+``[gate | x B C | dt]`` (sizes ``I``, ``I + 2*G*N``, ``H``; ``I = H * P``); a depthwise causal ``conv1d`` with
+bias + SiLU over ``x B C``; the SSD scan (``dt = clamp(softplus(dt + dt_bias), time_step_min)``,
+``A = -exp(A_log)``, ``B``/``C`` shared by ``H // G`` heads, the ``D`` skip); a grouped gated RMSNorm
+(``norm``, gate before norm), then ``out_proj``.
 
-1. ``in_proj`` maps ``D`` to ``[gate | x B C | dt]`` (sizes ``I``, ``I + 2*G*N``, ``H``; ``I = H * P``);
-2. a depthwise causal conv with bias (``conv1d``) + SiLU over ``x B C``;
-3. the SSD scan: ``dt = clamp(softplus(dt + dt_bias), time_step_min)``, ``A = -exp(A_log)``, grouped
-   ``B``/``C`` shared by ``H // G`` heads each, plus the ``D`` skip;
-4. a grouped gated RMSNorm (``norm``): ``y * silu(gate)``, then RMS-normalised in ``G`` groups of
-   ``I // G`` channels and scaled, as transformers does it (gate before norm), then ``out_proj``.
-
-Why a replacement: without mamba_ssm, transformers' torch path ignores packed-document boundaries (its
-``cu_seq_lens_q``/``position_ids`` never reach the conv or the scan), so state leaks from one document into
-the next. Here the conv and the scan restart at every ``cu_seqlens`` offset, each call localises its
-``cu_seqlens`` (:meth:`~fla_ac_isolation.LayerLocalSeqlens.local`) inside ``forward``, and the backend is
-explicit (FLA's conv and ``chunk_simple_gla``'s kernels on CUDA, the pure-torch reference elsewhere; see
-:mod:`fla_ac_isolation.fla_seam.kernels` for why SSD runs on simple GLA). With the precomputed schedule of
-:meth:`~fla_ac_isolation.LayerLocalSeqlens.local` (``chunk_indices`` and ``chunk_offsets``) the layer makes no
-host synchronisation, in forward, recompute or backward (:mod:`fla_ac_isolation.fla_seam.simple_gla`), so its
-checkpointed step can be captured in a CUDA graph (``docs/graphs.md``). Cached generation is not implemented.
-
-Context parallelism: FLA 0.6 has no CP for simple GLA, so with ``seqlens`` built with ``cp=CPConfig(...)``
-the mixer runs head-parallel (:mod:`fla_ac_isolation.mixers.nemotron_h_cp`): two all-to-alls, and whole
-sequences per rank for ``mamba_num_heads / W`` heads with the existing ops and the global offsets.
+Without mamba_ssm, transformers' torch path lets state leak across packed documents; here the conv and the
+scan restart at every ``cu_seqlens`` offset. SSD runs on FLA's simple GLA kernels
+(:mod:`fla_ac_isolation.fla_seam.kernels`); with the precomputed ``chunk_indices``/``chunk_offsets`` the layer
+makes no host synchronisation, so its checkpointed step can be captured in a CUDA graph (``docs/graphs.md``).
+Under context parallelism it runs head-parallel (:mod:`fla_ac_isolation.mixers.nemotron_h_cp`).
 """
 
 from __future__ import annotations
@@ -45,27 +31,18 @@ from fla_ac_isolation.mixers._common import (
     reject_cache,
     resolve_seqlens,
     text_config,
+    varlen_kwargs,
 )
-from fla_ac_isolation.ops.backend import check_backend, check_saveable, resolve_backend
+from fla_ac_isolation.ops.backend import check_backend, check_saveable
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["GroupedGatedRMSNorm", "NemotronHMamba2Mixer"]
 
 
 class GroupedGatedRMSNorm(nn.Module):
-    """``y * silu(gate)``, RMS-normalised in groups of ``group_size`` channels, then scaled by ``weight``.
-
-    Numerically the same as transformers' ``NemotronHRMSNormGated``: gating and normalisation in float32,
-    the result cast to the input dtype before the weight is applied.
-
-    Args:
-        hidden_size: channels ``I`` (``weight`` is ``[I]``).
-        group_size: channels per normalisation group (``I // n_groups``).
-        eps: added to each group's mean square. Default ``1e-6``.
-
-    Raises:
-        ValueError: ``hidden_size`` not a multiple of ``group_size``.
-    """
+    """``y * silu(gate)``, RMS-normalised in groups of ``group_size`` of the ``hidden_size`` channels, scaled by
+    ``weight [hidden_size]``; numerically transformers' ``NemotronHRMSNormGated`` (float32, cast back before the
+    weight). Raises ``ValueError`` when ``hidden_size`` is not a multiple of ``group_size``."""
 
     def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -90,33 +67,24 @@ class NemotronHMamba2Mixer(nn.Module):
     """Mamba2 mixer of Nemotron-H, packed-sequence safe; drop-in for transformers' class of that name.
 
     Args:
-        config: ``NemotronHConfig``.
-        layer_idx: index of the layer (``layer_type`` is read from ``config.layer_types`` when given).
-        initialize_mixer_weights: fill ``A_log = log(1..H)``, ``D = 1``, ``dt_bias = 1`` as transformers
-            does (its ``_init_weights`` may overwrite them later). Default ``True``.
-        backend: ``"auto"`` (default) | ``"fla"`` | ``"reference"``, keyword only.
-        saveable: route the conv and the SSD scan through custom operators whose outputs a selective-AC
-            policy can save (``ops(..., saveable=True)``; save them with
-            :func:`fla_ac_isolation.policies.save_fla_ops`). Same parameters, same ``state_dict``.
-            Keyword only, default ``False``.
+        config: ``NemotronHConfig``: ``hidden_size`` (``D``), ``mamba_num_heads`` (``H``), ``mamba_head_dim``
+            (``P``), ``n_groups`` (``G``), ``ssm_state_size`` (``N``), ``conv_kernel`` (``W``),
+            ``use_conv_bias``, ``use_bias``, ``mamba_hidden_act``, ``chunk_size`` (kept; both backends chunk
+            by 64 tokens), ``time_step_min``, ``layer_norm_epsilon``, ``layer_types``.
+        layer_idx: index of the layer.
+        initialize_mixer_weights: :meth:`init_nemotron_h_weights` (transformers' ``_init_weights`` may
+            overwrite them later).
+        backend: ``"auto"`` | ``"fla"`` | ``"reference"``.
+        saveable: run the conv and the SSD scan as custom operators a SAC policy can save
+            (:func:`fla_ac_isolation.policies.save_fla_ops`); same parameters.
 
-    Config fields read: ``hidden_size`` (``D``), ``mamba_num_heads`` (``H``), ``mamba_head_dim`` (``P``),
-    ``n_groups`` (``G``), ``ssm_state_size`` (``N``), ``conv_kernel`` (``W``), ``use_conv_bias``,
-    ``use_bias``, ``mamba_hidden_act`` (conv activation), ``chunk_size``, ``time_step_min`` (lower clamp
-    of ``dt``; the upper is infinite, as in transformers), ``layer_norm_epsilon``, ``layer_types``.
-    ``chunk_size`` is kept as an attribute; both backends chunk by 64 tokens, which changes nothing but
-    rounding.
-
-    Parameters (names and shapes as transformers; ``I = H * P``, ``E = I + 2*G*N``):
-    ``in_proj.weight [I + E + H, D]`` (+ bias if ``use_bias``), ``conv1d.weight [E, 1, W]``,
-    ``conv1d.bias [E]`` (if ``use_conv_bias``), ``dt_bias [H]``, ``A_log [H]``, ``D [H]``,
-    ``norm.weight [I]``, ``out_proj.weight [D, I]`` (+ bias if ``use_bias``).
+    Parameters (as transformers; ``E = I + 2*G*N``): ``in_proj [I + E + H, D]``, ``conv1d [E, 1, W]`` (+ bias),
+    ``dt_bias``/``A_log``/``D [H]``, ``norm [I]``, ``out_proj [D, I]`` (biases if ``use_bias``).
 
     Raises:
-        TypeError: ``saveable`` is not a bool.
-        ValueError: unknown ``backend``; missing config field; ``H`` not a multiple of ``G``;
+        TypeError: ``saveable`` not a bool; ``layer_idx`` not an ``int`` (or ``None``).
+        ValueError: unknown ``backend``; a missing config field; ``H`` not a multiple of ``G``;
             ``mamba_hidden_act`` other than SiLU; ``layer_idx`` outside ``config.layer_types``.
-        TypeError: ``layer_idx`` is not an ``int`` (or ``None``).
     """
 
     def __init__(
@@ -199,35 +167,11 @@ class NemotronHMamba2Mixer(nn.Module):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Mix ``hidden_states [B, T, D]`` along time; returns ``[B, T, D]`` in the same dtype.
+        """``[B, T, D]`` -> ``[B, T, D]``: the forward of :mod:`fla_ac_isolation.mixers`; the padding mask also
+        zeroes the conv output, and ``seq_idx`` is refused without offsets.
 
-        Args:
-            hidden_states: ``[B, T, D]``; ``B == 1`` when packed. Its dtype must be that of the weights
-                (fp32 weights take fp32 input: nothing is cast) unless ``torch.autocast`` is active for its
-                device, where autocast casts per op as in transformers. ``T == 0`` works when packed
-                (zero-length documents) and is refused unpacked.
-            seqlens: packed-document offsets for the whole model forward; this layer calls
-                ``seqlens.local()`` here. ``None``: each batch row is one document.
-            cu_seq_lens_q: transformers' packed keyword (``[N + 1]`` int offsets), used when ``seqlens``
-                is ``None``; wrapped and localised the same way.
-            max_length_q: transformers' longest-document keyword, used with ``cu_seq_lens_q``.
-            attention_mask: ``None`` or a 2-D ``[B, T]`` padding mask (padded positions are zeroed before
-                the projection and after the conv, as transformers does).
-            cache: must be ``None`` (no cached decoding).
-            cache_params: must be ``None``.
-            past_key_values: must be ``None``.
-            **kwargs: other transformers keywords (``position_ids``, ...) are ignored; ``seq_idx`` is
-                refused unless offsets are given too.
-
-        Raises:
-            ValueError: wrong hidden size or rank; packed input with ``B > 1``; token count differs from
-                ``cu_seqlens[-1]``; offsets on another device; bad ``cu_seq_lens_q``, attention mask or
-                ``seq_idx`` without offsets; ``T == 0`` without offsets; under context parallelism,
-                ``mamba_num_heads`` not divisible by the CP degree
-                (:func:`~fla_ac_isolation.mixers.nemotron_h_cp.head_shard`) or a padding mask.
-            TypeError: ``hidden_states`` not a float tensor, or (outside autocast) of another dtype than the
-                weights, naming both; ``seqlens`` of the wrong type; non-integer offsets.
-            NotImplementedError: a cache was passed.
+        Raises (besides those): under context parallelism, ``ValueError`` for ``mamba_num_heads`` not divisible
+        by the CP degree (:func:`~fla_ac_isolation.mixers.nemotron_h_cp.head_shard`) or a padding mask.
         """
         reject_cache(cache=cache, cache_params=cache_params, past_key_values=past_key_values)
         batch, tokens = check_hidden_states(hidden_states, self.hidden_size, self.in_proj.weight)
@@ -239,12 +183,7 @@ class NemotronHMamba2Mixer(nn.Module):
             seqlens, hidden_states,
             cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, seq_idx=kwargs.get("seq_idx"),
         )
-        varlen = {
-            "cu_seqlens": local.cu_seqlens if local is not None else None,
-            "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
-            "backend": resolve_backend(self.backend, hidden_states),
-            "saveable": self.saveable,
-        }
+        varlen = varlen_kwargs(local, self.backend, hidden_states, saveable=self.saveable)
         chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
         chunk_offsets = local.chunk_offsets if local is not None else None  # its first row per document
         dtype = hidden_states.dtype

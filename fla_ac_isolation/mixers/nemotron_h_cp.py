@@ -1,20 +1,11 @@
 """Nemotron-H's Mamba2 mixer under context parallelism: head-parallel, with the existing conv and SSD ops.
 
-FLA 0.6 has no CP for simple GLA (the kernel behind our Mamba2 SSD), so the mixer does not shard the
-scan along the sequence. Instead (the Ulysses scheme, as OLMo-core does for attention):
-
-1. ``in_proj`` runs on this rank's ``T / W`` tokens (every channel);
-2. one all-to-all (:func:`~fla_ac_isolation.parallel.sequence_to_heads`) gives each rank every token of
-   the channels of ITS heads: x of heads ``[r H/W, (r+1) H/W)``, the B/C groups those heads read, their dt;
-3. the existing varlen causal conv and SSD (:mod:`fla_ac_isolation.ops`, either backend) run on whole
-   documents with the GLOBAL offsets (``seqlens.local(whole_batch=True)``: fresh objects, as ever) and the
-   slices of the conv weight, ``A_log``, ``D`` and ``dt_bias`` that belong to those channels and heads;
-4. a second all-to-all (:func:`~fla_ac_isolation.parallel.heads_to_sequence`) returns ``y`` to this
-   rank's tokens for every head; the gated grouped RMSNorm and ``out_proj`` run on the shard.
-
-Same parameters as without CP. Every parameter gradient is this rank's part (its heads' slices, its
-tokens' projections): sum them over the CP group. Needs ``mamba_num_heads`` divisible by ``W``; traffic
-is activation-sized (four all-to-alls per layer with the backward).
+FLA 0.6 has no CP for simple GLA (behind our SSD), so instead (Ulysses, as OLMo-core does for attention):
+``in_proj`` on this rank's ``T / W`` tokens; an all-to-all (:func:`~fla_ac_isolation.parallel.sequence_to_heads`)
+to every token of this rank's heads (their x, the B/C groups they read, their dt); the varlen conv and SSD on
+whole documents with the GLOBAL offsets (``seqlens.local(whole_batch=True)``) and this rank's parameter slices;
+an all-to-all back (:func:`~fla_ac_isolation.parallel.heads_to_sequence`); norm and ``out_proj`` on the shard.
+Same parameters as without CP; every gradient is this rank's part, to be summed over the CP group.
 """
 
 from __future__ import annotations
@@ -32,16 +23,13 @@ __all__ = ["head_parallel_forward", "head_shard"]
 
 
 def head_shard(mixer: Any, cp: CPConfig) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """Which channels of ``[x B C | dt]`` each rank computes, and this rank's heads.
-
-    Returns:
-        ``(channels, heads, groups)``: ``channels[d]`` int64 indices into ``in_proj``'s ``x B C | dt``
-        output for rank ``d`` (x of its heads, B then C of the groups they read, then their dt), this
-        rank's head indices, and the number of B/C groups this rank receives.
+    """``(channels, heads, groups)``: ``channels[d]``, the int64 indices into ``in_proj``'s ``x B C | dt`` output
+    rank ``d`` computes (x of its heads, B then C of their groups, their dt); this rank's head indices; and the
+    number of B/C groups it receives.
 
     Raises:
-        ValueError: ``mamba_num_heads`` is not divisible by ``cp.world_size``, or a rank's heads would
-            split a B/C group unevenly (``n_groups`` neither a multiple nor a divisor of the rank count).
+        ValueError: ``mamba_num_heads`` not divisible by ``cp.world_size``, or ranks that would split a B/C
+            group unevenly.
     """
     H, P, G, N, W = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size, cp.world_size
     if H % W:
@@ -95,9 +83,8 @@ def _check(mixer: Any, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, 
 def head_parallel_forward(
     mixer: Any, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, *, attention_mask: Any = None
 ) -> torch.Tensor:
-    """The forward of :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` under ``seqlens.cp``.
-
-    ``hidden_states [1, T / W, D]`` (this rank's shard, FLA's layout) -> ``[1, T / W, D]``.
+    """:class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`'s forward under ``seqlens.cp``: this rank's
+    ``[1, T / W, D]`` shard (FLA's layout) -> ``[1, T / W, D]``.
 
     Raises:
         ValueError: see :func:`head_shard`; batch size > 1; a token count other than ``T / W``; offsets on

@@ -1,19 +1,10 @@
 """Drop-in for OLMo-core's ``NemotronMamba2Mixer``: our packed-correct Mamba2 behind OLMo-core's interface.
 
-OLMo-core 3.0's ``olmo_core.nn.attention.recurrent.NemotronMamba2Mixer`` is transformers' Nemotron-H Mamba2
-mixer, parameter for parameter (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
-``out_proj``; same shapes), with a pure-torch SSD that
-
-* drops ``cu_doc_lens`` (``del kwargs``): conv and scan run across packed documents;
-* is not causal across its own chunks: the inter-chunk state sum runs over the *target* chunk axis
-  (``recurrent.py:779``, ``(decay_chunk[..., None, None] * states_permuted[:, :, None, ...]).sum(dim=2)``),
-  so any output before the last ``chunk_size``-token chunk depends on later tokens.
-
-:class:`OlmoNemotronMamba2Mixer` is :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` (conv and scan
-restarted at every document, ``cu_seqlens`` localised inside ``forward``) with OLMo-core's call convention
-(``forward(x, cu_doc_lens=None, max_doc_len=None, **kwargs)``; ``B > 1`` packed rows are flattened, as
-OLMo-core's ``KimiDeltaAttention`` does) and the rest of its ``SequenceMixer`` interface. It is what
-:func:`~fla_ac_isolation.swap_mixers` puts in place of OLMo-core's class, on the same tensors.
+OLMo-core 3.0's ``olmo_core.nn.attention.recurrent.NemotronMamba2Mixer`` has transformers' Nemotron-H parameters
+and a pure-torch SSD that drops ``cu_doc_lens`` (``del kwargs``) and is not causal across its own chunks: the
+inter-chunk state sum runs over the *target* chunk axis (``recurrent.py:779``), so any output before the last
+``chunk_size``-token chunk depends on later tokens. :class:`OlmoNemotronMamba2Mixer` is
+:class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` with OLMo-core's ``SequenceMixer`` interface.
 """
 
 from __future__ import annotations
@@ -36,20 +27,14 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
     """Our Mamba2 with OLMo-core's ``SequenceMixer`` interface; replaces OLMo-core's ``NemotronMamba2Mixer``.
 
     Args:
-        config: fields as read by :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`; for an OLMo-core
-            module, :meth:`config_from` builds them from its attributes.
-        layer_idx: the block index (``layer_idx`` of OLMo-core's module).
-        backend: ``"auto"`` (default) | ``"fla"`` | ``"reference"``, keyword only.
+        config: fields as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` reads them (:meth:`config_from`
+            builds them from an OLMo-core module).
+        layer_idx, backend: as there.
 
-    Parameters: OLMo-core's names, shapes and ``state_dict`` order (``dt_bias [H]``, ``A_log [H]``,
-    ``D [H]``, ``in_proj.weight [I + E + H, D]``, ``conv1d.weight [E, 1, W]``, ``conv1d.bias [E]``,
-    ``norm.weight [I]``, ``out_proj.weight [D, I]``). Built empty: initialise with :meth:`init_weights`
-    (OLMo-core's own initialisation) or share an OLMo-core module's tensors (:func:`~fla_ac_isolation.swap_mixers`).
-
-    Numerics against OLMo-core's class: equal up to rounding on inputs of at most its ``chunk_size`` tokens
-    (one of its chunks); on longer ones OLMo-core's is not causal (module docstring) and this one is, so the
-    numbers change even on unpacked batches. ``softplus(dt + dt_bias)`` runs in float32 here (OLMo-core: the
-    parameter dtype), and the scan chunks by 64 tokens whatever ``chunk_size`` says.
+    Parameters: OLMo-core's names, shapes and ``state_dict`` order, built empty: initialise with
+    :meth:`init_weights` or share an OLMo-core module's tensors (:func:`~fla_ac_isolation.swap_mixers`).
+    Numbers equal OLMo-core's up to rounding on inputs of at most one of its chunks; on longer ones it is not
+    causal and this one is. ``softplus(dt + dt_bias)`` runs in float32 (OLMo-core: the parameter dtype).
     """
 
     def __init__(self, config: Any, layer_idx: int | None = None, *, backend: str = "auto") -> None:
@@ -60,11 +45,8 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
 
     @staticmethod
     def config_from(upstream: nn.Module) -> types.SimpleNamespace:
-        """The configuration of an OLMo-core ``NemotronMamba2Mixer``, read from its attributes.
-
-        Raises:
-            AttributeError: ``upstream`` lacks one (not OLMo-core 3.0's class).
-        """
+        """The configuration of an OLMo-core 3.0 ``NemotronMamba2Mixer``, read from its attributes
+        (``AttributeError`` else)."""
         return types.SimpleNamespace(
             hidden_size=upstream.d_model, mamba_num_heads=upstream.num_heads, mamba_head_dim=upstream.head_dim,
             n_groups=upstream.n_groups, ssm_state_size=upstream.ssm_state_size,
@@ -82,19 +64,19 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
         attention_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Mix ``x [B, T, D]`` along time, documents kept apart; returns ``[B, T, D]`` in the dtype of ``x``.
+        """``x [B, T, D]`` -> ``[B, T, D]``, documents kept apart.
 
         Args:
-            x: ``[B, T, D]``; with ``cu_doc_lens`` the rows are one packed sequence (OLMo-core's offsets span
-                the flattened batch), flattened to ``[1, B * T, D]`` here and restored after.
-            cu_doc_lens: OLMo-core's ``[N + 1]`` int32 document offsets (start at 0, end at ``B * T``).
-            max_doc_len: the longest document (OLMo-core passes it with ``cu_doc_lens``).
+            x: ``[B, T, D]``; with ``cu_doc_lens`` the rows are one packed sequence, flattened to
+                ``[1, B * T, D]`` here and restored after.
+            cu_doc_lens: OLMo-core's ``[N + 1]`` int32 offsets over the flattened batch (0 to ``B * T``).
+            max_doc_len: the longest document.
             attention_mask: ``None`` or a ``[B, T]`` padding mask.
             **kwargs: OLMo-core's other block keywords (rotary tables, ...), ignored as OLMo-core does.
 
         Raises:
-            ValueError: invalid ``cu_doc_lens`` (the checks of :class:`~fla_ac_isolation.LayerLocalSeqlens`),
-                token count not ``cu_doc_lens[-1]``, bad ``attention_mask``.
+            ValueError: invalid ``cu_doc_lens`` (as :class:`~fla_ac_isolation.LayerLocalSeqlens`), a token count
+                other than ``cu_doc_lens[-1]``, a bad ``attention_mask``.
         """
         flatten = cu_doc_lens is not None and x.dim() == 3 and x.shape[0] > 1
         if flatten:
@@ -106,12 +88,8 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
 
     @torch.no_grad()
     def init_weights(self, **kwargs: Any) -> None:
-        """OLMo-core's own ``init_weights`` (same keywords), run by the module this one replaced, on its tensors.
-
-        Raises:
-            RuntimeError: this module was not made by :func:`~fla_ac_isolation.swap_mixers` (it holds no
-                OLMo-core module to initialise with).
-        """
+        """OLMo-core's own ``init_weights`` (same keywords), run by the replaced module on this one's tensors;
+        ``RuntimeError`` when this module was not made by :func:`~fla_ac_isolation.swap_mixers`."""
         with lent_to_original(self) as olmo:
             olmo.init_weights(**kwargs)
 
@@ -121,17 +99,9 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
         return 0
 
     def apply_tp(self, *args: Any, **kwargs: Any) -> None:
-        """Refused, as OLMo-core's class refuses it.
-
-        Raises:
-            NotImplementedError: always.
-        """
+        """Raises ``NotImplementedError``, as OLMo-core's class does."""
         raise NotImplementedError("Tensor parallelism is not implemented for OlmoNemotronMamba2Mixer")
 
     def apply_cp(self, *args: Any, **kwargs: Any) -> None:
-        """Refused, as OLMo-core's class refuses it.
-
-        Raises:
-            NotImplementedError: always.
-        """
+        """Raises ``NotImplementedError``, as OLMo-core's class does."""
         raise NotImplementedError("Context parallelism is not implemented for OlmoNemotronMamba2Mixer")

@@ -1,25 +1,8 @@
 """Context and pipeline parallelism (CP, PP): packed batches cut for them, isolated per layer under AC.
 
-Public names:
-
-* :class:`CPConfig` - the CP process group, FLA's layout (``contiguous`` | ``zigzag``) and the model's
-  conv width; handed to :class:`~fla_ac_isolation.LayerLocalSeqlens` as ``cp=`` with the GLOBAL offsets.
-* :func:`shard_packed_batch` / :class:`CPShard`, :func:`cp_token_index`, :func:`unshard`,
-  :func:`gather_unshard` - cut a packed batch across CP ranks as FLA expects, and put tensors back.
-* :func:`sequence_to_heads`, :func:`heads_to_sequence` - head-parallel CP for mixers without FLA CP kernels
-  (Nemotron-H's Mamba2).
-* :class:`ParallelMesh` - a run's parallel degrees (dp, ep, cp, pp), validated once: world size, rank
-  coordinates and torch's ``DeviceMesh`` come from it.
-* :func:`split_packed_microbatches` / :class:`PackedMicrobatches` - a packed batch cut into microbatches of
-  whole documents and one token count, each with its own offsets (pipeline parallelism, gradient accumulation).
-* :data:`SCHEDULES`, :func:`check_schedule`, :func:`stage_indices`, :func:`build_schedule`,
-  :func:`microbatch_seqlens` - torch's pipeline schedules as this package runs them, and the per-microbatch
-  ``LayerLocalSeqlens`` a stage builds from its offsets row; :class:`StageRegionTags` - the audit's region tags
-  (stage, microbatch, shape-inference pass).
-
-Collectives are torch's (``torch.distributed`` and its functional collectives, with autograd); CP
-kernels and metadata are FLA's (through :mod:`fla_ac_isolation.fla_seam.cp`); pipeline stages and schedules are
-``torch.distributed.pipelining``'s. See ``docs/context-parallel.md`` and ``docs/pipeline-parallel.md``.
+Collectives are ``torch.distributed``'s, CP kernels and metadata FLA's (:mod:`fla_ac_isolation.fla_seam.cp`),
+pipeline stages and schedules ``torch.distributed.pipelining``'s. See ``docs/context-parallel.md`` and
+``docs/pipeline-parallel.md``; ``docs/design.md`` lists what each module holds.
 """
 
 from fla_ac_isolation.parallel.config import LAYOUTS, CPConfig

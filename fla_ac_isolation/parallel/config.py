@@ -1,14 +1,9 @@
 """What FLA's context parallelism needs besides the offsets: :class:`CPConfig` (group, layout, conv width).
 
-FLA 0.6 (``fla/ops/cp/context.py``) cuts the ``T`` packed tokens of a batch into equal intervals:
-
-* ``contiguous``: ``W`` intervals of ``T / W`` tokens; rank ``r`` holds interval ``r``;
-* ``zigzag``: ``2W`` parts of ``p = T / (2W)`` tokens; rank ``r`` holds parts ``r`` and ``2W - 1 - r``,
-  concatenated in that order (its local buffer is ``[front; back]``).
-
-Documents may cross interval boundaries; FLA's CP kernels pass the recurrent state and the conv history
-along the chain of intervals. No padding is inserted anywhere: the batch must already hold a token count
-that divides (:meth:`CPConfig.check_num_tokens` says by how much to pad).
+FLA 0.6 (``fla/ops/cp/context.py``) cuts the ``T`` packed tokens into equal intervals, with no padding:
+``contiguous``: rank ``r`` holds interval ``r`` of ``W``; ``zigzag``: rank ``r`` holds parts ``r`` and
+``2W - 1 - r`` of ``2W`` (local buffer ``[front; back]``). Documents may cross intervals; FLA's CP kernels pass
+state and conv history along the chain.
 """
 
 from __future__ import annotations
@@ -36,28 +31,22 @@ def _is_int(value: object) -> bool:
 
 @dataclass(frozen=True)
 class CPConfig(CPSplit):
-    """One context-parallel (CP) group as FLA's CP kernels see it.
-
-    The core's :class:`~fla_ac_isolation.cp_interface.CPSplit`: ``LayerLocalSeqlens(..., cp=)`` builds this
-    rank's part of each batch through :meth:`batch_seqlens`.
+    """One context-parallel (CP) group as FLA's CP kernels see it; ``LayerLocalSeqlens(..., cp=)`` takes it.
 
     Args:
-        group: the CP process group (``torch.distributed``). FLA's CP kernels communicate on it; when
-            ``None``, ``world_size`` and ``rank`` must be given and only metadata can be built (tests,
-            sharding a batch on a host that is not a rank), as FLA's ``get_cp_cu_seqlens`` allows.
-        layout: ``"contiguous"`` or ``"zigzag"`` (see the module docstring).
-        conv_kernel_size: the widest CP causal conv of the model, in tokens (FLA's
-            ``conv1d_kernel_size``); every interval must hold at least ``conv_kernel_size - 1`` tokens,
-            since FLA's CP conv takes its history from the previous interval only (FLA does not check this
-            for the contiguous layout). ``None`` for models without a CP conv (the Mamba2 head-parallel
-            path).
-        world_size: CP degree ``W``; read from ``group`` when ``None``. Must equal the group's size.
-        rank: this process's index in the CP group; read from ``group`` when ``None``.
+        group: the CP process group; ``None``: metadata only (tests, sharding off-rank), with ``world_size``
+            and ``rank`` given, as FLA's ``get_cp_cu_seqlens`` allows.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        conv_kernel_size: the model's widest CP causal conv (FLA's ``conv1d_kernel_size``): every interval must
+            hold ``conv_kernel_size - 1`` tokens, since FLA's CP conv takes history from the previous interval
+            only (FLA does not check this for contiguous). ``None``: no CP conv (head-parallel Mamba2).
+        world_size: CP degree ``W``; from ``group`` when ``None`` (must equal it).
+        rank: this process's index in the group; from ``group`` when ``None``.
 
     Raises:
-        ValueError: unknown ``layout``; neither ``group`` nor ``world_size``/``rank``; ``world_size`` or
-            ``rank`` out of range or different from the group's; ``conv_kernel_size`` < 1; ``group`` given
-            while ``torch.distributed`` is not initialised, or this process is not in ``group``.
+        ValueError: unknown ``layout``; neither ``group`` nor ``world_size``/``rank``; ``world_size``/``rank``
+            out of range or not the group's; ``conv_kernel_size < 1``; ``group`` without an initialised
+            ``torch.distributed``, or this process not in it.
         TypeError: a non-int ``world_size``, ``rank`` or ``conv_kernel_size``.
 
     Example::
@@ -115,23 +104,18 @@ class CPConfig(CPSplit):
         object.__setattr__(self, "world_size", size)
         object.__setattr__(self, "rank", rank)
 
-    # ------------------------------------------------------------------------------------------- layout
     @property
     def num_parts(self) -> int:
         """Intervals the batch is cut into: ``W`` (contiguous) or ``2W`` (zigzag)."""
         return self.world_size * (1 if self.layout == "contiguous" else 2)
 
     def check_num_tokens(self, num_tokens: int, name: str = "cu_seqlens[-1]") -> int:
-        """Return the interval length ``T / num_parts`` after checking that ``num_tokens`` splits.
-
-        Args:
-            num_tokens: the GLOBAL packed token count ``T`` (all ranks' tokens).
-            name: what ``num_tokens`` is called in the caller's arguments (for the message).
+        """The interval length ``T / num_parts`` of the GLOBAL token count ``num_tokens`` (named ``name``).
 
         Raises:
-            TypeError: ``num_tokens`` is not an integer (a float, a bool, a float tensor).
-            ValueError: ``T`` is not a positive multiple of :attr:`num_parts`, or an interval holds fewer
-                than ``conv_kernel_size - 1`` tokens.
+            TypeError: ``num_tokens`` is not an integer.
+            ValueError: not a positive multiple of :attr:`num_parts` (the message says what to pad to), or an
+                interval shorter than ``conv_kernel_size - 1``.
         """
         try:  # ints, numpy integers and 0-d integer tensors; not floats or bools
             num_tokens = operator.index(num_tokens if not isinstance(num_tokens, bool) else None)
@@ -159,15 +143,11 @@ class CPConfig(CPSplit):
         """Tokens each rank holds, ``T / W`` (after :meth:`check_num_tokens`)."""
         return num_tokens // self.world_size
 
-    # ------------------------------------------------------------------------------------------- batch
     def batch_seqlens(self, host: torch.Tensor, device: torch.device, *, chunk_indices: bool) -> CPSeqlens:
-        """This rank's CP metadata for one batch (:class:`~fla_ac_isolation.parallel.seqlens_cp.CPSeqlens`).
-
-        Called by ``LayerLocalSeqlens(..., cp=self)`` once per batch, with the validated GLOBAL host offsets
-        ``host [N + 1]``, the activations' ``device`` and whether to precompute the rank-local chunk schedule.
+        """:class:`~fla_ac_isolation.parallel.seqlens_cp.CPSeqlens` (see :meth:`CPSplit.batch_seqlens
+        <fla_ac_isolation.cp_interface.CPSplit.batch_seqlens>`).
 
         Raises:
-            ValueError: the token count does not split as :attr:`layout` needs (:meth:`check_num_tokens`).
             FlaFeatureError: the installed FLA predates the CP context this builds (fla-core < 0.6).
         """
         from fla_ac_isolation.fla_seam.features import require

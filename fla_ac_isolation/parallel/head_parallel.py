@@ -1,18 +1,9 @@
 """Head-parallel context parallelism: trade a sequence shard for a head shard and back (torch's all-to-all).
 
-For mixers that FLA has no CP kernel for (Mamba2's SSD runs on FLA's simple GLA, which has no CP in FLA
-0.6), each rank can instead run the WHOLE sequence for a subset of the heads with the existing varlen
-ops and the GLOBAL offsets (the Ulysses scheme, as OLMo-core does for attention):
-
-* :func:`sequence_to_heads` - ``[1, T / W, C]`` (this rank's tokens, every channel) to ``[1, T, C_r]``
-  (every token in packed order, the channels this rank computes);
-* :func:`heads_to_sequence` - ``[1, T, H_r, P]`` (every token, this rank's heads) back to
-  ``[1, T / W, H, P]`` (this rank's tokens, every head).
-
-Both are one ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (differentiable:
-its backward is the reverse all-to-all) plus a reorder from FLA's layout to packed order. Traffic per
-call is activation-sized (about ``T / W x C`` elements per rank), unlike FLA's GDN CP, which only
-exchanges recurrent states.
+For mixers without an FLA CP kernel (Mamba2's SSD on simple GLA, FLA 0.6), each rank runs the WHOLE sequence
+for a subset of the heads with the GLOBAL offsets (the Ulysses scheme). Each function is one differentiable
+``all_to_all_single_autograd`` plus a reorder between FLA's layout and packed order; traffic is
+activation-sized, unlike FLA's GDN CP, which exchanges only states.
 """
 
 from __future__ import annotations
@@ -41,16 +32,9 @@ def _check(local: torch.Tensor, cp: CPConfig, name: str) -> None:
 
 
 def sequence_to_heads(local: torch.Tensor, channels: Sequence[torch.Tensor], cp: CPConfig) -> torch.Tensor:
-    """Send rank ``d`` the channels ``channels[d]`` of this rank's tokens; receive this rank's channels of all.
-
-    Args:
-        local: ``[1, T / W, C]``, this rank's tokens in FLA's ``cp.layout`` order.
-        channels: ``W`` int64 index tensors into ``C``; ``channels[d]`` are the channels rank ``d``
-            computes (sizes may differ between ranks, e.g. when B/C groups are shared by several ranks).
-        cp: the CP group.
-
-    Returns:
-        ``[1, T, len(channels[cp.rank])]``: every token of the batch, in packed order.
+    """``[1, T / W, C]`` (this rank's tokens, in ``cp.layout`` order) -> ``[1, T, len(channels[cp.rank])]`` (every
+    token in packed order, this rank's channels); ``channels[d]``: the int64 channel indices rank ``d`` computes
+    (sizes may differ, e.g. B/C groups shared by ranks).
 
     Raises:
         ValueError: ``len(channels) != W``; ``cp`` without a group; input not ``[1, T / W, C]``.
@@ -69,13 +53,10 @@ def sequence_to_heads(local: torch.Tensor, channels: Sequence[torch.Tensor], cp:
 
 
 def heads_to_sequence(full: torch.Tensor, cp: CPConfig) -> torch.Tensor:
-    """Return this rank's tokens of every rank's heads: ``[1, T, H_r, ...]`` to ``[1, T / W, W * H_r, ...]``.
-
-    Rank ``s``'s heads land in block ``s`` of the head dimension, so with heads split evenly and in
-    order (rank ``s`` computes heads ``[s H_r, (s + 1) H_r)``) the result holds heads ``0 .. H - 1``.
+    """``[1, T, H_r, ...]`` -> ``[1, T / W, W * H_r, ...]``: this rank's tokens, rank ``s``'s heads in block ``s``.
 
     Raises:
-        ValueError: ``cp`` without a group; input not ``[1, T, ...]`` with at least a head dimension.
+        ValueError: ``cp`` without a group; input not ``[1, T, ...]`` with a head dimension.
     """
     _check(full, cp, "heads_to_sequence")
     world, tokens = cp.world_size, full.shape[1]

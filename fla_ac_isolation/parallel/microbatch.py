@@ -1,21 +1,10 @@
 """Cut a packed batch into microbatches for pipeline parallelism (or gradient accumulation), each with its own offsets.
 
-* :func:`split_packed_microbatches` - ``M`` microbatches of whole documents (balanced by longest-processing-time
-  bin packing, the document order recorded), every one padded to the same token count with one trailing
-  padding document; documents are cut only when asked (``split_documents=True``);
-* :class:`PackedMicrobatches` - what comes back: ``[M, T_mb, ...]`` tensors and ``[M, W]`` int32 offsets, one
-  row per microbatch (on the device and on the host), optionally FLA's chunk schedule per microbatch, and
-  :meth:`PackedMicrobatches.seqlens`, one :class:`~fla_ac_isolation.LayerLocalSeqlens` per microbatch.
-
 Why one token count: ``torch.distributed.pipelining`` allocates its receive buffers from the first microbatch
-of its first step and reuses them; a shorter microbatch is received silently into the longer buffer, a longer
-one aborts the receiving process inside gloo. Why whole documents: a document cut in two is two documents to
-the model (the second part does not see the first), which changes what is trained.
-
-Why ``[M, W]`` offsets: ``schedule.step(..., cu_seqlens=offsets)`` chunks a tensor keyword on dim 0
-(``TensorChunkSpec(0)``), so every stage call receives its microbatch's ``[1, W]`` row as a new tensor, on
-every rank, with no extra send/recv; rows are padded to one width ``W`` by repeating the last offset
-(zero-length documents). See ``docs/pipeline-parallel.md``.
+of its first step; a shorter one is received silently into the longer buffer, a longer one aborts the receiver
+inside gloo. Why whole documents: a document cut in two is two documents to the model. Why ``[M, W]`` offsets:
+``schedule.step(..., cu_seqlens=offsets)`` chunks a tensor keyword on dim 0, so each stage call receives its
+microbatch's ``[1, W]`` row as a new tensor, with no extra send/recv (``docs/pipeline-parallel.md``).
 """
 
 from __future__ import annotations
@@ -43,20 +32,18 @@ class PackedMicrobatches:
     """A packed batch cut into ``M`` microbatches of ``tokens`` tokens each (:func:`split_packed_microbatches`).
 
     Attributes:
-        tensors: every given tensor as ``[M, tokens, ...]`` (microbatch ``i`` is row ``i``), padded with
-            ``pad_values``; the order of the tokens inside a row is the order of :attr:`documents`.
-        cu_seqlens: ``[M, W]`` int32 offsets on the device of the tensors (or the ``device`` asked for): row ``i``
-            holds microbatch ``i``'s documents, then ONE padding document (``tokens - num_tokens[i]`` tokens,
-            possibly none), then repeats of ``tokens`` (zero-length documents) up to the common width ``W``.
-            Every row is a valid ``cu_seqlens`` of ``tokens`` tokens.
-        cu_seqlens_cpu: the same ``[M, W]`` int32 offsets on the host.
-        seq_lens: the real document lengths of each microbatch (padding excluded).
-        documents: the index, in the given batch, of every document of each microbatch (with
-            ``split_documents=True``, a document cut at a boundary appears in both microbatches).
+        tensors: every given tensor as ``[M, tokens, ...]``, padded with ``pad_values``, tokens in the order
+            of :attr:`documents`.
+        cu_seqlens: ``[M, W]`` int32 offsets on the tensors' device (or ``device``): row ``i`` is microbatch
+            ``i``'s documents, ONE padding document (maybe empty), then repeats of ``tokens`` up to width ``W``;
+            every row is a valid ``cu_seqlens`` of ``tokens`` tokens.
+        cu_seqlens_cpu: the same offsets on the host.
+        seq_lens: real document lengths per microbatch (padding excluded).
+        documents: batch index of every document per microbatch (a document cut by ``split_documents``
+            appears twice).
         num_tokens: real tokens per microbatch.
-        tokens: the common padded length ``T_mb`` of every microbatch.
-        chunk_indices: with ``chunk_indices=True``, FLA's chunk schedule of each row (``[NT_i, 2]`` int64 host,
-            :func:`~fla_ac_isolation.fla_seam.layout.chunk_indices_for`), else ``None``.
+        tokens: the common padded length ``T_mb``.
+        chunk_indices: with ``chunk_indices=True``, FLA's ``[NT_i, 2]`` int64 host chunk schedule per row.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -80,12 +67,8 @@ class PackedMicrobatches:
 
     def seqlens(self, index: int, seqlens_class: type[LayerLocalSeqlens] = LayerLocalSeqlens,
                 **kwargs: Any) -> LayerLocalSeqlens:
-        """Microbatch ``index``'s own ``seqlens`` (device offsets, host copy, ``num_tokens=tokens``), e.g. for
-        gradient accumulation in one process; under a pipeline schedule each stage builds it from its row
-        (:func:`~fla_ac_isolation.parallel.microbatch_seqlens`).
-
-        Raises:
-            IndexError: ``index`` is not in ``[0, M)``.
+        """Microbatch ``index``'s own ``seqlens`` (``num_tokens=tokens``), for gradient accumulation in one process
+        (under a schedule: :func:`~fla_ac_isolation.parallel.microbatch_seqlens`). ``IndexError`` outside ``[0, M)``.
         """
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_microbatches:
             raise IndexError(f"index must be an int in [0, {self.num_microbatches}), got {index!r}")
@@ -137,44 +120,28 @@ def split_packed_microbatches(
 ) -> PackedMicrobatches:
     """Cut a packed ``[1, T, ...]`` batch into ``num_microbatches`` microbatches of ``tokens`` tokens each.
 
-    Documents stay whole: each goes to one microbatch, chosen by longest-processing-time bin packing (longest
-    first, to the microbatch with the fewest tokens), so the microbatches are balanced and the common length
-    (the largest microbatch) is small; :attr:`PackedMicrobatches.documents` records which documents went
-    where. Every microbatch is then padded to ``tokens`` with one trailing padding document (labels
-    ignored), because ``torch.distributed.pipelining`` fixes its activation shapes at its first step: pass the
-    same ``tokens`` at every step (e.g. from the longest microbatch you allow). With ``split_documents=True``
-    the token stream is cut instead into ``M`` contiguous pieces (at ``p * T // M``), and a document
-    crossing a cut becomes two documents (the second part no longer sees the first: that changes what the
-    model computes).
-
-    Shift labels to next-token targets *before* splitting, and normalise the loss by the target count of the
-    whole batch (microbatches hold different numbers of targets).
+    Documents stay whole, assigned by longest-processing-time bin packing (longest first, to the lightest
+    microbatch); each microbatch is padded with one trailing padding document. Pass the same ``tokens`` at every
+    step (pipelining fixes its shapes at the first). Shift labels *before* splitting and normalise the loss by
+    the whole batch's target count.
 
     Args:
-        tensors: packed tensors ``[1, T, ...]`` (batch size 1, tokens on dim 1), e.g. ``input_ids [1, T]``,
-            ``labels [1, T]``, ``position_ids [1, T]``, ``hidden [1, T, D]``.
-        cu_seqlens_cpu: the batch's ``[N + 1]`` host offsets (``T = cu_seqlens_cpu[-1]``; zero-length
-            documents are legal).
-        num_microbatches: ``M``, between 1 and the number of non-empty documents (documents are not split),
-            or any ``M <= T`` with ``split_documents=True``.
-        tokens: tokens per microbatch ``T_mb``; ``None``: the largest microbatch.
-        pad_values: value per tensor name to pad with; ``None`` (or a missing name): ``labels`` with
-            :data:`IGNORE_INDEX`, everything else with 0.
-        split_documents: cut documents at microbatch boundaries (see above); off by default.
-        chunk_indices: also compute FLA's chunk schedule of every microbatch (host, ``chunk_indices_for``).
-        device: where :attr:`PackedMicrobatches.cu_seqlens` lives; ``None``: the device of the first tensor
-            (the host when there is none).
-
-    Returns:
-        :class:`PackedMicrobatches`.
+        tensors: packed ``[1, T, ...]`` tensors (``input_ids``, shifted ``labels``, ``hidden [1, T, D]``, ...).
+        cu_seqlens_cpu: the batch's ``[N + 1]`` host offsets (``T = cu_seqlens_cpu[-1]``).
+        num_microbatches: ``M``, from 1 to the number of non-empty documents (to ``T`` with ``split_documents``).
+        tokens: tokens per microbatch; ``None``: the largest microbatch.
+        pad_values: pad value per tensor name; default ``labels``: :data:`IGNORE_INDEX`, others 0.
+        split_documents: cut the stream into ``M`` contiguous pieces at ``p * T // M`` instead; a crossing
+            document becomes two (which changes what the model computes).
+        chunk_indices: also compute FLA's chunk schedule per microbatch (host).
+        device: where :attr:`PackedMicrobatches.cu_seqlens` lives; ``None``: the first tensor's device (else CPU).
 
     Raises:
-        TypeError: ``tensors`` is not a mapping of tensors; ``num_microbatches`` or ``tokens`` is not an int;
-            ``split_documents`` or ``chunk_indices`` is not a bool; ``cu_seqlens_cpu`` is not a list or host
-            tensor of integers.
+        TypeError: ``tensors`` not a mapping of tensors; ``num_microbatches``/``tokens`` not ints;
+            ``split_documents``/``chunk_indices`` not bools; non-integer offsets.
         ValueError: malformed offsets (:func:`~fla_ac_isolation.parallel.sharding.check_host_offsets`); a tensor
-            that is not ``[1, T, ...]`` with ``T = cu_seqlens_cpu[-1]``; ``num_microbatches`` out of range;
-            ``tokens`` smaller than the largest microbatch, or more than int32 offsets can hold.
+            not ``[1, T, ...]``; ``num_microbatches`` out of range; ``tokens`` below the largest microbatch or
+            beyond int32.
     """
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of names to packed tensors, e.g. {{'input_ids': ids}}, got "

@@ -1,24 +1,12 @@
 """Pipeline parallelism (PP) with ``torch.distributed.pipelining``: the schedules this package runs, where a rank's
 stages sit, and the per-microbatch ``seqlens`` a stage builds from its offsets row.
 
-Stages and schedules are torch's (``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``, ...); nothing here sends,
-receives or orders work. What this module states once:
-
-* :data:`SCHEDULES` - the schedules by the names the regression and the command take, with what decides whether
-  they can run: stages per rank, the rank-to-stage layout (torchtitan's ``loop`` or ``v``), and whether the
-  schedule splits backward into input and weight passes (zero bubble);
-* :func:`check_schedule` - the microbatch counts torch accepts for a schedule, and the refusal of zero-bubble
-  schedules under selective AC (torch's rule, see :data:`ZERO_BUBBLE_SAC`);
-* :func:`stage_indices` - the stages a PP rank holds (as torchtitan's ``pipeline_module_split``);
-* :func:`build_schedule` - torch's schedule object for local stages, offsets chunked per microbatch;
-* :func:`microbatch_seqlens` - one ``LayerLocalSeqlens`` per stage call from the ``[1, W]`` row it receives.
-
-How a stage gets its microbatch's offsets: pass the ``[M, W]`` int32 offsets of
-:func:`~fla_ac_isolation.parallel.split_packed_microbatches` as a keyword to ``schedule.step(..., cu_seqlens=...)``;
-the schedule chunks it on dim 0, so each stage call (the shape-inference pass included) receives its row as a new
-tensor on every rank, with no extra send/recv; the stage's forward builds ONE
-:class:`~fla_ac_isolation.LayerLocalSeqlens` from it per call and its layers call ``.local()``.
-``docs/pipeline-parallel.md`` says why not the alternatives.
+Stages, schedules and all communication are torch's. A stage gets its microbatch's offsets as a keyword:
+``schedule.step(..., cu_seqlens=offsets)`` with the ``[M, W]`` offsets of
+:func:`~fla_ac_isolation.parallel.split_packed_microbatches` is chunked on dim 0, so each stage call (the
+shape-inference pass too) receives its ``[1, W]`` row as a new tensor, builds ONE
+:class:`~fla_ac_isolation.LayerLocalSeqlens` from it (:func:`microbatch_seqlens`) and its layers call
+``.local()``. ``docs/pipeline-parallel.md`` says why not the alternatives.
 """
 
 from __future__ import annotations
@@ -48,11 +36,10 @@ class PipelineSchedule:
 
     Attributes:
         name: the name the regression and ``--schedule`` take.
-        torch_class: the class in ``torch.distributed.pipelining`` (torch 2.13).
-        stages_per_rank: local stages per PP rank (``pp * stages_per_rank`` stages in all).
-        style: ``"loop"`` (rank ``r`` holds stages ``r, r + pp, ...``) or ``"v"`` (rank ``r`` holds ``r`` and
-            ``2 pp - 1 - r``), torchtitan's names.
-        zero_bubble: splits backward into an input pass and a weight pass (runs only under full AC here).
+        torch_class: the class in ``torch.distributed.pipelining``.
+        stages_per_rank: local stages per PP rank.
+        style: torchtitan's ``"loop"`` (rank ``r`` holds ``r, r + pp, ...``) or ``"v"`` (``r`` and ``2 pp - 1 - r``).
+        zero_bubble: splits backward into input and weight passes (runs only under full AC).
     """
 
     name: str
@@ -94,28 +81,26 @@ def _check_int(name: str, value: object, least: int = 1) -> None:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
+def _schedule(schedule: str) -> PipelineSchedule:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
+    return SCHEDULES[schedule]
+
+
 def check_schedule(schedule: str, *, pp: int, microbatches: int, selective_ac: bool) -> PipelineSchedule:
     """The :class:`PipelineSchedule` called ``schedule``, after checking that torch runs it as asked.
 
-    The microbatch rules are torch 2.13's (``torch.distributed.pipelining.schedules``): 1F1B needs at least one
-    microbatch per stage; interleaved schedules need ``microbatches`` to be a multiple of their number of
-    rounds, ``max(1, microbatches // pp)``; DualPipeV needs at least one microbatch per stage.
-
-    Args:
-        schedule: a key of :data:`SCHEDULES`.
-        pp: PP ranks (int >= 1).
-        microbatches: microbatches per step (int >= 1).
-        selective_ac: the layers run under selective AC (zero-bubble schedules are refused: :data:`ZERO_BUBBLE_SAC`).
+    torch's microbatch rules (``torch.distributed.pipelining.schedules``): 1F1B and DualPipeV need a microbatch
+    per stage; interleaved schedules a multiple of their rounds, ``max(1, microbatches // pp)``. Zero-bubble
+    schedules are refused under ``selective_ac`` (:data:`ZERO_BUBBLE_SAC`).
 
     Raises:
         ValueError: naming the argument: an unknown ``schedule``; ``pp`` or ``microbatches`` not an int >= 1; a
             microbatch count the schedule refuses; a zero-bubble schedule under selective AC.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
+    info = _schedule(schedule)
     _check_int("pp", pp)
     _check_int("microbatches", microbatches)
-    info = SCHEDULES[schedule]
     stages = info.num_stages(pp)
     if schedule in ("1f1b", "dualpipev") and microbatches < stages:
         raise ValueError(f"microbatches ({microbatches}) must be >= the number of stages ({stages}) for schedule "
@@ -131,18 +116,16 @@ def check_schedule(schedule: str, *, pp: int, microbatches: int, selective_ac: b
 
 
 def stage_indices(schedule: str, pp_rank: int, pp: int) -> tuple[int, ...]:
-    """The stage indices PP rank ``pp_rank`` of ``pp`` holds under ``schedule``, in torch's order for the schedule
+    """The stage indices PP rank ``pp_rank`` of ``pp`` holds under ``schedule``, in torch's order for it
     (``loop``: ``r, r + pp, ...``; ``v``: ``r, 2 pp - 1 - r``), as torchtitan 0.3's ``pipeline_module_split``.
 
     Raises:
         ValueError: unknown ``schedule``; ``pp_rank`` not in ``[0, pp)``.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
+    info = _schedule(schedule)
     _check_int("pp", pp)
     if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank must be an int in [0, {pp}), got {pp_rank!r}")
-    info = SCHEDULES[schedule]
     if info.style == "v":
         return (pp_rank, 2 * pp - 1 - pp_rank)
     return tuple(pp_rank + s * pp for s in range(info.stages_per_rank))
@@ -159,17 +142,14 @@ def build_schedule(
 ) -> Any:
     """torch's schedule object for this rank's ``stages`` (``PipelineStage`` s in :func:`stage_indices` order).
 
-    The keywords named in ``offsets_keywords`` are chunked on dim 0 (``TensorChunkSpec(0)``): pass the ``[M, W]``
-    offsets of :func:`~fla_ac_isolation.parallel.split_packed_microbatches` under that name to ``step``.
-
     Args:
         schedule: a key of :data:`SCHEDULES` (check it first with :func:`check_schedule`).
         stages: this rank's stages; single-stage schedules take exactly one.
         microbatches: microbatches per step.
         loss_fn: ``loss_fn(output, target)`` of one microbatch (the last stage).
-        offsets_keywords: keyword arguments of ``step`` holding per-microbatch offsets.
-        scale_grads: torch's option to divide gradients by ``microbatches``; ``False`` when ``loss_fn`` already
-            normalises by the whole batch (then the gradients are the whole batch's).
+        offsets_keywords: keywords of ``step`` chunked on dim 0 (``TensorChunkSpec(0)``): per-microbatch offsets.
+        scale_grads: torch's division of gradients by ``microbatches``; ``False`` when ``loss_fn`` already
+            normalises by the whole batch.
 
     Raises:
         ValueError: unknown ``schedule``; a single-stage schedule given other than one stage.
@@ -177,9 +157,7 @@ def build_schedule(
     import torch.distributed.pipelining as pipelining
     from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
-    info = SCHEDULES[schedule]
+    info = _schedule(schedule)
     if len(stages) != info.stages_per_rank:
         raise ValueError(f"schedule {schedule!r} runs {info.stages_per_rank} stage(s) per rank, got {len(stages)}")
     cls = getattr(pipelining, info.torch_class)
@@ -196,24 +174,19 @@ def microbatch_seqlens(
     seqlens_class: type[LayerLocalSeqlens] = LayerLocalSeqlens,
     **kwargs: Any,
 ) -> LayerLocalSeqlens:
-    """One microbatch's ``seqlens``, built in a stage's forward from the offsets row the schedule handed it.
-
-    Call it once per stage call, before the stage's layers, and hand the result to every layer (each calls
-    ``.local()`` inside its checkpointed region). Built per call, it is never shared between microbatches or
-    stages; its token-count check catches a microbatch received into a buffer of another size (gloo does not).
+    """One microbatch's ``seqlens``, built once per stage call from the offsets row the schedule handed it and
+    given to every layer of the stage; its token-count check catches a microbatch received into a buffer of
+    another size (gloo does not).
 
     Args:
-        cu_seqlens: the ``[1, W]`` row (or ``[W]``) of one microbatch (int32/int64, the activations' device).
-        num_tokens: the stage input's token count (``hidden_states.shape[1]``); must equal the row's last offset.
-        cu_seqlens_cpu: the same row on the host (on an accelerator it saves a device-to-host copy).
-        seqlens_class: :class:`~fla_ac_isolation.LayerLocalSeqlens`, or a mode's class
-            (the harness's ``modes.Mode.seqlens_class``).
-        kwargs: further keywords of ``seqlens_class`` (``chunk_indices``).
+        cu_seqlens: one microbatch's ``[1, W]`` (or ``[W]``) int32/int64 row, on the activations' device.
+        num_tokens: the stage input's ``hidden_states.shape[1]``; must equal the row's last offset.
+        cu_seqlens_cpu: the same row on the host (saves a device-to-host copy).
+        seqlens_class: :class:`~fla_ac_isolation.LayerLocalSeqlens` or a mode's class; ``kwargs`` go to it.
 
     Raises:
-        ValueError: ``cu_seqlens`` (or ``cu_seqlens_cpu``) is not one row (``[1, W]`` or ``[W]``), e.g. the whole
-            ``[M, W]`` offsets passed without chunking; and everything :class:`~fla_ac_isolation.LayerLocalSeqlens`
-            raises (its last offset differs from ``num_tokens``, ...).
+        ValueError: a row that is not ``[1, W]`` or ``[W]`` (e.g. unchunked ``[M, W]`` offsets), and whatever
+            :class:`~fla_ac_isolation.LayerLocalSeqlens` raises.
         TypeError: ``cu_seqlens`` is not a tensor.
     """
     rows = {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu}

@@ -1,23 +1,11 @@
 """The context-parallel half of :class:`~fla_ac_isolation.LayerLocalSeqlens`: FLA's CP context, once per batch.
 
-:class:`CPSeqlens` is built by ``LayerLocalSeqlens(..., cp=CPConfig(...))`` at construction, i.e. once
-per batch and outside every checkpointed region, through :meth:`CPConfig.batch_seqlens
-<fla_ac_isolation.parallel.CPConfig.batch_seqlens>` (the core's :class:`~fla_ac_isolation.cp_interface.CPSplit`
-interface: the core never imports this package). It builds this rank's ``FLACPContext`` from the GLOBAL
-host offsets (:func:`fla_ac_isolation.fla_seam.cp.build_cp_context`: FLA's own function, its cache
-bypassed, nothing read from a device), moves the rank-local offsets to the device once (pinned, not
-blocking) and precomputes the rank-local chunk schedule. Each layer then takes :meth:`CPSeqlens.local`:
-
-* fresh ``cu_seqlens`` / ``cu_seqlens_cpu`` objects (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`:
-  invisible to SAC, the audit and ``torch.compile``) and a fresh ``chunk_indices``;
-* a fresh ``FLACPContext`` holding THOSE SAME objects, so every FLA lookup of the layer (the conv's and
-  the gated delta rule's ``prepare_chunk_indices``/``prepare_chunk_offsets`` on ``ctx.cu_seqlens``) keys
-  on one new object: forward and recompute both start with a miss.
-
-A context built once and handed to every layer as is would not be safe: FLA's kernels look up
-``prepare_chunk_offsets(ctx.cu_seqlens)`` in every call, so the first layer misses in its forward and hits
-in its recompute (measured: ``CheckpointError`` under ``save_all_copies``). :meth:`CPSeqlens.shared` hands
-out exactly that, for the unsafe ``shared`` mode.
+:class:`CPSeqlens` builds this rank's ``FLACPContext`` from the GLOBAL host offsets
+(:func:`fla_ac_isolation.fla_seam.cp.build_cp_context`; nothing read from a device) and the rank-local chunk
+schedule, once per batch. :meth:`CPSeqlens.local` hands each layer fresh offsets and a fresh context holding
+THOSE objects, since FLA's kernels look up ``prepare_chunk_offsets(ctx.cu_seqlens)`` on every call: one
+context shared by the layers misses in a forward and hits in its recompute (:meth:`CPSeqlens.shared`, the
+unsafe mode).
 """
 
 from __future__ import annotations
@@ -37,22 +25,11 @@ __all__ = ["CPSeqlens"]
 
 
 class CPSeqlens:
-    """This rank's CP metadata for one batch, and a fresh copy of it per layer call.
-
-    Args:
-        cp: the CP group, layout and conv width.
-        host: ``[N + 1]`` GLOBAL host offsets of the whole batch (validated by ``LayerLocalSeqlens``).
-        device: the activations' device (where the rank-local ``cu_seqlens`` goes).
-        chunk_indices: precompute the rank-local chunk schedule (FLA's ``chunk_indices``).
-
-    Attributes:
-        config: ``cp``.
-        num_tokens: tokens this rank holds, ``T / W``.
-        max_seqlen: longest document piece on this rank, in tokens.
+    """This rank's CP metadata for one batch (a :class:`~fla_ac_isolation.cp_interface.CPBatchSeqlens`), from
+    the validated ``[N + 1]`` GLOBAL ``host`` offsets; rank-local tensors go to ``device``.
 
     Raises:
-        ValueError: the token count does not split as ``cp.layout`` needs, or an interval is shorter than
-            ``cp.conv_kernel_size - 1`` (:meth:`CPConfig.check_num_tokens`).
+        ValueError: the batch does not split (:meth:`CPConfig.check_num_tokens`).
     """
 
     __slots__ = ("_chunk_indices", "_context", "config", "max_seqlen", "num_tokens")
@@ -80,11 +57,7 @@ class CPSeqlens:
         return LocalSeqlens(cu_seqlens, cu_seqlens_cpu, self.max_seqlen, chunk_indices, context)
 
     def check_tokens(self, num_tokens: int, name: str, total: int) -> None:
-        """Refuse a batch whose packed token count ``num_tokens`` is not this rank's ``T / W`` of ``total``.
-
-        Raises:
-            ValueError: naming ``name``, this rank, its share and the layout.
-        """
+        """``ValueError`` naming ``name``, this rank and its share unless ``num_tokens`` is ``T / W`` of ``total``."""
         if num_tokens != self.num_tokens:
             cp = self.config
             raise ValueError(

@@ -1,15 +1,7 @@
 """Cut a packed batch across context-parallel ranks exactly as FLA's layouts expect, and put it back together.
 
-* :func:`cp_token_index` - the global positions of the tokens one rank holds, in its local order;
-* :func:`shard_packed_batch` - one rank's share of every packed tensor (tokens, position ids, labels,
-  hidden states, ...) plus its rank-local offsets as FLA computes them (:class:`CPShard`);
-* :func:`unshard` - the inverse for one tensor, given every rank's local tensor (differentiable);
-* :func:`gather_unshard` - all-gather one local tensor over the CP group (torch's functional collective,
-  with autograd) and :func:`unshard` it: every rank gets the global tensor in packed order.
-
-Shift labels to next-token targets *before* sharding (the target of a rank's last token is the next
-rank's first token) and normalise the loss by the GLOBAL target count (the per-rank counts differ); then
-the per-rank losses and gradients sum to those of the whole batch.
+Shift labels to next-token targets *before* sharding (a rank's last target is the next rank's first token)
+and normalise the loss by the GLOBAL target count; then the per-rank losses and gradients sum to the batch's.
 """
 
 from __future__ import annotations
@@ -41,10 +33,7 @@ def _check_cp(cp: object) -> CPConfig:
 
 
 def rank_token_index(num_tokens: int, world_size: int, rank: int, layout: str) -> torch.Tensor:
-    """:func:`cp_token_index` for any ``rank`` of a ``world_size``-rank group (``num_tokens`` already checked).
-
-    Host int64 ``[num_tokens / world_size]``; for the head-parallel all-to-all, which orders every rank's tokens.
-    """
+    """:func:`cp_token_index` for any ``rank`` (``num_tokens`` already checked): host int64 ``[T / W]``."""
     if layout == "contiguous":
         part = num_tokens // world_size
         return torch.arange(rank * part, (rank + 1) * part)
@@ -56,12 +45,12 @@ def rank_token_index(num_tokens: int, world_size: int, rank: int, layout: str) -
 def cp_token_index(num_tokens: int, cp: CPConfig) -> torch.Tensor:
     """Global positions of the tokens rank ``cp.rank`` holds, in its local order: host int64 ``[T / W]``.
 
-    Contiguous: ``[r T/W, (r+1) T/W)``. Zigzag with ``p = T / 2W``: ``[r p, (r+1) p)`` then
-    ``[(2W-1-r) p, (2W-r) p)``. The layout of ``fla.ops.cp.context.get_cp_cu_seqlens``.
+    Contiguous: ``[r T/W, (r+1) T/W)``; zigzag with ``p = T / 2W``: ``[r p, (r+1) p)`` then
+    ``[(2W-1-r) p, (2W-r) p)`` (``fla.ops.cp.context.get_cp_cu_seqlens``).
 
     Raises:
-        ValueError: ``num_tokens`` does not split as the layout needs (:meth:`CPConfig.check_num_tokens`).
-        TypeError: ``cp`` is not a :class:`CPConfig`; ``num_tokens`` is not an integer.
+        ValueError: ``num_tokens`` does not split (:meth:`CPConfig.check_num_tokens`).
+        TypeError: ``cp`` not a :class:`CPConfig`; ``num_tokens`` not an integer.
     """
     cp = _check_cp(cp)
     cp.check_num_tokens(num_tokens, name="num_tokens")
@@ -80,14 +69,11 @@ class CPShard:
     """One rank's share of a packed batch (:func:`shard_packed_batch`).
 
     Attributes:
-        tensors: every given tensor cut along ``dim`` to this rank's ``T / W`` tokens (same keys, local
-            order as FLA's layout).
-        position_ids: ``[1, T / W]`` int64 position of each local token inside its document, from the
-            GLOBAL offsets (a document that starts on an earlier rank continues its count), host.
-        token_index: host int64 ``[T / W]`` global positions of the local tokens (:func:`cp_token_index`).
-        cu_seqlens: host int32 rank-local offsets, as FLA's ``FLACPContext.cu_seqlens_cpu`` holds them
-            (zero-length documents and cuts on an interval edge vanish; zigzag adds a cut between its
-            two parts).
+        tensors: every given tensor cut along ``dim`` to this rank's ``T / W`` tokens, in FLA's local order.
+        position_ids: ``[1, T / W]`` host int64 position of each local token in its document (GLOBAL: a
+            document begun on an earlier rank continues its count).
+        token_index: host int64 ``[T / W]`` global positions (:func:`cp_token_index`).
+        cu_seqlens: host int32 rank-local offsets, FLA's ``FLACPContext.cu_seqlens_cpu``.
         num_tokens: the global packed token count ``T``.
     """
 
@@ -104,14 +90,10 @@ def _check_dim(dim: object) -> None:
 
 
 def check_host_offsets(cu_seqlens_cpu: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """Host int64 ``[N + 1]`` offsets of a packed batch, checked: a list or host tensor of integers, 1-D,
-    starting at 0, non-decreasing (zero-length documents are legal).
-
-    The boundary check of :func:`shard_packed_batch` and
-    :func:`~fla_ac_isolation.parallel.split_packed_microbatches`.
+    """Host int64 ``[N + 1]`` offsets from a list or host tensor of integers: 1-D, from 0, non-decreasing.
 
     Raises:
-        TypeError: not a list or tensor of integers (e.g. float offsets).
+        TypeError: not a list or tensor of integers.
         ValueError: a tensor off the host; not 1-D with at least 2 entries; not starting at 0; decreasing.
     """
     if isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.device.type != "cpu":
@@ -136,23 +118,17 @@ def shard_packed_batch(
     """Rank ``cp.rank``'s share of a packed batch, cut as FLA's ``cp.layout`` expects.
 
     Args:
-        tensors: packed tensors with ``T`` entries along ``dim``, e.g. ``input_ids [1, T]``, ``labels
-            [1, T]`` (already shifted to next-token targets), ``position_ids [1, T]``, ``hidden [1, T, D]``.
-        cu_seqlens_cpu: the GLOBAL ``[N + 1]`` host offsets of the whole batch (``T = cu_seqlens_cpu[-1]``).
-        cp: the CP group, layout and conv width (:class:`CPConfig`).
-        dim: the token dimension of every tensor (default 1, i.e. ``[B = 1, T, ...]``).
-
-    Returns:
-        :class:`CPShard`; its ``cu_seqlens`` are FLA's own rank-local offsets
-        (``fla.ops.cp.context.get_cp_cu_seqlens`` with ``world_size``/``rank``, no group needed).
+        tensors: packed tensors with ``T`` entries along ``dim`` (``input_ids [1, T]``, shifted ``labels``,
+            ``hidden [1, T, D]``, ...).
+        cu_seqlens_cpu: the GLOBAL ``[N + 1]`` host offsets (``T = cu_seqlens_cpu[-1]``).
+        cp: the CP group, layout and conv width.
+        dim: the token dimension of every tensor.
 
     Raises:
-        ValueError: ``T`` does not split as the layout needs, or an interval is shorter than
-            ``cp.conv_kernel_size - 1`` (:meth:`CPConfig.check_num_tokens`); a tensor whose length
-            along ``dim`` is not ``T`` (or that has no ``dim``); malformed offsets.
-        TypeError: ``cp`` is not a :class:`CPConfig`; ``tensors`` is not a mapping, or a value of it is not
-            a tensor; ``cu_seqlens_cpu`` is not a list or tensor of integers (e.g. float offsets); ``dim`` is
-            not an int.
+        ValueError: ``T`` does not split (:meth:`CPConfig.check_num_tokens`); a tensor without ``T`` entries
+            along ``dim``; malformed offsets.
+        TypeError: ``cp`` not a :class:`CPConfig`; ``tensors`` not a mapping of tensors; non-integer offsets;
+            ``dim`` not an int.
     """
     cp = _check_cp(cp)
     if not isinstance(tensors, Mapping):
@@ -186,21 +162,12 @@ def _inverse_order(num_tokens: int, world_size: int, layout: str) -> torch.Tenso
 
 
 def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous", *, dim: int = 1) -> torch.Tensor:
-    """The global tensor from every rank's local one: the inverse of :func:`shard_packed_batch`.
-
-    Args:
-        shards: ``shards[r]`` is rank ``r``'s local tensor (``T / W`` entries along ``dim``), e.g. from
-            ``torch.distributed.all_gather``.
-        layout: the layout the shards were cut with.
-        dim: the token dimension.
-
-    Returns:
-        ``T`` entries along ``dim`` in packed order; ``cat`` + ``index_select``, so differentiable.
+    """The global tensor (``T`` entries along ``dim``, packed order) from ``shards[r]``, rank ``r``'s local
+    tensor: the inverse of :func:`shard_packed_batch`, differentiable (``cat`` + ``index_select``).
 
     Raises:
-        ValueError: unknown ``layout``, no shards, a shard without ``dim``, shards of different lengths,
-            or a zigzag shard of odd length.
-        TypeError: ``shards`` is not a list or tuple of tensors; ``dim`` is not an int.
+        ValueError: unknown ``layout``; no shards; a shard without ``dim``; unequal shards; an odd zigzag shard.
+        TypeError: ``shards`` not a list or tuple of tensors; ``dim`` not an int.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -226,23 +193,10 @@ def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous", *, dim: 
 
 
 def gather_unshard(local: torch.Tensor, cp: CPConfig, *, dim: int = 1) -> torch.Tensor:
-    """Every rank's ``local`` tensor gathered over ``cp.group`` and put in packed order (with autograd).
+    """Every rank's ``local`` tensor (``T / W`` along ``dim``) gathered over ``cp.group`` and put in packed order.
 
-    ``torch.distributed._functional_collectives.all_gather_tensor_autograd`` (its backward is a
-    reduce-scatter, so each rank receives the gradient of its own tokens, summed over the ranks that used
-    them), then :func:`unshard`. Used for full attention under CP: each rank's queries attend to the keys
-    and values of every rank.
-
-    Args:
-        local: ``T / W`` entries along ``dim`` (the same shape on every rank).
-        cp: the CP group (``cp.group`` must be set).
-        dim: the token dimension.
-
-    Returns:
-        ``T`` entries along ``dim``, packed order.
-
-    Raises:
-        ValueError: ``cp.group`` is ``None`` (a metadata-only config).
+    Differentiable: torch's functional all-gather (backward: a reduce-scatter), then :func:`unshard`. For full
+    attention under CP. Raises ``ValueError`` when ``cp.group`` is ``None``.
     """
     import torch.distributed._functional_collectives as funcol
 

@@ -1,10 +1,7 @@
 """Name the pipeline stage, microbatch and pass of every region :class:`~fla_ac_isolation.ReplayAudit` records.
 
-Under a pipeline schedule a layer's checkpointed region runs once per microbatch, plus once in the
-shape-inference pass that ``PipelineStage`` runs at its first step (dynamic shapes); the module path alone
-(``layers.2``) repeats. :class:`StageRegionTags` is the audit's ``region_tag``: attached to this rank's
-``PipelineStage`` s, it answers ``"stage 1 / mb 0"`` while stage 1 runs microbatch 0 and ``"stage 1 / shape
-inference"`` while stage 1's module runs outside a microbatch, so the audit labels regions
+Under a schedule a layer's region runs once per microbatch, plus once in ``PipelineStage``'s shape-inference
+pass, so the module path alone (``layers.2``) repeats; :class:`StageRegionTags` makes it
 ``stage 1 / mb 0: layers.2``::
 
     tags = StageRegionTags()
@@ -13,9 +10,8 @@ inference"`` while stage 1's module runs outside a microbatch, so the audit labe
     with ReplayAudit(region_tag=tags, on_divergence="record") as audit:
         schedule.step(...)
 
-How: ``attach`` wraps the stage's ``forward_one_chunk`` (torch's public per-microbatch forward, which knows the
-microbatch) and puts forward hooks on the stage's module (which also runs in the shape-inference pass, outside
-``forward_one_chunk``). It reads nothing private of the stage or of the audit.
+``attach`` wraps the stage's public ``forward_one_chunk`` (which knows the microbatch) and hooks its module
+(which also runs in the shape-inference pass); nothing private is read.
 """
 
 from __future__ import annotations
@@ -41,12 +37,9 @@ class _Handle:
 
 
 class StageRegionTags:
-    """The region tag of the pipeline stage running now: a callable for ``ReplayAudit(region_tag=...)``.
-
-    Returns ``"stage S / mb I"`` inside stage ``S``'s forward of microbatch ``I``, ``"stage S / shape inference"``
-    inside its module's forward outside any microbatch (torch's shape-inference pass), ``None`` elsewhere. One
-    object per process can serve every local stage.
-    """
+    """``ReplayAudit(region_tag=...)`` for pipeline stages: ``"stage S / mb I"`` inside stage ``S``'s forward of
+    microbatch ``I``, ``"stage S / shape inference"`` inside its module outside a microbatch, ``None`` elsewhere.
+    One object per process serves every local stage."""
 
     def __init__(self) -> None:
         self._microbatch: dict[int, int] = {}  # stage index -> microbatch running now (forward_one_chunk)
@@ -56,12 +49,8 @@ class StageRegionTags:
         return self._tag
 
     def attach(self, stage: Any) -> _Handle:
-        """Tag the regions ``stage`` (a ``torch.distributed.pipelining.PipelineStage``) runs; returns a handle
-        whose ``remove()`` undoes it.
-
-        Raises:
-            TypeError: ``stage`` has no ``forward_one_chunk``, ``stage_index`` and ``submod`` (not a pipeline stage).
-        """
+        """Tag the regions ``stage`` (a ``PipelineStage``) runs; the handle's ``remove()`` undoes it.
+        ``TypeError`` when ``stage`` lacks ``forward_one_chunk``, ``stage_index`` or ``submod``."""
         if not all(hasattr(stage, name) for name in ("forward_one_chunk", "stage_index", "submod")):
             raise TypeError(f"stage must be a torch.distributed.pipelining PipelineStage, got {type(stage).__name__}")
         index = stage.stage_index
