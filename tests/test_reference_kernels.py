@@ -3,7 +3,9 @@
 Where foreign code finds FLA (fla-core 0.6): package attributes (OLMo-core imports them inside its dispatch
 functions), FLA's synthesised alias modules (``fla.modules.convolution`` is a copy, not a re-export), a
 binding made at import (torchtitan's ``_fla_chunk_gated_delta_rule``), the closure cell of transformers'
-kernel wrapper, and ``FusedRMSNormGated.forward`` on the class.
+kernel wrapper, and ``FusedRMSNormGated.forward`` on the class. On exit each holds FLA's object again, behind
+one guard per entry point (repeated blocks never stack them): a region checkpointed inside the block whose
+backward runs after it recomputes through the guard, which names the fix instead of torch's SAC storage error.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import pytest
 import torch
 from helpers import olmo_hybrid
 
+from fla_ac_isolation.harness.fla_seam import serving
+from fla_ac_isolation.harness.foreign_models import build_tiny
 from fla_ac_isolation.harness.reference_kernels import reference_kernels
+from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -44,9 +49,15 @@ def _bindings() -> dict[str, object]:
     }
 
 
+def _fla_objects(bindings: dict[str, object]) -> dict[str, object]:
+    """FLA's own objects (a binding held before any block, or behind the guard a block put back)."""
+    return {k: getattr(v, "fla_entry_point", v) for k, v in bindings.items()}
+
+
 def test_every_lookup_is_served_inside_and_restored_on_exit_even_after_an_error():
     before = _bindings()
-    fla_functions = {v.__module__ + "." + v.__qualname__ for v in before.values()}
+    fla = _fla_objects(before)
+    fla_functions = {v.__module__ + "." + v.__qualname__ for v in fla.values()}
     assert "fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule" in fla_functions
 
     with pytest.raises(KeyError, match="raised inside"), reference_kernels() as served:
@@ -64,13 +75,20 @@ def test_every_lookup_is_served_inside_and_restored_on_exit_even_after_an_error(
         }
         assert "closure of transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.torch_chunk_gated_delta_rule" \
             in served.places
-        assert _bindings() == before  # every binding holds FLA's object again
-        assert late.chunk is before["fla.ops.gated_delta_rule.chunk_gated_delta_rule"]
+        after = _bindings()
+        # every binding holds FLA's object again, behind its guard (functools.wraps: __wrapped__ is FLA's)
+        assert all(after[k].fla_entry_point is fla[k] and after[k].__wrapped__ is fla[k] for k in fla), after
+        assert all(after[k] is not fla[k] for k in fla)
+        assert late.chunk is after["fla.ops.gated_delta_rule.chunk_gated_delta_rule"]
     finally:
         del sys.modules["imported_inside_the_block"]
 
     with reference_kernels():  # and a second block serves again
-        assert _bindings()["transformers closure"] is inside["transformers closure"]
+        assert _bindings() == inside
+    assert _bindings() == after  # the same guards: not stacked
+    with reference_kernels(), reference_kernels():  # nested blocks: the inner one leaves the stand-ins
+        assert _bindings() == inside
+    assert _bindings() == after
 
 
 def test_served_kernels_keep_packed_documents_apart_in_olmo_cores_gated_deltanet():
@@ -87,3 +105,67 @@ def test_served_kernels_keep_packed_documents_apart_in_olmo_cores_gated_deltanet
     assert all(c.cu_seqlens is cu for c in served.calls[:4])  # as shipped: the caller's object itself
     assert (packed - alone).abs().max().item() < 1e-12  # measured 2.6e-18
     assert (one_row - alone).abs().max().item() > 1e-3  # measured 8.6e-3, on outputs of at most 1.0e-2
+
+
+# ------------------------------------------------- a checkpointed region's backward outside the block
+def _step(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+
+
+def _sac_model():
+    """FLA's tiny GatedDeltaNetForCausalLM, every layer checkpointed under SAC (save every ``_to_copy``)."""
+    model, batch, _ = build_tiny("gated_deltanet")
+    checkpoint_layers(model, "selective", save_all_copies())
+    return model, batch
+
+
+BACKWARD_OUTSIDE = ("FLA's {} was called on CPU tensors outside reference_kernels(): a region checkpointed inside "
+                    "reference_kernels() recomputes in backward; run backward inside the `with reference_kernels():` "
+                    "block")
+
+
+def test_inside_the_block_the_checkpointed_step_is_bit_exact_to_no_ac():
+    with reference_kernels():
+        plain, batch, _ = build_tiny("gated_deltanet")
+        want = _step(plain, batch)
+        got = _step(*_sac_model())
+    assert torch.equal(got[0], want[0])
+    assert got[1].keys() == want[1].keys() and all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+
+
+def test_a_backward_outside_the_block_is_told_to_run_inside_it_before_any_op_of_flas():
+    model, batch = _sac_model()
+    with reference_kernels():
+        loss = model(**batch).loss
+    with pytest.raises(RuntimeError) as info:
+        loss.backward()
+    assert str(info.value) == BACKWARD_OUTSIDE.format("RMSNorm.forward")  # the layers' first FLA call
+
+
+def test_the_unsafe_path_without_the_guard_fails_in_sacs_storage_lookup(monkeypatch):
+    """Bindings put back to FLA's own objects (as before the guard): the recompute reaches FLA's RMSNorm, whose
+    first op (``empty_like``) the forward of the served stand-in never ran (torch 2.13 and 2.15's text)."""
+    monkeypatch.setattr(serving, "_guarded", lambda fla, name=None: getattr(fla, "fla_entry_point", fla))
+    model, batch = _sac_model()
+    with reference_kernels():
+        loss = model(**batch).loss
+    with pytest.raises(RuntimeError) as info:
+        loss.backward()
+    assert str(info.value) == (
+        "aten.empty_like.default encountered during backward but not found in storage. This can happen if the "
+        "operations in the checkpointed region are nondeterministic or depend on global state that changed between "
+        "forward and backward.")
+
+
+def test_fla_called_on_a_cpu_outside_any_backward_is_told_to_use_the_block():
+    from fla.modules import RMSNorm
+
+    with reference_kernels():
+        pass
+    with pytest.raises(RuntimeError) as info:
+        RMSNorm(8)(torch.ones(2, 8))
+    assert str(info.value) == ("FLA's RMSNorm.forward was called on CPU tensors outside reference_kernels(): FLA's "
+                               "Triton kernels cannot run on a CPU; call it inside a `with reference_kernels():` "
+                               "block (or on CUDA tensors)")
