@@ -11,7 +11,9 @@ namespace, with a fake (meta) kernel and an autograd formula whose backward is a
   ``torch.compiler.disable`` d).
 
 No kernel is ours: every forward op calls FLA 0.6's own forward function, every backward op FLA's own
-backward function, with the arguments FLA's ``Function`` s pass. Operators (all outputs contiguous):
+backward function, with the arguments FLA's ``Function`` s pass; the operators, their fakes and autograd
+formulas are registered by :func:`~fla_ac_isolation.saveable_op.register_saveable_op`. Operators (all outputs
+contiguous):
 
 * ``causal_conv1d(x, weight, bias?, activation?, cu_seqlens?, cu_seqlens_cpu?, chunk_indices?) -> y``:
   ``fla.modules.causal_conv1d.causal_conv1d_fwd``, ``y [B, T, D]`` in the dtype of ``x`` (FLA saves only
@@ -62,11 +64,9 @@ from fla_ac_isolation.fla_seam import features, kernels, simple_gla
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
 from fla_ac_isolation.op_inputs import check_groups, discretize_dt
 from fla_ac_isolation.op_names import by_operation
+from fla_ac_isolation.saveable_op import register_saveable_op
 
 __all__ = ["OPS", "causal_conv1d", "chunk_gated_delta_rule", "ssd"]
-
-_NS = "fla_ac_isolation"
-
 
 # --------------------------------------------------------------------------------------------- helpers
 def _contiguous(t: Tensor | None) -> Tensor | None:
@@ -103,7 +103,6 @@ def _expand(t: Tensor, heads: int) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------ causal conv
-@torch.library.custom_op(f"{_NS}::causal_conv1d", mutates_args=())
 def _conv_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, cu_seqlens: Tensor | None,
     cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
@@ -120,12 +119,10 @@ def _conv_forward(
     return y.contiguous()
 
 
-@_conv_forward.register_fake
-def _(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+def _conv_forward_fake(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op(f"{_NS}::causal_conv1d_backward", mutates_args=())
 def _conv_backward_op(
     dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
@@ -143,29 +140,14 @@ def _conv_backward_op(
     return dx.contiguous(), dw.contiguous(), db
 
 
-@_conv_backward_op.register_fake
-def _(dy, x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+def _conv_backward_op_fake(dy, x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices):
     db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty(0)
     return x.new_empty(x.shape), weight.new_empty(weight.shape), db
 
 
-def _conv_setup(ctx, inputs, output) -> None:
-    x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices = inputs
-    ctx.save_for_backward(x, weight, bias, cu_seqlens, cu_seqlens_cpu, chunk_indices)
-    ctx.activation = activation
-
-
-def _conv_backward(ctx, dy):
-    x, weight, bias, cu_seqlens, cu_seqlens_cpu, chunk_indices = ctx.saved_tensors
-    dx, dw, db = _conv_backward_op(dy, x, weight, bias, ctx.activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
-    return dx, dw, (db if bias is not None else None), None, None, None, None
-
-
-_conv_forward.register_autograd(_conv_backward, setup_context=_conv_setup)
 
 
 # ------------------------------------------------------------------------------------- gated delta rule
-@torch.library.custom_op(f"{_NS}::gated_delta_rule", mutates_args=())
 def _gdn_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, use_qk_l2norm_in_kernel: bool,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
@@ -187,8 +169,7 @@ def _gdn_forward(
     return o.to(q.dtype), A, g_cumsum, q_rstd, k_rstd
 
 
-@_gdn_forward.register_fake
-def _(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_indices):
+def _gdn_forward_fake(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_indices):
     batch, tokens, heads, _ = q.shape
     value_heads = v.shape[2]
     if use_qk_l2norm_in_kernel:
@@ -200,7 +181,6 @@ def _(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_c
             g.new_empty(g.shape, dtype=torch.float32), q_rstd, k_rstd)
 
 
-@torch.library.custom_op(f"{_NS}::gated_delta_rule_backward", mutates_args=())
 def _gdn_backward_op(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, A: Tensor, g_cumsum: Tensor, q_rstd: Tensor,
     k_rstd: Tensor, g_dtype: torch.dtype, scale: float, use_qk_l2norm_in_kernel: bool,
@@ -228,34 +208,14 @@ def _gdn_backward_op(
     return tuple(t.contiguous() for t in grads)
 
 
-@_gdn_backward_op.register_fake
-def _(do, q, k, v, beta, A, g_cumsum, q_rstd, k_rstd, g_dtype, scale, l2, cu_seqlens, cu_seqlens_cpu, ci):
+def _gdn_backward_op_fake(do, q, k, v, beta, A, g_cumsum, q_rstd, k_rstd, g_dtype, *_schedule):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             g_cumsum.new_empty(g_cumsum.shape, dtype=g_dtype), beta.new_empty(beta.shape))
 
 
-def _gdn_setup(ctx, inputs, output) -> None:
-    q, k, v, g, beta, scale, l2, cu_seqlens, cu_seqlens_cpu, chunk_indices = inputs
-    _, A, g_cumsum, q_rstd, k_rstd = output
-    ctx.mark_non_differentiable(A, g_cumsum, q_rstd, k_rstd)
-    ctx.save_for_backward(q, k, v, beta, A, g_cumsum, q_rstd, k_rstd, cu_seqlens, cu_seqlens_cpu, chunk_indices)
-    ctx.meta = (g.dtype, scale, l2)
-
-
-def _gdn_backward(ctx, do, *_non_differentiable):
-    q, k, v, beta, A, g_cumsum, q_rstd, k_rstd, cu_seqlens, cu_seqlens_cpu, chunk_indices = ctx.saved_tensors
-    g_dtype, scale, l2 = ctx.meta
-    dq, dk, dv, dg, dbeta = _gdn_backward_op(
-        do, q, k, v, beta, A, g_cumsum, q_rstd, k_rstd, g_dtype, scale, l2, cu_seqlens, cu_seqlens_cpu, chunk_indices,
-    )
-    return dq, dk, dv, dg, dbeta, None, None, None, None, None
-
-
-_gdn_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup)
 
 
 # ----------------------------------------------------------------------------- simple GLA (Mamba2 SSD)
-@torch.library.custom_op(f"{_NS}::simple_gla", mutates_args=())
 def _gla_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Tensor | None,
     cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None, chunk_offsets: Tensor | None,
@@ -269,12 +229,10 @@ def _gla_forward(
     return o, g_cumsum
 
 
-@_gla_forward.register_fake
-def _(q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets):
+def _gla_forward_fake(q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets):
     return q.new_empty(v.shape), g.new_empty(g.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{_NS}::simple_gla_backward", mutates_args=())
 def _gla_backward_op(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, g_cumsum: Tensor, g_dtype: torch.dtype, scale: float,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
@@ -294,29 +252,22 @@ def _gla_backward_op(
     return dq.contiguous(), dk.contiguous(), dv.to(v.dtype).contiguous(), dg.to(g_dtype).contiguous()
 
 
-@_gla_backward_op.register_fake
-def _(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets):
+def _gla_backward_op_fake(do, q, k, v, g_cumsum, g_dtype, *_schedule):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             g_cumsum.new_empty(g_cumsum.shape, dtype=g_dtype))
 
 
-def _gla_setup(ctx, inputs, output) -> None:
-    q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets = inputs
-    g_cumsum = output[1]
-    ctx.mark_non_differentiable(g_cumsum)
-    ctx.save_for_backward(q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets)
-    ctx.meta = (g.dtype, scale)
 
-
-def _gla_backward(ctx, do, _dg_cumsum):
-    q, k, v, g_cumsum, cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets = ctx.saved_tensors
-    g_dtype, scale = ctx.meta
-    grads = _gla_backward_op(do, q, k, v, g_cumsum, g_dtype, scale, cu_seqlens, cu_seqlens_cpu, chunk_indices,
-                             chunk_offsets)
-    return (*grads, None, None, None, None, None)
-
-
-_gla_forward.register_autograd(_gla_backward, setup_context=_gla_setup)
+_conv_op = register_saveable_op("causal_conv1d", _conv_forward, fake=_conv_forward_fake,
+                                grads_of=("x", "weight", "bias"), backward=_conv_backward_op,
+                                backward_fake=_conv_backward_op_fake)
+_gdn_op = register_saveable_op("gated_delta_rule", _gdn_forward, fake=_gdn_forward_fake,
+                               grads_of=("q", "k", "v", "g", "beta"),
+                               outputs=("o", "A", "g_cumsum", "q_rstd", "k_rstd"),
+                               backward=_gdn_backward_op, backward_fake=_gdn_backward_op_fake)
+_gla_op = register_saveable_op("simple_gla", _gla_forward, fake=_gla_forward_fake, grads_of=("q", "k", "v", "g"),
+                               outputs=("o", "g_cumsum"), backward=_gla_backward_op,
+                               backward_fake=_gla_backward_op_fake)
 
 OPS: dict[str, torch._ops.OpOverload] = by_operation(
     gated_delta_rule=torch.ops.fla_ac_isolation.gated_delta_rule.default,
@@ -347,8 +298,7 @@ def causal_conv1d(
         ValueError: CPU tensors outside Triton's interpreter.
     """
     kernels._check_device(x)
-    features.require("ssd_kernels", where="ops.ssd(..., backend='fla', saveable=True)")
-    return _conv_forward(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    return _conv_op(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
 
 
 def chunk_gated_delta_rule(
@@ -375,7 +325,7 @@ def chunk_gated_delta_rule(
     """
     kernels._check_device(q)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    return _gdn_forward(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu,
+    return _gdn_op(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu,
                         chunk_indices)[0]
 
 
@@ -406,12 +356,13 @@ def ssd(
         ValueError: CPU tensors outside Triton's interpreter; ``H`` not a multiple of ``G``.
     """
     kernels._check_device(x)
+    features.require("ssd_kernels", where="ops.ssd(..., backend='fla', saveable=True)")
     check_groups(x.shape[2], B, C)
     dt = discretize_dt(dt, dt_bias, dt_limit)
     value = (x * dt.unsqueeze(-1)).to(x.dtype)  # x promoted inside the multiply: no float32 copy of x
     log_decay = dt * A.float()
-    y, _ = _gla_forward(C.to(x.dtype), B.to(x.dtype), value, log_decay, 1.0, cu_seqlens, cu_seqlens_cpu,
-                        chunk_indices, chunk_offsets)
+    y, _ = _gla_op(C.to(x.dtype), B.to(x.dtype), value, log_decay, 1.0, cu_seqlens, cu_seqlens_cpu,
+                   chunk_indices, chunk_offsets)
     if D is not None:
         y = (y + D.float()[:, None] * x).to(x.dtype)  # promoted inside the ops: the numbers of y.float() + ...
     return y
