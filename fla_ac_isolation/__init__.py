@@ -12,7 +12,8 @@ Every name is imported on first access, so that ``import fla_ac_isolation`` impo
 pytest imports this package's pytest plugin, and so this package, in every run once it is installed);
 they are listed by ``dir(fla_ac_isolation)`` and ``__all__``: the names above and ``ReplayAudit`` and
 ``ReplayDivergenceError`` (``audit``), ``CPConfig`` (``parallel``), ``swap_mixers`` / ``restore_mixers`` (``swap``),
-``isolate_seqlens`` / ``IsolationHandle`` / ``LeakingMixerWarning`` (``isolate``) and the drop-in mixers (``mixers``).
+``isolate_seqlens`` / ``IsolationHandle`` / ``LeakingMixerWarning`` (``isolate``). The drop-in mixers live in
+:mod:`fla_ac_isolation.mixers` only; 0.3's three top-level mixer names still resolve, with a ``DeprecationWarning``.
 
 The harness (regression, command, runners, tiny models, CPU serving, test support) lives in ``harness/``; its
 0.3 import paths (``fla_ac_isolation.modes``, ``fla_ac_isolation.regression``, ...) still import, as deprecated
@@ -47,6 +48,10 @@ _LAZY = {
     "isolate_seqlens": "fla_ac_isolation.isolate",
     "IsolationHandle": "fla_ac_isolation.isolate",
     "LeakingMixerWarning": "fla_ac_isolation.isolate",
+}
+
+# 0.3 top-level names kept as deprecated aliases (not in __all__): name -> module that defines it now
+_DEPRECATED = {
     "Qwen3_5MoeGatedDeltaNet": "fla_ac_isolation.mixers",
     "Qwen3_8FlashNextGatedDeltaNet": "fla_ac_isolation.mixers",
     "NemotronHMamba2Mixer": "fla_ac_isolation.mixers",
@@ -58,6 +63,12 @@ __all__ = [*_LAZY]
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _DEPRECATED:
+        import warnings
+
+        warnings.warn(f"fla_ac_isolation.{name} is deprecated since 0.4.0; import it from {_DEPRECATED[name]}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_DEPRECATED[name]), name)
     raise AttributeError(f"module 'fla_ac_isolation' has no attribute {name!r}")
 
 

@@ -60,7 +60,7 @@ def test_lazy_names_are_listed_by_dir_without_being_imported():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["before"] == [] and out["after_dir"] == []
     assert {"CPConfig", "ReplayDivergenceError", "IsolationHandle", "ReplayAudit", "swap_mixers",
-            "Qwen3_5MoeGatedDeltaNet"} <= set(out["listed"])
+            "isolate_seqlens"} <= set(out["listed"])
     assert out["after_access"] == ["fla_ac_isolation.parallel"]
 
 
@@ -89,3 +89,31 @@ def test_saveable_operations_have_one_list_of_names():
 
     assert SAVEABLE_OP_NAMES == ("gated_delta_rule", "causal_conv1d", "ssd")
     assert tuple(ops.SAVEABLE_OPS) == tuple(custom_ops.OPS) == tuple(reference_ops.OPS) == SAVEABLE_OP_NAMES
+
+
+# 0.3's top-level mixer names: 0.4 keeps the drop-in mixers in fla_ac_isolation.mixers only (all or none at the top
+# level: none), and the three old names resolve with a DeprecationWarning naming the new place
+DEPRECATED_TOP_LEVEL = {
+    "Qwen3_5MoeGatedDeltaNet": "fla_ac_isolation.mixers.qwen3_5_moe",
+    "Qwen3_8FlashNextGatedDeltaNet": "fla_ac_isolation.mixers.qwen3_8",
+    "NemotronHMamba2Mixer": "fla_ac_isolation.mixers.nemotron_h",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEPRECATED_TOP_LEVEL))
+def test_a_0_3_top_level_mixer_name_warns_and_is_the_mixers_class(name):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=rf"fla_ac_isolation\.{name} is deprecated since 0\.4\.0; import it "
+                                                r"from fla_ac_isolation\.mixers$"):
+        cls = getattr(fla_ac_isolation, name)
+    assert cls is getattr(importlib.import_module(DEPRECATED_TOP_LEVEL[name]), name)
+    assert name not in fla_ac_isolation.__all__ and name not in dir(fla_ac_isolation)
+
+
+def test_all_is_the_library_calls_and_no_mixer():
+    assert sorted(fla_ac_isolation.__all__) == sorted([
+        "LayerLocalSeqlens", "LocalSeqlens", "StaticSeqlens", "checkpoint_layers", "probe_tensor_cache",
+        "tensor_cache_disabled", "CPConfig", "ReplayAudit", "ReplayDivergenceError", "swap_mixers",
+        "restore_mixers", "isolate_seqlens", "IsolationHandle", "LeakingMixerWarning",
+    ])
