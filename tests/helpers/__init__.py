@@ -22,6 +22,7 @@ from helpers.faults import (
     MATRIX,
     UNSWAPPED_QWEN_UNDER_SAC,
     SharedOutcome,
+    assert_refused,
     expected_shared_outcome,
     raise_unrelated,
 )
@@ -156,6 +157,7 @@ __all__ = [
     "SharedOutcome",
     "Step",
     "assert_bit_equal",
+    "assert_refused",
     "audited_step",
     "bailing_hybrid_config",
     "cpu_capture",
