@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 
 from fla_ac_isolation.op_names import SAVEABLE_OP_NAMES
 
@@ -34,6 +34,7 @@ __all__ = [
     "POLICIES",
     "any_of",
     "checkpoint_layers",
+    "policy_sees_op_output",
     "sac_context_fn",
     "save_all_copies",
     "save_device_to_host_copies",
@@ -85,6 +86,18 @@ def save_all_copies() -> Policy:
     return save_ops([_TO_COPY], name="save_all_copies")
 
 
+def policy_sees_op_output() -> bool:
+    """Whether this torch calls a SAC policy after the op ran, with its output (``ctx.op_output``).
+
+    A feature probe of ``torch.utils.checkpoint.SelectiveCheckpointContext``: torch 2.13 and later pass
+    ``op_output``; torch 2.11 asks the policy before the op runs, so a rule on the output's dtype cannot be
+    decided there (:func:`save_ops` with ``dtypes=`` refuses).
+    """
+    import inspect
+
+    return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
 def save_ops(
     ops: Iterable[Any],
     *,
@@ -101,6 +114,8 @@ def save_ops(
 
     Raises:
         TypeError: an entry of ``ops`` is not a torch op.
+        RuntimeError: ``dtypes`` given on a torch whose SAC policy does not see the op's output
+            (:func:`policy_sees_op_output`; torch 2.11).
     """
     overloads: set = set()
     packets: set = set()
@@ -112,12 +127,18 @@ def save_ops(
         else:
             raise TypeError(f"ops must hold torch ops such as torch.ops.aten.sub.Tensor, got {op!r}")
     wanted = tuple(dtypes) if dtypes is not None else None
+    if wanted is not None and not policy_sees_op_output():
+        raise RuntimeError(
+            f"save_ops(dtypes=...) needs the op's output in the SAC policy (SelectiveCheckpointContext.op_output, "
+            f"torch >= 2.13); torch {torch.__version__} asks the policy before the op runs: drop dtypes= or "
+            f"upgrade torch"
+        )
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op in overloads or getattr(op, "overloadpacket", None) in packets:
             if wanted is None:
                 return CheckpointPolicy.MUST_SAVE
-            out = ctx.op_output if ctx.op_output is not None else None
+            out = ctx.op_output
             first = out[0] if isinstance(out, (tuple, list)) and out else out
             if isinstance(first, torch.Tensor) and first.dtype in wanted:
                 return CheckpointPolicy.MUST_SAVE

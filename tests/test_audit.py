@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import FAULT_POLICIES, MATRIX, expected_shared_outcome
+from helpers import FAULT_POLICIES, MATRIX, assert_refused, expected_shared_outcome
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -38,6 +38,10 @@ def _audited(mode, policy_name, dtype, size, early_stop, freq, on_divergence="re
 @pytest.mark.parametrize(("policy", "dtype", "size", "early_stop", "freq"), MATRIX)
 def test_audit_flags_shared_and_passes_isolated_and_global_disable(policy, dtype, size, early_stop, freq):
     checkpointed = [f"layers.{i}" for i in range(0, 4, freq)]
+    expected = expected_shared_outcome(policy, dtype, size)  # by torch's SAC replay semantics (helpers.faults)
+    if expected == "refused":  # torch 2.11: a dtype rule cannot be built, so the policy is refused
+        assert_refused(policy)
+        return
     for mode in ("isolated", "global-disable"):
         res, audit = _audited(mode, policy, dtype, size, early_stop, freq)
         assert res.error is None
@@ -47,7 +51,6 @@ def test_audit_flags_shared_and_passes_isolated_and_global_disable(policy, dtype
         assert all(r.prefix == early_stop for r in reports)
 
     res, audit = _audited("shared", policy, dtype, size, early_stop, freq)
-    expected = expected_shared_outcome(policy, dtype, size)
     if expected.startswith("raise:"):
         assert expected[len("raise:"):] in res.error  # the audit (record mode) does not change what SAC does
     bad = audit.divergent

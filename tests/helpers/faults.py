@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fla_ac_isolation.policies import any_of, save_all_copies, save_ops
+from fla_ac_isolation.harness.environment import sac_replay_semantics
+from fla_ac_isolation.policies import any_of, policy_sees_op_output, save_all_copies, save_ops
 
 aten = torch.ops.aten
 
@@ -74,15 +75,34 @@ FAULT_POLICIES = {
 }
 
 
+#: the fault policies that decide by the output's dtype (``save_ops(dtypes=)``)
+DTYPE_POLICIES = ("save-int-sub", "save-float-sub")
+#: how ``save_ops(dtypes=)`` refuses a torch whose SAC policy does not see the op's output (torch 2.11)
+DTYPE_REFUSAL = "save_ops(dtypes=...) needs the op's output in the SAC policy"
+
+
 def expected_shared_outcome(policy: str, dtype: torch.dtype, cache_size: int) -> str:
-    """What the unsafe shared path does, worked out from which ops FLA's helpers run on a miss.
+    """What the unsafe shared path does on this torch, worked out from which ops FLA's helpers run on a miss.
 
     On a miss, prepare_position_ids/prepare_chunk_indices run three integer ``sub``s, and two ``_to_copy``
-    casts only when cu_seqlens is int32 (their results are int64). A recompute that skips them shifts
-    SAC's (op, index) replay of those ops; a recompute that adds them meets ops the forward never ran.
+    casts only when cu_seqlens is int32 (their results are int64). ``"refused"``: the policy cannot be built
+    on this torch (:data:`DTYPE_REFUSAL`).
+
+    * ``sac_replay_semantics() == "(op, index)"`` (torch >= 2.13): a recompute that skips them shifts SAC's
+      (op, index) replay of those ops; a recompute that adds them meets ops the forward never ran.
+    * ``"per-op FIFO"`` (torch 2.11): each op has one queue and the policy is asked again in the recompute,
+      so only extra or missing invocations of a *saved* op shift anything: FLA's two int32 casts.
     """
+    if policy in DTYPE_POLICIES and not policy_sees_op_output():
+        return "refused"
     if policy == "full-ac":
         return "match"  # plain AC replays nothing by op index: immune
+    if sac_replay_semantics() == "per-op FIFO":
+        if dtype == torch.int64:
+            return "match"  # FLA's miss path casts nothing for int64 offsets: no saved op is added or skipped
+        if cache_size == 1:  # recompute miss: FLA's 2 casts pop the layer's own saved [T] and 0-d casts
+            return "raise:IndexError: too many indices for tensor of dimension 0"  # chunks[:, 1] on the 0-d one
+        return "raise:The size of tensor a"  # recompute hit: the layer's own cast pops FLA's int32 positions
     if cache_size == 1:
         return "raise:encountered during backward but not found in storage"  # recompute runs extra ops
     if policy == "save-int-sub":
@@ -92,6 +112,13 @@ def expected_shared_outcome(policy: str, dtype: torch.dtype, cache_size: int) ->
     if dtype == torch.int64:
         return "match"  # no _to_copy on the miss path for int64 offsets: nothing to shift
     return "raise:The size of tensor a"  # the layer's own int->float cast receives FLA's int32 positions
+
+
+def assert_refused(policy: str) -> None:
+    """The policy cannot be built on this torch: ``save_ops(dtypes=)`` names what it needs."""
+    with pytest.raises(RuntimeError) as err:
+        FAULT_POLICIES[policy]()
+    assert str(err.value).startswith(DTYPE_REFUSAL) and torch.__version__ in str(err.value)
 
 
 MATRIX = [

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fla_ac_isolation.harness.environment import sac_replay_semantics
 from fla_ac_isolation.policies import sac_context_fn
 
 
@@ -141,7 +142,9 @@ def sac_storage_bytes(policy: Any, run: Callable[[Callable], Any]) -> dict[str, 
     seen: set[int] = set()
     for storage in sac_forward_storages(policy, run):
         for func, entries in storage.items():
-            for entry in entries.values():
+            # (op, index) replay (torch >= 2.13): {invocation index: entry}; per-op FIFO (2.11): a list queue
+            by_op = entries.values() if sac_replay_semantics() == "(op, index)" else entries
+            for entry in by_op:
                 for wrapped in (entry if isinstance(entry, (tuple, list)) else [entry]):
                     value = getattr(wrapped, "val", None)
                     if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
