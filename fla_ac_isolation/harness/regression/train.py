@@ -90,9 +90,7 @@ class RankContext:
         return self.mesh.coordinates(self.rank)
 
     def _group(self, axis: str) -> Any:
-        if self.dims is None:
-            return None
-        return self.dims.get_optional_mesh(axis, include_singleton_axes=True).get_group()
+        return None if self.dims is None else self.dims.get_optional_mesh(axis, include_singleton_axes=True).get_group()
 
     @property
     def group(self) -> Any:
