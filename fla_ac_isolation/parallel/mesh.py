@@ -1,10 +1,10 @@
 """The parallel layout of a run: :class:`ParallelMesh`, every parallel degree as one field, validated once.
 
 What follows from the degrees comes from here and nowhere else: the number of processes
-(:attr:`ParallelMesh.world`), where a rank sits (:meth:`ParallelMesh.coordinates`), and torch's
-``DeviceMesh`` with one process group per dimension (:meth:`ParallelMesh.build`, through
-``torch.distributed.device_mesh``, kept as one-dimensional meshes by name). It follows torchtitan 0.3's ``ParallelDims``
-(``torchtitan/distributed/parallel_dims.py``) where that fits a harness without FSDP or TP:
+(:attr:`ParallelMesh.world`) and where a rank sits (:meth:`ParallelMesh.coordinates`). The process groups are
+torchtitan 0.3's ``ParallelDims`` (``torchtitan/distributed/parallel_dims.py``) of these degrees
+(``dp_shard = dp``, no FSDP, no TP), which the regression builds; :meth:`ParallelMesh.build` (torch's
+``DeviceMesh`` directly) is deprecated. The layout is ``ParallelDims``'s:
 
 * the ranks form a ``(pp, dp, cp)`` grid (torchtitan's dense order, without ``tp``), rank
   ``r = (pp_index * dp + dp_index) * cp + cp_index``;
@@ -12,7 +12,7 @@ What follows from the degrees comes from here and nowhere else: the number of pr
   sparse mesh ``(dp_replicate, efsdp, ep)`` with ``efsdp = dp_shard * cp / ep``); this package shards
   experts over all of them or none, so ``ep`` is 1 or ``dp * cp`` (``efsdp = 1``: no expert FSDP);
 * the gradients of replicated parameters are summed over the ``dp * cp`` ranks of a stage (torchtitan's
-  ``loss`` mesh), the ``"dp_cp"`` dimension of :meth:`ParallelMesh.build`'s mesh.
+  ``loss`` mesh).
 
 ``dp`` left out (``None``) is derived so that a run of ``ep`` expert-parallel ranks keeps its meaning: the
 ``ep`` ranks are data-parallel ranks (``dp = ep``) without context parallelism, and borrowed from the
@@ -113,12 +113,12 @@ class ParallelMesh:
         return {name: coords[name] for name in MESH_DIMS}
 
     def build(self, device_type: str) -> dict[str, Any]:
-        """torch's ``DeviceMesh`` of this layout over the default process group, as its one-dimensional meshes by
-        name: :data:`MESH_DIMS` and ``"dp_cp"`` (``dp`` and ``cp`` flattened: the ranks that sum a stage's
-        gradients; torchtitan's ``loss`` mesh).
+        """Deprecated: torch's ``DeviceMesh`` of this layout over the default process group, as its one-dimensional
+        meshes by name: :data:`MESH_DIMS` and ``"dp_cp"`` (``dp`` and ``cp`` flattened: a stage's gradient group,
+        torchtitan's ``loss`` mesh). Use torchtitan's ``ParallelDims(dp_replicate=1, dp_shard=dp, cp=cp, tp=1,
+        pp=pp, ep=ep, world_size=world)`` (what the regression builds) or ``init_device_mesh`` instead.
 
-        ``build(...)["cp"].get_group()`` is this rank's CP group, ``build(...)["dp_cp"].get_group()`` its gradient
-        reduction group. Every rank of the default group must call it (it creates process groups).
+        Every rank of the default group must call it (it creates process groups).
 
         Args:
             device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL), as ``init_device_mesh`` takes it.
@@ -126,6 +126,14 @@ class ParallelMesh:
         Raises:
             RuntimeError: no default process group, or one whose size is not :attr:`world`.
         """
+        import warnings
+
+        warnings.warn(
+            "ParallelMesh.build is deprecated: build torchtitan's ParallelDims(dp_replicate=1, dp_shard=mesh.dp, "
+            "cp=mesh.cp, tp=1, pp=mesh.pp, ep=mesh.ep, world_size=mesh.world), as the regression does, or "
+            "torch.distributed.device_mesh.init_device_mesh(device_type, mesh.shape, mesh_dim_names=MESH_DIMS)",
+            DeprecationWarning, stacklevel=2,
+        )
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -16,8 +16,9 @@ What this module adds is only the environment torchtitan expects:
   run is on CPU, and registers torch's ``fake`` process-group backend, which torchtitan's mesh builder
   uses for size-1 axes.
 * :func:`expert_parallel_dims` / :func:`apply_expert_parallel` - torchtitan's ``ParallelDims`` of a
-  :class:`~fla_ac_isolation.parallel.ParallelMesh` (``dp_shard = dp``, ``cp``, ``pp``, ``ep``; no FSDP, no TP)
-  and the call that shards every MoE of a model on it. The EP ranks are the data-parallel ranks, or under
+  :class:`~fla_ac_isolation.parallel.ParallelMesh` (``dp_shard = dp``, ``cp``, ``pp``, ``ep``; no FSDP, no TP),
+  a rank's one set of process groups (gradient sums, CP, PP and EP), and the call that shards every MoE of a
+  model on it. The EP ranks are the data-parallel ranks, or under
   context parallelism borrowed from the CP ranks, exactly as torchtitan does it (its sparse mesh
   ``(dp_replicate, efsdp, ep)`` with ``efsdp = dp_shard * cp / ep = 1``).
 
@@ -171,10 +172,23 @@ def build_moe(shape: MoEShape, *, num_layers: int, ep_enabled: bool) -> nn.Modul
 
 
 def expert_parallel_dims(mesh: ParallelMesh):
-    """torchtitan ``ParallelDims`` of ``mesh`` (``dp_replicate = tp = 1``, ``dp_shard = mesh.dp``), its device
-    meshes built (every rank calls it)."""
+    """torchtitan's ``ParallelDims`` of ``mesh`` (``dp_replicate = tp = 1``, ``dp_shard = mesh.dp``), its device
+    meshes built: the one set of process groups of a rank (every rank calls it; after :func:`setup_torchtitan`).
+
+    Its ``pp``, ``cp`` and ``loss`` (``dp * cp``: a stage's gradient sum) meshes are the layout of
+    :meth:`ParallelMesh.coordinates <fla_ac_isolation.parallel.ParallelMesh.coordinates>` (torchtitan's dense
+    order ``(pp, batch, cp, tp)`` with ``tp = 1``); its ``ep`` mesh shards the experts.
+
+    Raises:
+        RuntimeError: no default process group of ``mesh.world`` ranks.
+    """
+    import torch.distributed as dist
     from torchtitan.distributed.parallel_dims import ParallelDims
 
+    if not dist.is_initialized() or dist.get_world_size() != mesh.world:
+        found = dist.get_world_size() if dist.is_initialized() else "no process group"
+        raise RuntimeError(f"the mesh {mesh.shape} of (pp, dp, cp) needs a default process group of {mesh.world} "
+                           f"ranks, found {found}")
     dims = ParallelDims(
         dp_replicate=1, dp_shard=mesh.dp, cp=mesh.cp, tp=1, pp=mesh.pp, ep=mesh.ep, world_size=mesh.world,
         spmd_backend="partial_dtensor",
@@ -183,21 +197,23 @@ def expert_parallel_dims(mesh: ParallelMesh):
     return dims
 
 
-def apply_expert_parallel(moes: list[nn.Module], mesh: ParallelMesh) -> None:
-    """Shard every MoE in ``moes`` over the ``mesh.ep`` expert-parallel ranks with torchtitan's plan.
+def apply_expert_parallel(moes: list[nn.Module], dims) -> None:
+    """Shard every MoE in ``moes`` over the ``dims.ep`` expert-parallel ranks with torchtitan's plan.
 
-    Requires an initialised default process group of ``mesh.world`` ranks and :func:`setup_torchtitan`.
-    Routed-expert weights become ``DTensor`` s ``Shard(0)`` on the ``ep`` axis (``E / ep`` local experts
-    per rank); the token dispatcher gets the ``ep`` mesh for its all-to-alls.
+    ``dims`` is the rank's built ``ParallelDims`` (:func:`expert_parallel_dims`; a
+    :class:`~fla_ac_isolation.parallel.ParallelMesh` is built into one). Routed-expert weights become
+    ``DTensor`` s ``Shard(0)`` on the ``ep`` axis (``E / ep`` local experts per rank); the token dispatcher gets
+    the ``ep`` mesh for its all-to-alls.
 
     Raises:
-        ValueError: the number of experts is not a multiple of ``mesh.ep``.
+        ValueError: the number of experts is not a multiple of ``dims.ep``.
     """
-    dims = expert_parallel_dims(mesh)
+    if isinstance(dims, ParallelMesh):
+        dims = expert_parallel_dims(dims)
     for moe in moes:
         experts = moe.routed_experts.inner_experts.num_experts
-        if experts % mesh.ep:
-            raise ValueError(f"num_experts ({experts}) must be a multiple of the EP degree ({mesh.ep})")
+        if experts % dims.ep:
+            raise ValueError(f"num_experts ({experts}) must be a multiple of the EP degree ({dims.ep})")
         moe.parallelize(dims)
 
 

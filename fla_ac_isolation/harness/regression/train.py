@@ -45,7 +45,11 @@ from fla_ac_isolation.harness.regression.data import (
     pp_microbatch_tokens,
     rank_batch,
 )
-from fla_ac_isolation.harness.regression.expert_parallel import apply_expert_parallel, is_expert_param
+from fla_ac_isolation.harness.regression.expert_parallel import (
+    apply_expert_parallel,
+    expert_parallel_dims,
+    is_expert_param,
+)
 from fla_ac_isolation.harness.regression.model import ModelSize, build_model
 from fla_ac_isolation.harness.regression.pipeline import PipelineRun, build_pipeline, pipeline_step
 from fla_ac_isolation.harness.regression.spec import CP1_REFERENCE, DTYPES, PP1_REFERENCE, ModeResult, RegressionSpec
@@ -58,9 +62,9 @@ __all__ = ["RankContext", "run_mode_on_rank", "setup_process"]
 @dataclass
 class RankContext:
     """Where this rank runs: its rank, the ranks' layout (:class:`~fla_ac_isolation.parallel.ParallelMesh`),
-    its device, and torch's ``DeviceMesh`` of that layout as one-dimensional meshes by name
-    (:meth:`ParallelMesh.build <fla_ac_isolation.parallel.ParallelMesh.build>`; ``None`` on one rank, which has
-    no process group).
+    its device, and torchtitan's ``ParallelDims`` of that layout with its device meshes built
+    (:func:`~fla_ac_isolation.harness.regression.expert_parallel.expert_parallel_dims`; ``None`` on one rank,
+    which has no process group). Its groups serve the gradient sums, CP, PP and the EP sharding alike.
 
     Build it with :meth:`create` on every rank (the mesh's process groups are created collectively).
     """
@@ -68,12 +72,12 @@ class RankContext:
     rank: int
     mesh: ParallelMesh
     device: torch.device
-    meshes: dict[str, Any] | None = None
+    dims: Any = None
 
     @classmethod
     def create(cls, rank: int, mesh: ParallelMesh, device: torch.device) -> RankContext:
         """This rank's context; with more than one rank, builds the mesh's process groups (every rank calls it)."""
-        return cls(rank, mesh, device, mesh.build(device.type) if mesh.world > 1 else None)
+        return cls(rank, mesh, device, expert_parallel_dims(mesh) if mesh.world > 1 else None)
 
     @property
     def world(self) -> int:
@@ -85,20 +89,24 @@ class RankContext:
         """This rank's place in the mesh: ``{"pp": .., "dp": .., "cp": ..}``."""
         return self.mesh.coordinates(self.rank)
 
+    def _group(self, axis: str) -> Any:
+        return None if self.dims is None else self.dims.get_optional_mesh(axis, include_singleton_axes=True).get_group()
+
     @property
     def group(self) -> Any:
-        """The group the harness sums gradients and statistics over (the mesh's ``dp_cp``); ``None`` on one rank."""
-        return None if self.meshes is None else self.meshes["dp_cp"].get_group()
+        """The group the harness sums gradients and statistics over (a stage's data- and context-parallel ranks:
+        torchtitan's ``loss`` mesh); ``None`` on one rank."""
+        return self._group("loss")
 
     @property
     def cp_group(self) -> Any:
-        """This rank's context-parallel group (the mesh's ``cp``); ``None`` on one rank."""
-        return None if self.meshes is None else self.meshes["cp"].get_group()
+        """This rank's context-parallel group (the ``cp`` mesh); ``None`` on one rank."""
+        return self._group("cp")
 
     @property
     def pp_group(self) -> Any:
-        """This rank's pipeline group (the mesh's ``pp``: its data-parallel rank's stages); ``None`` on one rank."""
-        return None if self.meshes is None else self.meshes["pp"].get_group()
+        """This rank's pipeline group (the ``pp`` mesh: its data-parallel rank's stages); ``None`` on one rank."""
+        return self._group("pp")
 
 
 @dataclass
@@ -182,7 +190,7 @@ def _build_trainee(spec: RegressionSpec, mode: Mode, ctx: RankContext) -> _Train
     model = build_model(spec.model, size, backend=spec.backend, ep_enabled=expert_parallel, mixer=spec.mixer)
     model.to(device=ctx.device, dtype=DTYPES[spec.dtype])
     if expert_parallel:
-        apply_expert_parallel(model.moes(), ctx.mesh)
+        apply_expert_parallel(model.moes(), ctx.dims)
     if mode.checkpointed:
         policy = POLICIES[spec.policy]() if spec.ac == "selective" else None
         checkpoint_layers(model, mode=spec.ac, policy=policy, freq=spec.freq, early_stop=spec.early_stop)
