@@ -31,8 +31,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
 __all__ = [
     "CacheEvent",
     "CacheProbe",
@@ -255,7 +253,6 @@ def _install() -> None:
         pending: list[bool] = []
         probing = _ProbingDeque(original, original.maxlen, helper.name, pending)
 
-        @torch.compiler.disable  # dynamo >= 2.14 traced through here and broke (NameError 'collections')
         def counting_fn(*args, _fn=fn, _name=helper.name, _pending=pending, **kwargs):
             if _pending:
                 _pending.pop()
