@@ -28,7 +28,7 @@ from typing import Any
 from fla_ac_isolation import fla_seam as _fla_seam  # noqa: F401  (stdlib only: makes a known-bad FLA install's import fail clearly)
 from fla_ac_isolation._moved import install_aliases as _install_aliases
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 _install_aliases()
 
