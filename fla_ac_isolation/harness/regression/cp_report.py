@@ -24,7 +24,7 @@ import math
 
 from fla_ac_isolation.harness.regression.spec import ModeResult
 
-__all__ = ["cp1_deviation", "default_cp_rtol"]
+__all__ = ["cp1_deviation", "default_cp_rtol", "reference_deviation"]
 
 
 def default_cp_rtol(device: str, dtype: str) -> float:
@@ -36,8 +36,17 @@ def cp1_deviation(mode: ModeResult, cp1: ModeResult) -> tuple[float, str]:
     """``(deviation, "loss" | "grad" | "nan" | "missing")`` of ``mode`` from the CP=1 reference (see the module
     docstring); ``(inf, "missing")`` when ``mode`` has no gradient difference at step 0 (never judged on the loss
     alone)."""
-    loss_dev = max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(mode.losses, cp1.losses)), default=0.0)
-    scale, diff = (mode.cp1_ref_grad_max or [None])[0], (mode.cp1_grad_diffs or [None])[0]
+    return reference_deviation(mode.losses, cp1.losses, mode.cp1_ref_grad_max, mode.cp1_grad_diffs)
+
+
+def reference_deviation(losses: list[float], reference_losses: list[float], reference_grad_max: list[float] | None,
+                        grad_diffs: list[float] | None) -> tuple[float, str]:
+    """``(deviation, "loss" | "grad" | "nan" | "missing")``: the largest relative loss difference against
+    ``reference_losses`` or the step-0 gradient difference relative to the reference's largest gradient,
+    whichever is larger; ``(inf, "missing")`` without a step-0 gradient difference (never judged on the loss
+    alone). The one rule of the CP=1 and PP=1 comparisons."""
+    loss_dev = max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, reference_losses)), default=0.0)
+    scale, diff = (reference_grad_max or [None])[0], (grad_diffs or [None])[0]
     if diff is None:
         return math.inf, "missing"
     grad_dev = diff / scale if scale else diff

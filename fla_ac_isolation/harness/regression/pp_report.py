@@ -18,8 +18,7 @@ so later gradients differ by about ``lr``; they are shown in the table and the J
 
 from __future__ import annotations
 
-import math
-
+from fla_ac_isolation.harness.regression.cp_report import reference_deviation
 from fla_ac_isolation.harness.regression.spec import ModeResult
 
 __all__ = ["PP_RTOL_MEASURED", "default_pp_rtol", "pp1_deviation"]
@@ -39,11 +38,4 @@ def pp1_deviation(mode: ModeResult, pp1: ModeResult) -> tuple[float, str]:
     """``(deviation, "loss" | "grad" | "nan" | "missing")`` of ``mode`` from the PP=1 reference (see the module
     docstring); ``(inf, "missing")`` when ``mode`` has no gradient difference at step 0 (never judged on the loss
     alone)."""
-    loss_dev = max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(mode.losses, pp1.losses)), default=0.0)
-    scale, diff = (mode.pp1_ref_grad_max or [None])[0], (mode.pp1_grad_diffs or [None])[0]
-    if diff is None:
-        return math.inf, "missing"
-    grad_dev = diff / scale if scale else diff
-    if math.isnan(loss_dev) or math.isnan(grad_dev):
-        return math.inf, "nan"
-    return (loss_dev, "loss") if loss_dev >= grad_dev else (grad_dev, "grad")
+    return reference_deviation(mode.losses, pp1.losses, mode.pp1_ref_grad_max, mode.pp1_grad_diffs)
