@@ -41,8 +41,12 @@ def test_pyproject_registers_the_plugin_module_in_pytest11_under_its_own_name():
 
 
 def test_the_installed_distribution_registers_the_same_entry_point():
-    dist = metadata.distribution("fla-ac-isolation")
-    direct = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    # the installed distribution is the one pip wrote (with a direct_url.json); an editable build also leaves
+    # fla_ac_isolation.egg-info in the tree, which metadata.distribution() finds first from the repository root
+    installed = [d for d in metadata.distributions(name="fla-ac-isolation") if d.read_text("direct_url.json")]
+    assert installed, "fla-ac-isolation is not installed by pip (no direct_url.json): run .ci/setup"
+    dist = installed[0]
+    direct = json.loads(dist.read_text("direct_url.json")).get("url", "")
     if direct != ROOT.as_uri():
         pytest.skip(f"the installed fla-ac-isolation is built from {direct or 'an index'}, not from {ROOT}: its entry "
                     "points are that tree's (reinstall to check this one's)")
