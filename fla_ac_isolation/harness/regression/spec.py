@@ -20,9 +20,9 @@ import torch
 from fla_ac_isolation.families import FAMILIES
 from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.harness.modes import ALL_MODES, CP_MODES, MODE_NAMES
-from fla_ac_isolation.ops import BACKENDS
+from fla_ac_isolation.harness.spec_fields import check_checkpointing, check_counts, check_seed
+from fla_ac_isolation.ops.backend import check_backend
 from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES, ParallelMesh, check_schedule
-from fla_ac_isolation.policies import POLICIES
 
 __all__ = [
     "CP1_REFERENCE",
@@ -209,18 +209,11 @@ class RegressionSpec:
         if self.model not in FAMILIES:
             raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {self.model!r}")
         mesh = self.mesh  # how the ranks are laid out comes before what must divide by them
-        for name in ("steps", "freq", "hidden_size", "num_layers", "num_experts", "top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_counts(self, ("steps", "freq", "hidden_size", "num_layers", "num_experts", "top_k"))
         self._validate_width()
         self._validate_mixer()
-        if self.ac not in ("full", "selective"):
-            raise ValueError(f"ac must be 'full' or 'selective', got {self.ac!r}")
-        if self.ac == "selective" and self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_checkpointing(self.ac, self.policy)
+        check_backend(self.backend)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in DTYPES:
@@ -242,8 +235,7 @@ class RegressionSpec:
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (0 <= self.lr < math.inf):
             raise ValueError(f"lr must be a finite number >= 0 (AdamW learning rate), got {self.lr!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        check_seed(self.seed)
         self._validate_fail_on()
         self._validate_cp()
         self._validate_pp()

@@ -53,8 +53,9 @@ from fla_ac_isolation.harness.regression.expert_parallel import (
 from fla_ac_isolation.harness.regression.model import ModelSize, build_model
 from fla_ac_isolation.harness.regression.pipeline import PipelineRun, build_pipeline, pipeline_step
 from fla_ac_isolation.harness.regression.spec import CP1_REFERENCE, DTYPES, PP1_REFERENCE, ModeResult, RegressionSpec
+from fla_ac_isolation.harness.spec_fields import sac_policy
 from fla_ac_isolation.parallel import CPConfig, ParallelMesh, shard_packed_batch, split_packed_microbatches
-from fla_ac_isolation.policies import POLICIES, checkpoint_layers
+from fla_ac_isolation.policies import checkpoint_layers
 
 __all__ = ["RankContext", "run_mode_on_rank", "setup_process"]
 
@@ -192,7 +193,7 @@ def _build_trainee(spec: RegressionSpec, mode: Mode, ctx: RankContext) -> _Train
     if expert_parallel:
         apply_expert_parallel(model.moes(), ctx.dims)
     if mode.checkpointed:
-        policy = POLICIES[spec.policy]() if spec.ac == "selective" else None
+        policy = sac_policy(spec.ac, spec.policy)
         checkpoint_layers(model, mode=spec.ac, policy=policy, freq=spec.freq, early_stop=spec.early_stop)
     model.train()
     pipeline, tokens = None, 0
