@@ -1,6 +1,6 @@
 """``fla-ac-isolation regress``: the EP regression (:mod:`fla_ac_isolation.harness.regression`) from the command line.
 
-Example (the README's main job; about a minute on a 2-core CPU machine)::
+Example (the README's main job)::
 
     fla-ac-isolation regress --model qwen3_5_moe --ep 2 --steps 3
     fla-ac-isolation regress --model nemotron_h --ac full --json out.json --plot out.png

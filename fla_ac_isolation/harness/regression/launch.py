@@ -2,7 +2,7 @@
 how their failures are collected.
 
 :func:`run_spawned` starts the ranks of each mode (on CPU from a ``forkserver`` preloaded with torch, FLA,
-torchtitan and transformers, so that a start costs about a second; on CUDA, or when the ranks need
+torchtitan and transformers, so that a start is cheap; on CUDA, or when the ranks need
 environment variables (``spec.rank_env``, e.g. ``TRITON_INTERPRET=1`` for ``kernels="interpreter"``), by
 ``spawn``); gloo on CPU, NCCL on CUDA (one GPU per rank); each rank builds its
 :class:`~fla_ac_isolation.harness.regression.rank.RankContext` (the mesh's process groups). Under context
@@ -133,8 +133,8 @@ def _serial_main(spec: RegressionSpec, workdir: str, tasks, events) -> None:
 
 
 class _SerialRank:
-    """A spawned process kept for the one-rank modes of a run: spawning costs every import again (about 20 s
-    per process on a fresh H200 machine), so one-rank modes share one process while they succeed."""
+    """A spawned process kept for the one-rank modes of a run: spawning costs every import again (the cost:
+    docs/regression.md), so one-rank modes share one process while they succeed."""
 
     def __init__(self, mp_ctx, spec: RegressionSpec, workdir: str) -> None:
         self.tasks, self.events = mp_ctx.Queue(), mp_ctx.Queue()
