@@ -249,6 +249,26 @@ def _remedy(entry: ForeignClass, otherwise: str) -> str:
     return f"use swap_mixers(model) (drop-in fla_ac_isolation.mixers.{upstream.replacement or family.mixer})"
 
 
+def _deprecated_method(old: str, function: Any) -> Any:
+    """0.3's method ``old`` (``"LeakingMixer.remedy"``), now ``function``: warns naming the function, then calls it."""
+
+    def method(self: ForeignClass) -> Any:
+        import warnings
+
+        warnings.warn(f"{old}() is deprecated since 0.4.0: call fla_ac_isolation.families.{function.__name__}(entry)",
+                      DeprecationWarning, stacklevel=2)
+        return function(self)
+
+    method.__name__, method.__qualname__ = old.split(".")[1], old
+    method.__doc__ = f"Deprecated since 0.4.0: :func:`{function.__name__}` (``{function.__name__}(entry)``)."
+    return method
+
+
+# 0.3's methods of the classes that moved to foreign_classes, which cannot call the families (it is below them):
+# attached here, where 0.3 defined the classes; every 0.3 way to an entry imports this module
+LeakingMixer.remedy = _deprecated_method("LeakingMixer.remedy", remedy)
+UpstreamMixer.leak_remedy = _deprecated_method("UpstreamMixer.leak_remedy", leak_remedy)
+
 # 0.3 names that moved to :mod:`fla_ac_isolation.foreign_classes`: still importable from here, with a warning
 _MOVED_TO_FOREIGN_CLASSES = ("FLA_BACKED_MIXERS", "FLA_LAYER_MODULES", "LEAKING_MIXERS", "PackageLeak",
                              "fla_layer_mixer", "foreign_mixer")

@@ -231,11 +231,11 @@ def fla_layer_mixer(cls: type, sources: dict | None = None) -> UpstreamMixer | L
     FSDP2's renamed classes and subclasses are judged by FLA's class), skipping ``PreTrainedModel`` classes:
 
     * its ``forward`` names a ``cu_seqlens`` parameter, or takes ``**kwargs`` and its source reads ``cu_seqlens``
-      out of them: an :class:`UpstreamMixer` with offsets ``("cu_seqlens",)`` (48 classes in 0.6: 40 of the 45
-      ``fla.layers`` exports, and 8 more: ``SimpleGatedLinearAttention``, RWKV6/7's helpers, feed-forwards, blocks);
+      out of them: an :class:`UpstreamMixer` with offsets ``("cu_seqlens",)``;
     * a class of ``fla.layers`` whose ``forward`` takes ``**kwargs`` and never reads ``cu_seqlens``: a
-      :class:`LeakingMixer` (0.6: ``BasedLinearAttention``, ``ReBasedLinearAttention``, ``Mamba``, ``Mamba2``,
-      ``LogLinearMamba2``); anything else: ``None``.
+      :class:`LeakingMixer` (e.g. ``Mamba2``); anything else: ``None``.
+
+    Which classes of each FLA release fall on which side, and how many: ``docs/foreign-classes.md``.
 
     Args:
         cls: the class to judge (``type(module)``).

@@ -1,29 +1,12 @@
 """``isolate_seqlens(model)``: fresh packed offsets inside every call of the FLA-backed mixers of a model
 we do not own (OLMo-core, transformers, torchtitan, or a fork of one of them).
 
-Those models build one ``cu_seqlens`` object per batch and hand it to every FLA-backed layer, so a
-checkpointed layer can miss FLA's identity-keyed index cache in its forward and hit it in its recompute
-(docs: "The fault in one picture"). :func:`isolate_seqlens` puts the :meth:`~fla_ac_isolation.
-LayerLocalSeqlens.local` step in front of each such mixer's own call: a forward pre-hook (with kwargs) on the
-mixer replaces every offsets argument by a fresh copy with the same values. The hook runs inside the
-mixer's call, so inside whatever region checkpoints it (the block, or the mixer itself), in the forward and
-again in the recompute; the copy (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`) is invisible to
-dispatch modes (SAC, the audit) and to ``torch.compile``. The model keeps its modules, weights and kernels.
-
-Which mixers and arguments: the plan of the model (:func:`~fla_ac_isolation.mixer_plan.classify`, each
-module classified once from the registry of :mod:`fla_ac_isolation.foreign_classes`: classes named one by one,
-matched by module and class name along the class hierarchy, so FSDP2's renamed ``FSDP<Name>`` classes are found,
-and flash-linear-attention's own layers by a rule over their ``forward``), or the modules a caller names with the
-arguments it names. The classes, their offsets arguments and what is done with each are the table of
-``docs/foreign-classes.md`` (rendered from the registry). Mixers known to drop the offsets, and hooked ones
-that leak without a package missing here, are named in a :class:`LeakingMixerWarning`: their packed
-documents leak into each other, which no isolation fixes. A hook
-(:class:`~fla_ac_isolation.offsets_hook.OffsetsHook`) that receives none of its offsets arguments while the
-call carries offsets-like keywords (``cu_seq_lens_q``: the names are wrong) raises at that call; a call
-without any (an unpacked batch) passes untouched. Where the foreign forward hands FLA's own keywords on to
-the kernel (transformers), the hook also adds the host offsets (``cu_seqlens_cpu``) and FLA's precomputed chunk
-schedule (``chunk_indices``), computed once per offsets object from a validated
-:class:`~fla_ac_isolation.LayerLocalSeqlens`.
+Those models hand one ``cu_seqlens`` object to every FLA-backed layer, so a checkpointed layer can miss FLA's
+identity-keyed index cache in its forward and hit it in its recompute (docs: "The fault in one picture"). A
+forward pre-hook on each such mixer (:class:`~fla_ac_isolation.offsets_hook.OffsetsHook`) replaces its offsets
+arguments by fresh copies inside the mixer's call, in the forward and again in the recompute; which mixers, which
+arguments and what is refused or warned about: :func:`isolate_seqlens`. The model keeps its modules, weights and
+kernels.
 
 Cost per hooked call: one copy of the ``[N + 1]`` offsets (plus, with host offsets, of the host offsets and
 the ``[NT, 2]`` schedule), and one graph break per mixer call under ``torch.compile``. With host offsets, one

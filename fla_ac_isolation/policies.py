@@ -14,20 +14,19 @@ trainers use and that expose the FLA cache fault (docs: "The fault in one pictur
   :mod:`fla_ac_isolation.ops` and the mixers): per op, memory instead of recompute time.
 * :func:`any_of` - combine policies; the first one that says "save" wins.
 
-:func:`checkpoint_layers` wraps every ``freq``-th layer of a model in torch's non-reentrant checkpoint
-wrapper, full or selective, for users without a trainer framework; :func:`sac_context_fn` builds the
-``context_fn`` that transformers' ``gradient_checkpointing_enable`` and ``torch.utils.checkpoint`` take.
+:func:`checkpoint_layers` and :func:`sac_context_fn` apply a policy (:mod:`fla_ac_isolation.checkpointing`,
+re-exported here).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
+from fla_ac_isolation.checkpointing import Policy, check_policy, checkpoint_layers, sac_context_fn
 from fla_ac_isolation.op_names import SAVEABLE_OP_NAMES
 
 __all__ = [
@@ -42,8 +41,6 @@ __all__ = [
     "save_ops",
     "torchtitan_selective",
 ]
-
-Policy = Callable[..., CheckpointPolicy]
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -162,7 +159,7 @@ def any_of(*policies: Policy, name: str | None = None) -> Policy:
     if not policies:
         raise ValueError("any_of needs at least one policy, e.g. any_of(save_fla_ops(), save_device_to_host_copies())")
     for p in policies:
-        _check_policy(p)
+        check_policy(p)
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str (the policy's __name__), got {type(name).__name__}")
     return _AnyOf(policies, name or "any_of(" + ", ".join(getattr(p, "__name__", "?") for p in policies) + ")")
@@ -277,160 +274,3 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "save-all-copies": save_all_copies,
     "torchtitan": torchtitan_selective,
 }
-
-
-def _check_policy(policy: Any) -> None:
-    """Reject what is not a policy function, e.g. the factory ``save_all_copies`` instead of its result."""
-    import inspect
-
-    if not callable(policy):
-        raise TypeError(f"policy must be a SAC policy function (ctx, op, *args, **kwargs), got {policy!r}")
-    try:
-        inspect.signature(policy).bind(None, None)
-    except TypeError:
-        name = getattr(policy, "__name__", repr(policy))
-        raise TypeError(
-            f"policy must be a SAC policy function (ctx, op, *args, **kwargs), but {name} does not take "
-            f"(ctx, op); did you mean {name}() (policy constructors return the policy)?"
-        ) from None
-    except ValueError:  # builtins without a signature: let torch call them
-        pass
-
-
-def sac_context_fn(policy: Policy) -> Callable[[], tuple]:
-    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
-
-    Raises:
-        TypeError: ``policy`` does not take ``(ctx, op, ...)``, e.g. ``save_all_copies`` given uncalled.
-
-    Works with transformers too:
-    ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-    "context_fn": sac_context_fn(save_all_copies())})``. A stateful policy (one with a ``fresh()``
-    method, e.g. :class:`torchtitan_selective`) is renewed for every checkpointed call. Inside each region
-    (forward and recompute, eager) ``torch.autocast``'s weight-cast cache is off, so a backward run inside an
-    autocast block recomputes the casts its forward ran (with torch's contexts alone it skips them, and SAC
-    misaligns every saved ``_to_copy`` after the first).
-    """
-
-    _check_policy(policy)
-
-    def context_fn():
-        p = policy.fresh() if hasattr(policy, "fresh") else policy
-        forward, recompute = create_selective_checkpoint_contexts(p)
-        if torch.compiler.is_compiling():  # compiled regions take torch's modes as they are
-            return forward, recompute
-        return _without_autocast_cache(forward), _without_autocast_cache(recompute)
-
-    return context_fn
-
-
-class _without_autocast_cache:  # noqa: N801 - used like a function
-    """``mode`` entered with ``torch.autocast``'s weight-cast cache off (re-enterable: a region may recompute
-    more than once). That cache is process-wide: a weight cast in a region's forward is a cache hit in its
-    recompute when the backward runs inside the same autocast block (or a second region uses the weight), so the
-    recompute skips an ``aten._to_copy`` the forward ran and SAC hands every later saved ``_to_copy`` the wrong
-    tensor (torch issue #193338). Off inside the region, both passes cast."""
-
-    def __init__(self, mode: Any) -> None:
-        self.mode = mode
-        self.enabled: list[bool] = []
-
-    def __enter__(self) -> Any:
-        self.enabled.append(torch.is_autocast_cache_enabled())
-        torch.set_autocast_cache_enabled(False)
-        try:
-            return self.mode.__enter__()
-        except BaseException:
-            torch.set_autocast_cache_enabled(self.enabled.pop())
-            raise
-
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return self.mode.__exit__(*exc)
-        finally:
-            torch.set_autocast_cache_enabled(self.enabled.pop())
-
-    def __getattr__(self, name: str) -> Any:  # torch's mode's own state (e.g. SAC's ``storage``)
-        if name in ("mode", "enabled"):
-            raise AttributeError(name)
-        return getattr(self.mode, name)
-
-
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-
-
-def _find_layers(layers_or_model: nn.Module) -> nn.Module:
-    if isinstance(layers_or_model, _CONTAINERS):
-        return layers_or_model
-    for path in ("layers", "model.layers", "backbone.layers", "model.language_model.layers", "blocks"):
-        obj: Any = layers_or_model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if isinstance(obj, _CONTAINERS):
-            return obj
-    for _, module in layers_or_model.named_modules():
-        if isinstance(module, nn.ModuleList):
-            return module
-    raise ValueError(
-        "layers_or_model must be an nn.ModuleList/nn.Sequential/nn.ModuleDict of layers or a model with a "
-        f"`layers` container, got {type(layers_or_model).__name__}"
-    )
-
-
-def checkpoint_layers(
-    layers_or_model: nn.Module,
-    mode: Literal["full", "selective"] = "full",
-    policy: Policy | None = None,
-    freq: int = 1,
-    *,
-    early_stop: bool = True,
-    preserve_rng_state: bool = True,
-) -> nn.Module:
-    """Wrap every ``freq``-th layer (indices 0, freq, 2*freq, ...) in a non-reentrant checkpoint.
-
-    Uses ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (as torchtitan does), so
-    ``state_dict()`` keys are unchanged. Layers already wrapped are left alone.
-
-    Args:
-        layers_or_model: an ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` of layers (torchtitan
-            keeps its blocks in a ModuleDict; its insertion order counts), or a model holding one
-            (``model.layers``, ``model.model.layers``, ``backbone.layers``, OLMo-core's ``blocks`` or the first
-            ModuleList).
-        mode: ``"full"`` recomputes everything; ``"selective"`` saves what ``policy`` says.
-        policy: SAC policy (required for ``"selective"``, forbidden for ``"full"``).
-        freq: checkpoint one layer in ``freq`` (1 = all; torchtitan's ``selective_ac_option`` ints).
-        early_stop: torch's ``early_stop`` (stop a recompute once every needed tensor exists).
-
-    Returns:
-        The layer container (modified in place).
-
-    Raises:
-        ValueError: unknown ``mode``, ``freq`` < 1, ``policy`` missing or superfluous, no layers found.
-        TypeError: ``policy`` is not a policy function (e.g. the constructor ``save_all_copies`` itself).
-    """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        CheckpointWrapper,
-        checkpoint_wrapper,
-    )
-
-    if mode not in ("full", "selective"):
-        raise ValueError(f"mode must be 'full' or 'selective', got {mode!r}")
-    if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
-        raise ValueError(f"freq must be an int >= 1, got {freq!r}")
-    if mode == "selective" and policy is None:
-        raise ValueError("mode='selective' needs a policy, e.g. policies.save_device_to_host_copies()")
-    if mode == "full" and policy is not None:
-        raise ValueError("mode='full' takes no policy; use mode='selective' to apply one")
-    layers = _find_layers(layers_or_model)
-    keys = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else list(range(len(layers)))
-    kwargs: dict[str, Any] = {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop}
-    if mode == "selective":
-        kwargs["context_fn"] = sac_context_fn(policy)
-    for i, key in enumerate(keys):
-        layer = layers[key]
-        if i % freq or isinstance(layer, CheckpointWrapper):
-            continue
-        layers[key] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
-    return layers
-

@@ -179,7 +179,8 @@ class LayerLocalSeqlens:
             device: the activations' device; CPU when ``None``.
             dtype: ``torch.int32`` (FLA's convention) or ``torch.int64``.
             with_cpu: also keep the host offsets as ``cu_seqlens_cpu``.
-            chunk_indices, cp: as in the class; ``None`` keeps the class default.
+            chunk_indices: as in the class; ``None`` keeps the class default.
+            cp: as in the class.
 
         Raises:
             TypeError: ``seq_lens`` is not an iterable of integers, or ``dtype`` is not int32/int64.

@@ -18,19 +18,9 @@ OLMo-core's ``GatedDeltaNet`` and ``KimiDeltaAttention`` are not swapped: their 
 documents apart, and
 :func:`~fla_ac_isolation.isolate_seqlens` removes their only fault (shared offsets) in place.
 
-How a swap works. The replacement is constructed on the ``meta`` device (nothing is allocated or
-initialised), then every parameter and buffer slot of it is pointed at the *existing* tensor object of the
-same name in the transformers module. Nothing is copied: dtype, device, ``requires_grad``, ``state_dict()``
-keys and an optimizer's references (hence its state) stay as they were. The transformers module is kept,
-stripped of its tensors, on the replacement (outside the module tree, so it is neither saved, moved nor
-counted); :func:`restore_mixers` points it at the replacement's current tensors and puts it back.
-
-Order. Swap before or after ``gradient_checkpointing_enable`` (transformers checkpoints the decoder
-layer, which is left alone). A model built on ``meta`` can be swapped and materialised afterwards
-(``to_empty`` then ``load_state_dict``). transformers' ``init_weights`` only recognises its own mixer
-classes, so run it before swapping (or :func:`restore_mixers`, init, swap again). Swap before FSDP, tensor
-parallelism, PEFT or accelerate dispatch: a mixer carrying module hooks or DTensor parameters is refused,
-and one whose parameters were renamed (e.g. LoRA's ``base_layer``) no longer matches the replacement.
+How a swap works (the replacement built on ``meta``, pointed at the existing tensors, the original kept
+outside the module tree) and when to swap (after init, before FSDP/TP/PEFT/accelerate dispatch):
+``docs/swap.md``; the rules enforced are :func:`swap_mixers`' errors.
 """
 
 from __future__ import annotations

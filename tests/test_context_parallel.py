@@ -418,10 +418,10 @@ def test_cli_cp_on_cpu_runs_flas_kernels_under_the_interpreter_backend():
 def test_launcher_spawns_ranks_with_the_environment_of_the_spec():
     import os
 
-    from fla_ac_isolation.harness.regression.launch import _mp_context, environment_variables
+    from fla_ac_isolation.harness.regression.processes import environment_variables, mp_context
 
-    assert _mp_context("cpu", (("TRITON_INTERPRET", "1"),)).get_start_method() == "spawn"
-    assert _mp_context("cpu").get_start_method() == "forkserver"
+    assert mp_context("cpu", (("TRITON_INTERPRET", "1"),)).get_start_method() == "spawn"
+    assert mp_context("cpu").get_start_method() == "forkserver"
     before = os.environ.get("FLA_AC_TEST_VARIABLE")
     with environment_variables((("FLA_AC_TEST_VARIABLE", "1"),)):
         assert os.environ["FLA_AC_TEST_VARIABLE"] == "1"

@@ -28,3 +28,27 @@ def test_a_moved_name_is_the_same_object_and_warns(name):
 def test_an_unknown_name_is_still_an_attribute_error():
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         families.no_such_name  # noqa: B018
+
+
+# 0.3's methods LeakingMixer.remedy() / UpstreamMixer.leak_remedy() became families.remedy / leak_remedy in 0.4
+def _entry(qualified):
+    return foreign_classes.named(qualified)
+
+
+@pytest.mark.parametrize(("method", "function", "qualified", "expected"), [
+    ("remedy", "remedy", "olmo_core.nn.attention.recurrent.NemotronMamba2Mixer",
+     "use swap_mixers(model) (drop-in fla_ac_isolation.mixers.OlmoNemotronMamba2Mixer)"),
+    ("leak_remedy", "leak_remedy", "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
+     "no drop-in here: install causal_conv1d (CUDA) and pass seq_idx (DataCollatorWithFlattening("
+     "return_seq_idx=True)), or expect documents to mix in the conv"),
+    ("leak_remedy", "leak_remedy", "torchtitan.models.qwen3_5.model.GatedDeltaNet", None),
+])
+def test_a_03_method_warns_naming_the_function_and_answers_as_it(method, function, qualified, expected):
+    entry = _entry(qualified)
+    cls = type(entry).__name__
+    with pytest.warns(DeprecationWarning) as caught:
+        value = getattr(entry, method)()
+    assert [str(w.message) for w in caught] == [
+        f"{cls}.{method}() is deprecated since 0.4.0: call fla_ac_isolation.families.{function}(entry)"]
+    assert caught[0].filename == __file__  # stacklevel: the caller's line
+    assert value == getattr(families, function)(entry) == expected

@@ -9,9 +9,9 @@ FLA 0.6's ``chunk_simple_gla`` synchronises the host in every call it makes for 
   the states) and ``chunk_bwd_dh`` (backward), size the ``[B, NS, H, K, V]`` state tensor with
   ``prepare_chunk_offsets(cu_seqlens, 64)[-1].item()``, a device-to-host read, and take no host value.
 
-That is 6 host syncs per checkpointed Mamba2 layer step, where the gated delta rule (which takes
-``chunk_indices``, and sizes its states from their length) makes none. This module runs the same computation
-with the same FLA kernels and the same arguments, but with sizes known on the host:
+Each is a host sync per call (counted per layer step in ``docs/benchmarks.md``), where the gated delta rule
+(which takes ``chunk_indices``, and sizes its states from their length) makes none. This module runs the same
+computation with the same FLA kernels and the same arguments, but with sizes known on the host:
 
 * the schedule ``chunk_indices [NT, 2]`` and the per-document first chunk ``chunk_offsets [N + 1]`` are
   given (``LocalSeqlens.chunk_indices`` / ``.chunk_offsets``: precomputed once per batch, a fresh copy per

@@ -34,8 +34,8 @@ from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.harness.extras import MissingExtraError, require
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.harness.modes import MODES, Mode, get_mode
-from fla_ac_isolation.ops import BACKENDS
-from fla_ac_isolation.policies import POLICIES
+from fla_ac_isolation.harness.spec_fields import check_checkpointing, check_counts, check_seed, sac_policy
+from fla_ac_isolation.ops.backend import check_backend
 
 __all__ = ["AUDIT_MODELS", "AUDIT_MODES", "FAULT_STACK", "AuditResult", "AuditRun", "AuditSpec", "audit_mode",
            "run_audit"]
@@ -96,24 +96,16 @@ class AuditSpec:
         modes = tuple(self.modes) if isinstance(self.modes, (tuple, list)) else ()
         if not modes or any(m not in AUDIT_MODES for m in modes):
             raise ValueError(f"modes must be a non-empty subset of {AUDIT_MODES}, got {self.modes!r}")
-        for name in ("freq", "hidden_size", "num_layers", "num_experts", "top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.ac not in ("full", "selective"):
-            raise ValueError(f"ac must be 'full' or 'selective', got {self.ac!r}")
-        if self.ac == "selective" and self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_counts(self, ("freq", "hidden_size", "num_layers", "num_experts", "top_k"))
+        check_checkpointing(self.ac, self.policy)
+        check_backend(self.backend)
         resolve_device(self.device)  # 'cuda' needs a visible GPU
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        check_seed(self.seed)
         return self
 
     def policy_fn(self):
         """The SAC policy (``ac="selective"``), or ``None`` for full AC."""
-        return POLICIES[self.policy]() if self.ac == "selective" else None
+        return sac_policy(self.ac, self.policy)
 
 
 @dataclass

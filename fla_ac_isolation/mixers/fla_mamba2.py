@@ -68,7 +68,9 @@ class FlaMamba2(NemotronHMamba2Mixer):
             ``expand * D // head_dim``), ``head_dim``, ``state_size``, ``expand``, ``n_groups``, ``conv_kernel``,
             ``use_conv_bias``, ``hidden_act``, ``D_has_hdim``, ``rmsnorm``, ``norm_before_gate``, ``dt_limit``
             (``(lo, hi)``), ``use_bias``, ``norm_eps``, ``chunk_size``; optionally :meth:`init_fla_weights`'s.
-        layer_idx, backend, saveable: as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`.
+        layer_idx: as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`.
+        backend: as there.
+        saveable: as there.
 
     Parameters: FLA's names, shapes and ``state_dict`` order (``norm.weight`` only if ``rmsnorm``), initialised
     on a real device as FLA's constructor does. The SSD chunks by 64 tokens (FLA's default 256), so results agree

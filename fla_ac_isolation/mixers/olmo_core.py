@@ -29,7 +29,8 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
     Args:
         config: fields as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` reads them (:meth:`config_from`
             builds them from an OLMo-core module).
-        layer_idx, backend: as there.
+        layer_idx: as there.
+        backend: as there.
 
     Parameters: OLMo-core's names, shapes and ``state_dict`` order, built empty: initialise with
     :meth:`init_weights` or share an OLMo-core module's tensors (:func:`~fla_ac_isolation.swap_mixers`).

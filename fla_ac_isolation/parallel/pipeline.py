@@ -70,10 +70,10 @@ ZERO_BUBBLE_SAC = (
     "zero-bubble schedules split each backward into an input pass and a weight pass, and torch's selective AC "
     "allows one backward per checkpointed region ('Trying to backward an extra time. You are only allowed to "
     "backward once on any region computed under selective activation checkpoint.'), with or without FLA and "
-    "with isolated offsets too; they run under full AC, which recomputes each region in each pass (up to 18 "
-    "recomputes of a region per step measured with ZBV at 2 microbatches)"
+    "with isolated offsets too; they run under full AC, which recomputes each region in each pass"
 )
-"""Why :func:`check_schedule` refuses a zero-bubble schedule under selective AC (measured on torch 2.13)."""
+"""Why :func:`check_schedule` refuses a zero-bubble schedule under selective AC (torch 2.13's rule; the recompute
+counts under full AC: ``docs/pipeline-parallel.md``)."""
 
 
 def _check_int(name: str, value: object, least: int = 1) -> None:

@@ -24,7 +24,7 @@ import dataclasses
 import sys
 
 from fla_ac_isolation.harness.audit_runner import AUDIT_MODELS, AUDIT_MODES, AuditRun, AuditSpec, run_audit
-from fla_ac_isolation.harness.cli.console import add_policy_arguments, builtin_model, split_modes
+from fla_ac_isolation.harness.cli.console import add_model_argument, add_policy_arguments, split_modes
 from fla_ac_isolation.ops import BACKENDS
 
 __all__ = ["HELP", "add_arguments", "run", "spec_from_arguments"]
@@ -42,10 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "FLA's index-helper cache hits/misses per pass."
     )
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    parser.add_argument("--model", type=builtin_model(AUDIT_MODELS, "audit"), default=default["model"],
-                        metavar="{" + ",".join(AUDIT_MODELS) + "}",
-                        help="the model to run: a built-in tiny family, or the FLA-helper fault stack (your own "
-                             "model: check --model module:callable)")
+    add_model_argument(parser, AUDIT_MODELS, "audit", default["model"],
+                       "a built-in tiny family, or the FLA-helper fault stack")
     add_policy_arguments(parser, default)
     parser.add_argument("--modes", default=",".join(default["modes"]),
                         help="comma-separated subset of " + ", ".join(AUDIT_MODES))

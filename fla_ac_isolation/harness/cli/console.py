@@ -1,5 +1,5 @@
-"""What the subcommands share: the rich console, escaping of foreign text, the policy arguments, ``--modes``
-splitting."""
+"""What the subcommands share: the rich console, escaping of foreign text, the ``--model`` and policy arguments,
+``--modes`` splitting."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from fla_ac_isolation.harness.extras import require
 
-__all__ = ["add_policy_arguments", "builtin_model", "console", "escape", "split_modes"]
+__all__ = ["add_model_argument", "add_policy_arguments", "console", "escape", "split_modes"]
 
 
 def console(what: str) -> Any:
@@ -54,11 +54,12 @@ def add_policy_arguments(parser: argparse.ArgumentParser, default: dict, *, own_
                         help="checkpoint every N-th block")
 
 
-def builtin_model(names: tuple[str, ...], command: str):
-    """An argparse ``type`` for a ``--model`` that runs built-in models only: one of ``names``; a
-    ``module:callable`` / ``file.py:callable`` (a user's model) is refused naming the command that runs one."""
+def add_model_argument(parser: argparse.ArgumentParser, names: tuple[str, ...], command: str, default: str,
+                       what: str) -> None:
+    """``--model`` for a command that runs built-in models only: one of ``names`` (``what`` says what they are).
+    A ``module:callable`` / ``file.py:callable`` (a user's model) is refused, naming ``check``, which runs one."""
 
-    def parse(value: str) -> str:
+    def model(value: str) -> str:
         if ":" in value:
             raise argparse.ArgumentTypeError(
                 f"{command} runs the built-in tiny models only ({', '.join(names)}), got {value!r}: to run your "
@@ -67,5 +68,5 @@ def builtin_model(names: tuple[str, ...], command: str):
             raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}, got {value!r}")
         return value
 
-    parse.__name__ = "model"
-    return parse
+    parser.add_argument("--model", type=model, default=default, metavar="{" + ",".join(names) + "}",
+                        help=f"the model to run: {what} (your own model: check --model module:callable)")

@@ -1,6 +1,6 @@
 """``fla-ac-isolation regress``: the EP regression (:mod:`fla_ac_isolation.harness.regression`) from the command line.
 
-Example (the README's main job; about a minute on a 2-core CPU machine)::
+Example (the README's main job)::
 
     fla-ac-isolation regress --model qwen3_5_moe --ep 2 --steps 3
     fla-ac-isolation regress --model nemotron_h --ac full --json out.json --plot out.png
@@ -31,7 +31,7 @@ import dataclasses
 import os
 
 from fla_ac_isolation.families import FAMILY_NAMES
-from fla_ac_isolation.harness.cli.console import add_policy_arguments, builtin_model, console, escape, split_modes
+from fla_ac_isolation.harness.cli.console import add_model_argument, add_policy_arguments, console, escape, split_modes
 from fla_ac_isolation.harness.extras import require
 from fla_ac_isolation.harness.modes import ALL_MODES
 from fla_ac_isolation.ops import BACKENDS
@@ -67,10 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a one-rank run without PP (no-ac-pp1) as a second reference."
     )
     parser.formatter_class = _HelpFormatter
-    parser.add_argument("--model", type=builtin_model(FAMILY_NAMES, "regress"), default=default["model"],
-                        metavar="{" + ",".join(FAMILY_NAMES) + "}",
-                        help="the model to run: a built-in tiny family (your own model: check --model "
-                             "module:callable)")
+    add_model_argument(parser, FAMILY_NAMES, "regress", default["model"], "a built-in tiny family")
     parser.add_argument("--ep", type=int, default=default["ep"],
                         help="expert-parallel degree (default 2 = number of ranks; with --cp: 1, or equal to --cp; "
                              "with --pp: 1, or the data-parallel ranks of each stage)")

@@ -2,10 +2,10 @@
 how their failures are collected.
 
 :func:`run_spawned` starts the ranks of each mode (on CPU from a ``forkserver`` preloaded with torch, FLA,
-torchtitan and transformers, so that a start costs about a second; on CUDA, or when the ranks need
+torchtitan and transformers, so that a start is cheap; on CUDA, or when the ranks need
 environment variables (``spec.rank_env``, e.g. ``TRITON_INTERPRET=1`` for ``kernels="interpreter"``), by
 ``spawn``); gloo on CPU, NCCL on CUDA (one GPU per rank); each rank builds its
-:class:`~fla_ac_isolation.harness.regression.train.RankContext` (the mesh's process groups). Under context
+:class:`~fla_ac_isolation.harness.regression.rank.RankContext` (the mesh's process groups). Under context
 parallelism the :data:`~.spec.CP1_REFERENCE` run comes first, on one process (under pipeline parallelism the
 :data:`~.spec.PP1_REFERENCE` run). One launch per mode keeps modes
 independent: a mode that crashes, on one rank or all, is recorded as failed; its surviving ranks are killed
@@ -27,18 +27,18 @@ import contextlib
 import datetime
 import os
 import queue as queue_module
-import signal
-import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.harness.modes import modes_with_role
+from fla_ac_isolation.harness.regression.processes import death, environment_variables, free_port, mp_context, stop
+from fla_ac_isolation.harness.regression.rank import RankContext, setup_process
 from fla_ac_isolation.harness.regression.spec import (
     CP1_REFERENCE,
     PP1_REFERENCE,
@@ -46,7 +46,7 @@ from fla_ac_isolation.harness.regression.spec import (
     RegressionResult,
     RegressionSpec,
 )
-from fla_ac_isolation.harness.regression.train import RankContext, run_mode_on_rank, setup_process
+from fla_ac_isolation.harness.regression.train import run_mode_on_rank
 from fla_ac_isolation.parallel import ParallelMesh
 
 __all__ = ["FAILURE_GRACE_S", "REFERENCES", "environment_variables", "free_port", "mode_mesh", "run_spawned"]
@@ -133,8 +133,8 @@ def _serial_main(spec: RegressionSpec, workdir: str, tasks, events) -> None:
 
 
 class _SerialRank:
-    """A spawned process kept for the one-rank modes of a run: spawning costs every import again (about 20 s
-    per process on a fresh H200 machine), so one-rank modes share one process while they succeed."""
+    """A spawned process kept for the one-rank modes of a run: spawning costs every import again (the cost:
+    docs/regression.md), so one-rank modes share one process while they succeed."""
 
     def __init__(self, mp_ctx, spec: RegressionSpec, workdir: str) -> None:
         self.tasks, self.events = mp_ctx.Queue(), mp_ctx.Queue()
@@ -148,7 +148,7 @@ class _SerialRank:
         with contextlib.suppress(Exception):
             self.tasks.put(None)
         self.process.join(2.0)
-        _stop([self.process])
+        stop([self.process])
         for q in (self.tasks, self.events):
             with contextlib.suppress(Exception):
                 q.close()
@@ -166,38 +166,6 @@ def _load(workdir: str, mode: str, rank: int) -> list[torch.Tensor] | None:
     """The per-step gradients a reference run (:data:`REFERENCES`) saved, if it completed."""
     path = os.path.join(workdir, f"{mode}.rank{rank}.pt")
     return torch.load(path) if os.path.exists(path) else None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's ``tcp://`` rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(procs) -> None:
-    """Terminate (then kill) the workers still alive and reap every started one."""
-    procs = [p for p in procs if p.pid is not None]  # a process whose start failed has nothing to reap
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 2.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
-
-
-def _death(exitcode: int) -> str:
-    """How a worker that reported nothing ended: ``process died (killed by SIGKILL)`` or ``(exit code 3)``."""
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"process died (killed by {name})"
-    return f"process died (exit code {exitcode})"
 
 
 @dataclass
@@ -222,7 +190,7 @@ def _record_killed(procs, out: _Outcome, reporting: int) -> None:
         if p.exitcode is None:
             p.join(max(0.0, deadline - time.monotonic()))
         if p.exitcode is not None and p.exitcode < 0:
-            out.errors[r] = (_death(p.exitcode), "")
+            out.errors[r] = (death(p.exitcode), "")
 
 
 def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str], hooks: _Hooks,
@@ -258,7 +226,7 @@ def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str], hoo
             if p.exitcode not in (None, 0) and r not in out.errors:
                 first_failure = first_failure or now
                 if p.exitcode < 0 or now - first_failure > 0.5:  # a signal; else its own report had time
-                    out.errors[r] = (_death(p.exitcode), "")
+                    out.errors[r] = (death(p.exitcode), "")
         if all(p.exitcode is not None for p in procs):
             return out
         if first_failure is not None and now - first_failure > FAILURE_GRACE_S:
@@ -316,7 +284,7 @@ def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: l
                 p.start()
         outcome = _watch(procs, events, spec, mode, notes, hooks)
     finally:
-        _stop(procs)
+        stop(procs)
         with contextlib.suppress(Exception):
             events.close()
     return _merge(outcome, spec, mode, time.monotonic() - start, nprocs)
@@ -330,39 +298,6 @@ def _run_on_serial_rank(serial: _SerialRank, spec: RegressionSpec, mode: str, no
     outcome = _watch([serial.process], serial.events, spec, mode, notes, hooks, persistent=True)
     reusable = not outcome.errors and not outcome.timed_out and serial.process.exitcode is None
     return _merge(outcome, spec, mode, time.monotonic() - start, 1), reusable
-
-
-@contextlib.contextmanager
-def environment_variables(env: tuple[tuple[str, str], ...]) -> Iterator[None]:
-    """``os.environ`` updated with ``env`` (``(name, value)`` pairs) inside the block, then restored: what
-    processes started inside it (``spawn`` copies the environment) inherit."""
-    saved = {name: os.environ.get(name) for name, _ in env}
-    os.environ.update(dict(env))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _mp_context(device: str, env: tuple[tuple[str, str], ...] = ()):
-    """``forkserver`` preloaded with the heavy imports on CPU; plain ``spawn`` on CUDA or with ``env``.
-
-    On CUDA the preload would be unsafe: importing FLA queries the GPU (its Hopper/Triton checks), which
-    initialises CUDA in the fork server, and forked children could then not use CUDA. With ``env`` the
-    variables must be set before the rank imports anything (``TRITON_INTERPRET`` is read when FLA's
-    kernels are decorated), which a fork server started earlier cannot give.
-    """
-    import multiprocessing
-
-    if device == "cuda" or env:
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["fla_ac_isolation.harness.regression._preload"])
-    return ctx
 
 
 def _execution_order(spec: RegressionSpec) -> list[str]:
@@ -390,7 +325,7 @@ def run_spawned(
     is recorded as that mode's failure and the next mode runs; ``KeyboardInterrupt`` stops the run
     (after the workers are stopped).
     """
-    mp_ctx = _mp_context(spec.device, spec.rank_env)
+    mp_ctx = mp_context(spec.device, spec.rank_env)
     share_one_rank = mp_ctx.get_start_method() == "spawn"
     hooks = _Hooks(on_step, on_rank_start)
     notes: list[str] = []

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fla_ac_isolation.harness.failures import first_line
-from fla_ac_isolation.harness.regression.model import AttentionLayout, TinyDecoder
+from fla_ac_isolation.harness.regression.attention import AttentionLayout
+from fla_ac_isolation.harness.regression.model import TinyDecoder
 from fla_ac_isolation.parallel import (
     SCHEDULES,
     PackedMicrobatches,

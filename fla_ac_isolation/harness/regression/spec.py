@@ -1,5 +1,5 @@
-"""What a regression run is asked to do (:class:`RegressionSpec`) and what it returns (:class:`ModeResult`,
-:class:`RegressionResult`).
+"""What a regression run is asked to do (:class:`RegressionSpec`); what it returns (:class:`ModeResult`,
+:class:`RegressionResult`) is :mod:`~fla_ac_isolation.harness.regression.results`', re-exported here.
 
 Every default and every rule of a run lives here, once: ``fla-ac-isolation regress`` builds a spec from its
 flags and shows this module's error messages; ``run_regression(RegressionSpec(cp=2))`` from Python runs what
@@ -12,7 +12,7 @@ import contextlib
 import math
 import pickle
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -20,9 +20,10 @@ import torch
 from fla_ac_isolation.families import FAMILIES
 from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.harness.modes import ALL_MODES, CP_MODES, MODE_NAMES
-from fla_ac_isolation.ops import BACKENDS
+from fla_ac_isolation.harness.regression.results import ModeResult, RegressionResult
+from fla_ac_isolation.harness.spec_fields import check_checkpointing, check_counts, check_seed
+from fla_ac_isolation.ops.backend import check_backend
 from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES, ParallelMesh, check_schedule
-from fla_ac_isolation.policies import POLICIES
 
 __all__ = [
     "CP1_REFERENCE",
@@ -209,18 +210,11 @@ class RegressionSpec:
         if self.model not in FAMILIES:
             raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {self.model!r}")
         mesh = self.mesh  # how the ranks are laid out comes before what must divide by them
-        for name in ("steps", "freq", "hidden_size", "num_layers", "num_experts", "top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_counts(self, ("steps", "freq", "hidden_size", "num_layers", "num_experts", "top_k"))
         self._validate_width()
         self._validate_mixer()
-        if self.ac not in ("full", "selective"):
-            raise ValueError(f"ac must be 'full' or 'selective', got {self.ac!r}")
-        if self.ac == "selective" and self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_checkpointing(self.ac, self.policy)
+        check_backend(self.backend)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in DTYPES:
@@ -242,8 +236,7 @@ class RegressionSpec:
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (0 <= self.lr < math.inf):
             raise ValueError(f"lr must be a finite number >= 0 (AdamW learning rate), got {self.lr!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        check_seed(self.seed)
         self._validate_fail_on()
         self._validate_cp()
         self._validate_pp()
@@ -376,70 +369,3 @@ class RegressionSpec:
         setup = self.rank_setup
         out["rank_setup"] = None if setup is None else f"{setup.__module__}:{setup.__qualname__}"
         return out
-
-
-@dataclass
-class ModeResult:
-    """Outcome of one mode, reduced over all ranks.
-
-    Attributes:
-        mode: the mode.
-        losses: global loss per completed step.
-        grad_norms: global gradient norm per completed step.
-        grad_diffs: per completed step, max ``|grad - grad_no_ac|`` over ranks and parameters
-            (``None`` for ``no-ac`` itself, or when the reference is missing).
-        ref_grad_max: per step, max ``|grad_no_ac|`` (the scale for relative differences).
-        cp1_grad_diffs: under context parallelism, per step, max ``|grad - grad_cp1|`` over every
-            parameter's full gradient (expert shards gathered) against :data:`CP1_REFERENCE`.
-        cp1_ref_grad_max: per step, max ``|grad_cp1|``.
-        pp1_grad_diffs: under pipeline parallelism, per step, max ``|grad - grad_pp1|`` over every parameter's
-            full gradient (each stage's parameters, expert shards gathered) against :data:`PP1_REFERENCE`.
-        pp1_ref_grad_max: per step, max ``|grad_pp1|``.
-        idle_experts: per step, the largest number of experts without any token in one MoE layer.
-        cache: FLA tensor-cache events summed over ranks and steps, ``{"hit": .., "miss": .., "bypass": ..}``.
-        cache_by_helper: the same per helper name.
-        error: ``"<Type>: <first line>"`` of the first failure, else ``None``.
-        timed_out: the mode was stopped at ``timeout_s`` (its ``error`` says so): not a verdict on the fault.
-        failed_ranks: ranks that raised (or died), in order of arrival; the first one's error is ``error``.
-        traceback: full traceback text of the first failure (for ``--verbose``/JSON).
-        seconds: wall time of the mode.
-        step_seconds: per completed step, the forward + backward wall time of the slowest rank
-            (device synchronised before and after; excludes data, gradient reduction and optimizer).
-    """
-
-    mode: str
-    losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    grad_diffs: list[float | None] = field(default_factory=list)
-    ref_grad_max: list[float | None] = field(default_factory=list)
-    cp1_grad_diffs: list[float | None] = field(default_factory=list)
-    cp1_ref_grad_max: list[float | None] = field(default_factory=list)
-    pp1_grad_diffs: list[float | None] = field(default_factory=list)
-    pp1_ref_grad_max: list[float | None] = field(default_factory=list)
-    idle_experts: list[int] = field(default_factory=list)
-    cache: dict[str, int] = field(default_factory=dict)
-    cache_by_helper: dict[str, dict[str, int]] = field(default_factory=dict)
-    error: str | None = None
-    timed_out: bool = False
-    failed_ranks: list[int] = field(default_factory=list)
-    traceback: str | None = None
-    seconds: float = 0.0
-    step_seconds: list[float] = field(default_factory=list)
-
-
-@dataclass
-class RegressionResult:
-    """Every mode's :class:`ModeResult`, the spec, and notes (e.g. compatibility shims applied)."""
-
-    spec: RegressionSpec
-    modes: dict[str, ModeResult]
-    notes: list[str] = field(default_factory=list)
-    environment: dict[str, str] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "spec": self.spec.to_dict(),
-            "modes": {name: asdict(r) for name, r in self.modes.items()},
-            "notes": list(self.notes),
-            "environment": dict(self.environment),
-        }

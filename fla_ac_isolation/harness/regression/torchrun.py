@@ -17,6 +17,7 @@ import torch
 
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.harness.regression.launch import FAILURE_GRACE_S, mode_mesh
+from fla_ac_isolation.harness.regression.rank import RankContext, all_reduce, setup_process
 from fla_ac_isolation.harness.regression.spec import (
     CP1_REFERENCE,
     PP1_REFERENCE,
@@ -24,7 +25,7 @@ from fla_ac_isolation.harness.regression.spec import (
     RegressionResult,
     RegressionSpec,
 )
-from fla_ac_isolation.harness.regression.train import RankContext, all_reduce, run_mode_on_rank, setup_process
+from fla_ac_isolation.harness.regression.train import run_mode_on_rank
 
 __all__ = ["run_under_torchrun", "under_torchrun"]
 

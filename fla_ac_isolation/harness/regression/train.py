@@ -25,7 +25,6 @@ compares each stage parameter's full gradient with it by name.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,66 +46,17 @@ from fla_ac_isolation.harness.regression.data import (
 )
 from fla_ac_isolation.harness.regression.expert_parallel import (
     apply_expert_parallel,
-    expert_parallel_dims,
     is_expert_param,
 )
 from fla_ac_isolation.harness.regression.model import ModelSize, build_model
 from fla_ac_isolation.harness.regression.pipeline import PipelineRun, build_pipeline, pipeline_step
+from fla_ac_isolation.harness.regression.rank import RankContext, all_reduce, setup_process
 from fla_ac_isolation.harness.regression.spec import CP1_REFERENCE, DTYPES, PP1_REFERENCE, ModeResult, RegressionSpec
-from fla_ac_isolation.parallel import CPConfig, ParallelMesh, shard_packed_batch, split_packed_microbatches
-from fla_ac_isolation.policies import POLICIES, checkpoint_layers
+from fla_ac_isolation.harness.spec_fields import sac_policy
+from fla_ac_isolation.parallel import CPConfig, shard_packed_batch, split_packed_microbatches
+from fla_ac_isolation.policies import checkpoint_layers
 
-__all__ = ["RankContext", "run_mode_on_rank", "setup_process"]
-
-
-@dataclass
-class RankContext:
-    """Where this rank runs: its rank, the ranks' layout (:class:`~fla_ac_isolation.parallel.ParallelMesh`),
-    its device, and torchtitan's ``ParallelDims`` of that layout with its device meshes built
-    (:func:`~fla_ac_isolation.harness.regression.expert_parallel.expert_parallel_dims`; ``None`` on one rank,
-    which has no process group). Its groups serve the gradient sums, CP, PP and the EP sharding alike.
-
-    Build it with :meth:`create` on every rank (the mesh's process groups are created collectively).
-    """
-
-    rank: int
-    mesh: ParallelMesh
-    device: torch.device
-    dims: Any = None
-
-    @classmethod
-    def create(cls, rank: int, mesh: ParallelMesh, device: torch.device) -> RankContext:
-        """This rank's context; with more than one rank, builds the mesh's process groups (every rank calls it)."""
-        return cls(rank, mesh, device, expert_parallel_dims(mesh) if mesh.world > 1 else None)
-
-    @property
-    def world(self) -> int:
-        """The number of ranks (:attr:`ParallelMesh.world <fla_ac_isolation.parallel.ParallelMesh.world>`)."""
-        return self.mesh.world
-
-    @property
-    def coordinates(self) -> dict[str, int]:
-        """This rank's place in the mesh: ``{"pp": .., "dp": .., "cp": ..}``."""
-        return self.mesh.coordinates(self.rank)
-
-    def _group(self, axis: str) -> Any:
-        return None if self.dims is None else self.dims.get_optional_mesh(axis, include_singleton_axes=True).get_group()
-
-    @property
-    def group(self) -> Any:
-        """The group the harness sums gradients and statistics over (a stage's data- and context-parallel ranks:
-        torchtitan's ``loss`` mesh); ``None`` on one rank."""
-        return self._group("loss")
-
-    @property
-    def cp_group(self) -> Any:
-        """This rank's context-parallel group (the ``cp`` mesh); ``None`` on one rank."""
-        return self._group("cp")
-
-    @property
-    def pp_group(self) -> Any:
-        """This rank's pipeline group (the ``pp`` mesh: its data-parallel rank's stages); ``None`` on one rank."""
-        return self._group("pp")
+__all__ = ["RankContext", "all_reduce", "run_mode_on_rank", "setup_process"]
 
 
 @dataclass
@@ -132,51 +82,6 @@ class _Trainee:
         return [(n.replace("._checkpoint_wrapped_module", ""), p) for n, p in self.model.named_parameters()]
 
 
-def setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[str], contextlib.ExitStack]:
-    """Device, notes for the report, and the contexts entered for the life of the process: FLA's interpreter
-    backend (``spec.kernels == "interpreter"``) and what ``spec.rank_setup`` returned. Hold the stack while
-    training (a generator-based context manager that is garbage-collected runs its exit and undoes the setup).
-
-    Raises:
-        RuntimeError: ``kernels="interpreter"`` without ``TRITON_INTERPRET=1`` in this process's environment.
-    """
-    import warnings
-
-    from fla_ac_isolation.harness.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
-
-    warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
-    warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
-    notes = ensure_torch_compat()
-    if spec.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        torch.set_num_threads(1)  # ranks share the cores; one thread each is also deterministic
-        device = torch.device("cpu")
-    setup_torchtitan(spec.device)
-    held = contextlib.ExitStack()
-    if spec.kernels == "interpreter":
-        from fla_ac_isolation.harness.fla_seam.interpreter import cpu_cp_kernels
-
-        held.enter_context(cpu_cp_kernels())
-    if spec.rank_setup is not None:
-        out = spec.rank_setup()
-        if hasattr(out, "__enter__"):
-            held.enter_context(out)  # kept entered until the process ends; the caller holds `held`
-    return device, notes, held
-
-
-def all_reduce(t: torch.Tensor, ctx: RankContext, op: str = "sum", *, everyone: bool = False) -> torch.Tensor:
-    """Sum (or max) ``t`` in place over the ranks of ``ctx.group`` (a stage's data- and context-parallel ranks),
-    or, with ``everyone``, over every rank (all stages); a no-op on one rank."""
-    if ctx.world > 1:
-        import torch.distributed as dist
-
-        group = None if everyone else ctx.group
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
-    return t
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -192,7 +97,7 @@ def _build_trainee(spec: RegressionSpec, mode: Mode, ctx: RankContext) -> _Train
     if expert_parallel:
         apply_expert_parallel(model.moes(), ctx.dims)
     if mode.checkpointed:
-        policy = POLICIES[spec.policy]() if spec.ac == "selective" else None
+        policy = sac_policy(spec.ac, spec.policy)
         checkpoint_layers(model, mode=spec.ac, policy=policy, freq=spec.freq, early_stop=spec.early_stop)
     model.train()
     pipeline, tokens = None, 0

@@ -1,0 +1,128 @@
+"""Where one rank runs and how its process starts: :class:`RankContext` (its rank, the mesh, its device and
+process groups), :func:`setup_process` (device, compatibility notes, the contexts held for the process's
+life) and :func:`all_reduce` over its groups. :mod:`.train` (which re-exports these names) trains on it."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fla_ac_isolation.harness.regression.expert_parallel import expert_parallel_dims
+from fla_ac_isolation.harness.regression.spec import RegressionSpec
+from fla_ac_isolation.parallel import ParallelMesh
+
+__all__ = ["RankContext", "all_reduce", "setup_process"]
+
+_MESHES_0_3 = {"pp": "pp", "dp": "batch", "cp": "cp", "dp_cp": "loss"}  # 0.3's RankContext.meshes -> torchtitan's
+
+
+@dataclass
+class RankContext:
+    """Where this rank runs: its rank, the ranks' layout (:class:`~fla_ac_isolation.parallel.ParallelMesh`),
+    its device, and torchtitan's ``ParallelDims`` of that layout with its device meshes built
+    (:func:`~fla_ac_isolation.harness.regression.expert_parallel.expert_parallel_dims`; ``None`` on one rank,
+    which has no process group). Its groups serve the gradient sums, CP, PP and the EP sharding alike.
+
+    Build it with :meth:`create` on every rank (the mesh's process groups are created collectively).
+    """
+
+    rank: int
+    mesh: ParallelMesh
+    device: torch.device
+    dims: Any = None
+
+    @classmethod
+    def create(cls, rank: int, mesh: ParallelMesh, device: torch.device) -> RankContext:
+        """This rank's context; with more than one rank, builds the mesh's process groups (every rank calls it)."""
+        return cls(rank, mesh, device, expert_parallel_dims(mesh) if mesh.world > 1 else None)
+
+    @property
+    def world(self) -> int:
+        """The number of ranks (:attr:`ParallelMesh.world <fla_ac_isolation.parallel.ParallelMesh.world>`)."""
+        return self.mesh.world
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's place in the mesh: ``{"pp": .., "dp": .., "cp": ..}``."""
+        return self.mesh.coordinates(self.rank)
+
+    def _group(self, axis: str) -> Any:
+        return None if self.dims is None else self.dims.get_optional_mesh(axis, include_singleton_axes=True).get_group()
+
+    @property
+    def group(self) -> Any:
+        """The group the harness sums gradients and statistics over (a stage's data- and context-parallel ranks:
+        torchtitan's ``loss`` mesh); ``None`` on one rank."""
+        return self._group("loss")
+
+    @property
+    def cp_group(self) -> Any:
+        """This rank's context-parallel group (the ``cp`` mesh); ``None`` on one rank."""
+        return self._group("cp")
+
+    @property
+    def meshes(self) -> dict[str, Any] | None:
+        """Deprecated since 0.4.0 (0.3's attribute): the one-dimensional device meshes under 0.3's names, ``pp``,
+        ``dp``, ``cp`` and ``dp_cp``, read from :attr:`dims` (torchtitan's ``pp``, ``batch``, ``cp``, ``loss``);
+        ``None`` on one rank."""
+        import warnings
+
+        warnings.warn("RankContext.meshes is deprecated since 0.4.0: use RankContext.dims.get_optional_mesh(name, "
+                      "include_singleton_axes=True) with torchtitan's names ('pp', 'batch' for 0.3's 'dp', 'cp', "
+                      "'loss' for 'dp_cp')", DeprecationWarning, stacklevel=2)
+        if self.dims is None:
+            return None
+        return {old: self.dims.get_optional_mesh(new, include_singleton_axes=True) for old, new in _MESHES_0_3.items()}
+
+    @property
+    def pp_group(self) -> Any:
+        """This rank's pipeline group (the ``pp`` mesh: its data-parallel rank's stages); ``None`` on one rank."""
+        return self._group("pp")
+
+
+def setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[str], contextlib.ExitStack]:
+    """Device, notes for the report, and the contexts entered for the life of the process: FLA's interpreter
+    backend (``spec.kernels == "interpreter"``) and what ``spec.rank_setup`` returned. Hold the stack while
+    training (a generator-based context manager that is garbage-collected runs its exit and undoes the setup).
+
+    Raises:
+        RuntimeError: ``kernels="interpreter"`` without ``TRITON_INTERPRET=1`` in this process's environment.
+    """
+    import warnings
+
+    from fla_ac_isolation.harness.regression.expert_parallel import ensure_torch_compat, setup_torchtitan
+
+    warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
+    warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
+    notes = ensure_torch_compat()
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)  # ranks share the cores; one thread each is also deterministic
+        device = torch.device("cpu")
+    setup_torchtitan(spec.device)
+    held = contextlib.ExitStack()
+    if spec.kernels == "interpreter":
+        from fla_ac_isolation.harness.fla_seam.interpreter import cpu_cp_kernels
+
+        held.enter_context(cpu_cp_kernels())
+    if spec.rank_setup is not None:
+        out = spec.rank_setup()
+        if hasattr(out, "__enter__"):
+            held.enter_context(out)  # kept entered until the process ends; the caller holds `held`
+    return device, notes, held
+
+
+def all_reduce(t: torch.Tensor, ctx: RankContext, op: str = "sum", *, everyone: bool = False) -> torch.Tensor:
+    """Sum (or max) ``t`` in place over the ranks of ``ctx.group`` (a stage's data- and context-parallel ranks),
+    or, with ``everyone``, over every rank (all stages); a no-op on one rank."""
+    if ctx.world > 1:
+        import torch.distributed as dist
+
+        group = None if everyone else ctx.group
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return t

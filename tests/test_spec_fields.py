@@ -1,0 +1,57 @@
+"""The rules the audit's and the regression's specs share, and the ``--model`` of ``audit`` and ``regress``: one
+definition each (``harness/spec_fields.py``, ``harness/cli/console.add_model_argument``), so both give the same
+exact messages."""
+
+import pytest
+
+from fla_ac_isolation.harness.audit_runner import AuditSpec
+from fla_ac_isolation.harness.cli import main
+from fla_ac_isolation.harness.regression.spec import RegressionSpec
+from fla_ac_isolation.policies import save_all_copies, torchtitan_selective
+
+SPECS = [pytest.param(AuditSpec, id="audit"), pytest.param(RegressionSpec, id="regression")]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"ac": "none"}, "ac must be 'full' or 'selective', got 'none'"),
+        ({"policy": "save-everything"},
+         "policy must be one of ['save-all-copies', 'save-d2h-copies', 'torchtitan'], got 'save-everything'"),
+        ({"freq": 0}, "freq must be an int >= 1, got 0"),
+        ({"num_layers": True}, "num_layers must be an int >= 1, got True"),
+        ({"top_k": 1.5}, "top_k must be an int >= 1, got 1.5"),
+        ({"backend": "triton"}, "backend must be one of ('auto', 'fla', 'reference'), got 'triton'"),
+        ({"seed": "0"}, "seed must be an int, got '0'"),
+        ({"seed": False}, "seed must be an int, got False"),
+    ],
+)
+def test_both_specs_refuse_a_shared_field_with_one_message(spec, change, message):
+    with pytest.raises(ValueError) as raised:
+        spec(device="cpu", **change).validate()
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_full_ac_does_not_read_the_policy_and_selective_builds_a_fresh_one(spec):
+    assert spec(device="cpu", ac="full", policy="not-a-policy").validate().ac == "full"
+    from fla_ac_isolation.harness.spec_fields import sac_policy
+
+    assert sac_policy("full", "save-all-copies") is None
+    first, second = sac_policy("selective", "save-all-copies"), sac_policy("selective", "save-all-copies")
+    assert first.__name__ == save_all_copies().__name__ == "save_all_copies" and first is not second
+    pytest.importorskip("torchtitan")
+    assert type(sac_policy("selective", "torchtitan")) is torchtitan_selective
+
+
+@pytest.mark.parametrize(("command", "names"), [
+    ("audit", "qwen3_5_moe, qwen3_8, nemotron_h, kimi_linear, fault-stack"),
+    ("regress", "qwen3_5_moe, qwen3_8, nemotron_h, kimi_linear"),
+])
+def test_audit_and_regress_refuse_an_unknown_model_with_one_message(capsys, command, names):
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--model", "llama"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.rstrip().endswith(f"argument --model: must be one of {names}, got 'llama'")
