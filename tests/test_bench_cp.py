@@ -22,7 +22,6 @@ import dataclasses
 import io
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,6 @@ import torch
 from benchmarks import cp_rows, layer_step
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE_CPU_BUDGET_S = 60  # CPU seconds of the one-mode smoke launch, all processes (measured 26-29 s)
 
 
 @pytest.fixture(scope="module")
@@ -296,16 +294,12 @@ def test_cpu_smoke_launch_of_two_gloo_ranks(tmp_path):
     """One mode: the script spawns 2 gloo ranks running FLA's CP kernels in the interpreter (see the module
     docstring for why one mode and T = 64)."""
     json_path = tmp_path / "smoke.json"
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_cp", "--device", "cpu", "--modes", "isolated", "--tokens", "64",
          "--docs", "2", "--json", str(json_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    assert cpu_s < SMOKE_CPU_BUDGET_S, cpu_s
     data = json.loads(json_path.read_text())
     meta, (row,), (group,) = data["meta"], data["rows"], data["groups"]
     assert (meta["world"], meta["process_group"], meta["dtype"], meta["launcher"]) == (2, "gloo", "float32", "spawn")

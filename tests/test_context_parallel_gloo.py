@@ -26,7 +26,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 MIXER_TOL = 2e-5
 HEAD_PARALLEL_TOL = 1e-6
 CP1_GRAD_RTOL = 1e-4
-CPU_BUDGET_S = 120  # rank 0's CPU seconds for every case together (measured ~37 s on an idle machine)
 GDN_MIXERS = [f"{family}_mixer_{layout}" for family in ("qwen3_5_moe", "qwen3_8") for layout in ("contiguous", "zigzag")]
 HEAD_PARALLEL = ["nemotron_h_head_parallel_contiguous", "nemotron_h_head_parallel_zigzag",
                  "nemotron_h_head_parallel_one_group"]
@@ -118,7 +117,3 @@ def test_cp_config_checks_the_process_group(cases):
     )
     assert cases["errors"]["rank"] == "CPConfig.rank=1 differs from this process's rank in CPConfig.group (0)"
 
-
-def test_cp_cases_fit_the_cpu_budget(cases):
-    seconds = sum(v["cpu_seconds"] for v in cases.values() if isinstance(v, dict))
-    assert seconds < CPU_BUDGET_S, {k: v["cpu_seconds"] for k, v in cases.items() if isinstance(v, dict)}

@@ -14,12 +14,12 @@ from helpers import run_interpreter_cases
 pytestmark = pytest.mark.slow
 
 TOL = 1e-5
-BUDGET_S = 90
+TIMEOUT_S = 4 * 90  # a hang guard for the subprocess, not a speed target (those live in benchmarks/)
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    return run_interpreter_cases("interpret_kda_cases.py", timeout_s=4 * BUDGET_S)
+    return run_interpreter_cases("interpret_kda_cases.py", timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", ["chunk_kda_gva", "kimi_linear_mixer"])
@@ -38,6 +38,3 @@ def test_the_reference_makes_the_same_index_lookups_as_flas_chunk_kda(interprete
         ["prepare_lens", "miss"],
     ]
 
-
-def test_interpreter_cases_fit_the_time_budget(interpreter_results):
-    assert interpreter_results["total_seconds"] < BUDGET_S

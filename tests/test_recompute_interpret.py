@@ -9,12 +9,12 @@ from helpers import run_interpreter_cases
 
 pytestmark = pytest.mark.slow
 
-BUDGET_S = 120  # measured: about 45 s of CPU time on a quiet 2-core machine
+TIMEOUT_S = 4 * 120  # a hang guard for the subprocess, not a speed target (those live in benchmarks/)
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_interpreter_cases("interpret_recompute_cases.py", timeout_s=4 * BUDGET_S)
+    return run_interpreter_cases("interpret_recompute_cases.py", timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize(
@@ -53,6 +53,3 @@ def test_flas_own_chunk_simple_gla_reads_its_state_count_on_the_host(results):
 def test_padded_static_metadata_gives_a_checkpointed_mixer_the_same_numbers(results, name, layout):
     assert results[f"padded_{name}_{layout}"] == []  # output, input and every parameter gradient equal
 
-
-def test_interpreter_cases_fit_the_time_budget(results):
-    assert results["total_seconds"] < BUDGET_S

@@ -9,12 +9,12 @@ operators as the mixers call them.
 import pytest
 from helpers import run_interpreter_cases
 
-BUDGET_S = 60
+TIMEOUT_S = 4 * 60  # a hang guard for the subprocess, not a speed target (those live in benchmarks/)
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_interpreter_cases("interpret_saveable_cases.py", timeout_s=4 * BUDGET_S)
+    return run_interpreter_cases("interpret_saveable_cases.py", timeout_s=TIMEOUT_S)
 
 
 def test_saveable_stack_equals_the_default_path_bit_for_bit(results):
@@ -43,6 +43,3 @@ def test_dynamo_traces_the_fla_gdn_mixer_without_a_graph_break(results):
     are traced as single nodes."""
     assert results["compile"] == {"graphs": 1, "breaks": 0}
 
-
-def test_interpreter_cases_fit_the_time_budget(results):
-    assert results["total_seconds"] < BUDGET_S
