@@ -19,7 +19,13 @@ from torch.utils.checkpoint import checkpoint
 from fla_ac_isolation.audit import ReplayAudit, ReplayDivergenceError, ReplayDivergenceWarning
 from fla_ac_isolation.fla_cache import clear_tensor_cache, tensor_cache_size
 from fla_ac_isolation.harness.fault_stack import HelperStack, run_stack
-from fla_ac_isolation.policies import checkpoint_layers, sac_context_fn, save_all_copies, save_ops
+from fla_ac_isolation.policies import (
+    checkpoint_layers,
+    policy_sees_op_output,
+    sac_context_fn,
+    save_all_copies,
+    save_ops,
+)
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 aten = torch.ops.aten
@@ -66,9 +72,18 @@ def test_audit_flags_shared_and_passes_isolated_and_global_disable(policy, dtype
         assert ("prepare_position_ids", "hit", "miss") in {(d.helper, d.forward, d.recompute) for d in last.fla}
 
 
-def test_forward_miss_recompute_hit_message():
-    res, audit = _audited("shared", "save-float-sub", torch.int32, 4, True, 1)
-    assert res.error is None  # the silent case: SAC says nothing
+# SAC says nothing in both: float-sub corrupts the gradients silently; full AC replays nothing by index. torch
+# 2.11 cannot build the float-sub rule (refused: asserted), so there the message is checked under full AC only.
+SILENT_POLICIES = ("save-float-sub", "full-ac") if policy_sees_op_output() else ("full-ac",)
+
+
+@pytest.mark.parametrize("policy", ["save-float-sub", "full-ac"])
+def test_forward_miss_recompute_hit_message(policy):
+    if policy not in SILENT_POLICIES:
+        assert_refused(policy)
+        return
+    res, audit = _audited("shared", policy, torch.int32, 4, True, 1)
+    assert res.error is None  # SAC says nothing
     (bad,) = audit.divergent
     assert bad.forward_op == "aten.slice.Tensor -> [5] int32 cpu"
     assert bad.recompute_op.startswith("aten.sub.Tensor -> [22] int32 cpu")
@@ -125,7 +140,9 @@ def test_warn_mode_warns_once_per_divergent_recompute_and_lets_sac_fail():
 
 @pytest.mark.parametrize("mode", ["shared", "isolated"])
 def test_record_mode_leaves_results_bit_equal(mode):
-    for policy in ("save-float-sub", "full-ac"):
+    if not policy_sees_op_output():
+        assert_refused("save-float-sub")
+    for policy in SILENT_POLICIES:
         plain = run_stack(mode, FAULT_POLICIES[policy]())
         res, audit = _audited(mode, policy, torch.int32, 4, True, 1)
         assert audit.regions

@@ -15,6 +15,7 @@ from helpers import FAULT_POLICIES, MATRIX, assert_refused, expected_shared_outc
 
 from fla_ac_isolation.fla_cache import tensor_cache_size
 from fla_ac_isolation.harness.fault_stack import run_stack
+from fla_ac_isolation.policies import policy_sees_op_output
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 
@@ -67,7 +68,10 @@ def test_isolation_fails_when_local_returns_the_shared_tensor(monkeypatch):
         return LocalSeqlens(t, None, self.max_seqlen)
 
     monkeypatch.setattr(LayerLocalSeqlens, "local", shared_local)
-    ref, out = _run_all("save-float-sub", torch.int32, 4, True, 1)
-    assert out["isolated"].error is None and out["isolated"].max_grad_diff(ref) > 1e-3
+    if policy_sees_op_output():  # the silent case: SAC says nothing while the gradients are wrong
+        ref, out = _run_all("save-float-sub", torch.int32, 4, True, 1)
+        assert out["isolated"].error is None and out["isolated"].max_grad_diff(ref) > 1e-3
+    else:  # torch 2.11: the float-sub rule cannot be built (its matrix rows assert the refusal too)
+        assert_refused("save-float-sub")
     ref, out = _run_all("save-all-copies", torch.int32, 4, True, 1)
     assert "The size of tensor a" in out["isolated"].error

@@ -95,3 +95,38 @@ def test_tensor_cache_size_evicts_and_restores():
         pass
     with probe_tensor_cache(), pytest.raises(RuntimeError, match="outside probe_tensor_cache"), tensor_cache_size(2):
         pass
+
+
+def test_probe_under_torch_compile_records_hits_and_leaves_the_helpers_compiled():
+    # torch >= 2.14's dynamo traced the probing deque's lookup and replayed its side effects with code that
+    # loads `collections` from fla.ops.utils.index's globals: NameError. The probe's bookkeeping now runs
+    # eagerly; the helpers' own ops must still land in dynamo's graphs (a probe that ran them eagerly would hide
+    # them from an audit of a compiled region).
+    graphs: list[set] = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append({node.target for node in gm.graph.nodes if node.op in ("call_function", "call_method")})
+        return gm.forward
+
+    def step(cu):
+        return prepare_position_ids(cu) * 2
+
+    compiled = torch.compile(step, backend=recording_backend)
+    torch._dynamo.reset()
+    clear_tensor_cache()
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with probe_tensor_cache() as probe:
+        first, second = compiled(cu), compiled(cu)
+        with tensor_cache_disabled():
+            third = compiled(cu)
+    assert [(e.helper, e.outcome) for e in probe.events] == [
+        ("prepare_position_ids", "miss"),
+        ("prepare_lens", "miss"),
+        ("prepare_position_ids", "hit"),
+        ("prepare_position_ids", "bypass"),
+        ("prepare_lens", "bypass"),
+    ]
+    for out in (first, second, third):
+        assert out.tolist() == [0, 2, 4, 0, 2, 4, 6]
+    # prepare_lens's diff and prepare_position_ids's cumsum ran inside compiled graphs
+    assert any(torch.diff in g for g in graphs) and any("cumsum" in g for g in graphs)

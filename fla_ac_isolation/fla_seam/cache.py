@@ -19,6 +19,13 @@ wrapper) is swapped for a ``deque`` subclass that reports lookups; a lookup that
 queue is a miss, any other lookup a hit. The helper's underlying function (another closure cell) is
 wrapped to see calls made while the cache is disabled. The queue's contents are carried over and put
 back on exit, so probing does not change FLA's behaviour.
+
+Under ``torch.compile`` the probe's bookkeeping (recording an event, telling a miss from a bypass) is
+``torch.compiler.disable`` d, so it always runs eagerly: dynamo breaks the graph at each lookup, as it does
+for FLA's wrapper anyway, and never traces or replays the probe's own state. The helper's function itself is
+not disabled: what it computes stays in the compiled graphs, where the audit sees it. (torch >= 2.14's dynamo
+traces a ``deque`` subclass's ``__iter__``; replaying its side effects then loads ``collections`` from the
+helper module's globals, a ``NameError`` in FLA's ``fla.ops.utils.index``.)
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import torch
 
 __all__ = [
     "CacheEvent",
@@ -215,6 +224,7 @@ class _ProbeState:
         self.sinks: list[list[CacheEvent]] = []  # the ``events`` lists of the active probes
         self.installed: list[tuple[_Helper, deque, Callable[..., Any]]] = []
 
+    @torch.compiler.disable
     def emit(self, helper: str, outcome: Outcome) -> list[tuple[list[CacheEvent], int]]:
         """Append an event to every active probe; return where it went, so it can be amended."""
         event = CacheEvent(helper, outcome)
@@ -241,9 +251,24 @@ class _ProbingDeque(deque):
         where = _probe_state.emit(self._name, "hit")
         yield from super().__iter__()
         # ... and amended when FLA's wrapper runs off the end: no entry matched, the helper will run.
-        for sink, pos in where:
-            sink[pos] = CacheEvent(self._name, "miss")
-        self._pending.append(True)
+        _ran_off_end(self._name, where, self._pending)
+
+
+@torch.compiler.disable
+def _ran_off_end(name: str, where: list[tuple[list[CacheEvent], int]], pending: list[bool]) -> None:
+    """Turn the lookup's recorded hit into a miss and tell the helper's wrapped function it was one."""
+    for sink, pos in where:
+        sink[pos] = CacheEvent(name, "miss")
+    pending.append(True)
+
+
+@torch.compiler.disable
+def _note_call(name: str, pending: list[bool]) -> None:
+    """Called by a helper's wrapped function: a call after a miss was recorded, any other is a bypass."""
+    if pending:
+        pending.pop()
+    else:
+        _probe_state.emit(name, "bypass")
 
 
 def _install() -> None:
@@ -254,10 +279,7 @@ def _install() -> None:
         probing = _ProbingDeque(original, original.maxlen, helper.name, pending)
 
         def counting_fn(*args, _fn=fn, _name=helper.name, _pending=pending, **kwargs):
-            if _pending:
-                _pending.pop()
-            else:
-                _probe_state.emit(_name, "bypass")
+            _note_call(_name, _pending)
             return _fn(*args, **kwargs)
 
         helper.cached_cell.cell_contents = probing
@@ -285,8 +307,8 @@ def probe_tensor_cache() -> Iterator[CacheProbe]:
             loss = model(batch).sum(); loss.backward()
         probe.by_helper()   # {'prepare_chunk_indices': {'hit': 6, 'miss': 2, 'bypass': 0}, ...}
 
-    Probes nest; each sees every event made while it is active. Overhead: one Python generator per
-    helper lookup (about a microsecond), none outside the block.
+    Probes nest; each sees every event made while it is active. Overhead: one Python generator and two
+    calls per helper lookup (a few microseconds), none outside the block.
     """
     probe = CacheProbe()
     if not _probe_state.sinks:
