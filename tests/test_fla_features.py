@@ -38,7 +38,12 @@ def test_the_conv_and_norm_live_where_the_installed_release_defines_them():
     assert module("conv").causal_conv1d is package.causal_conv1d
     assert hasattr(module("conv_ops"), "causal_conv1d_fwd") and hasattr(module("conv_cp"), "causal_conv1d_cp")
     assert hasattr(module("l2norm"), "l2norm_fwd")
-    with pytest.raises(ValueError, match=r"role must be one of \('conv', 'conv_ops', 'conv_cp', 'l2norm'\), got 'x'"):
+    # the entry points ops calls: one path in both releases, the objects FLA's packages export
+    assert (module_path("gated_delta_rule"), module_path("kda")) == ("fla.ops.gated_delta_rule", "fla.ops.kda")
+    gdn = importlib.import_module("fla.ops.gated_delta_rule")
+    assert module("gated_delta_rule").chunk_gated_delta_rule is gdn.chunk_gated_delta_rule
+    with pytest.raises(ValueError, match=r"role must be one of \('conv', 'conv_ops', 'conv_cp', 'l2norm', "
+                                         r"'gated_delta_rule', 'kda'\), got 'x'"):
         module_path("x")
 
 

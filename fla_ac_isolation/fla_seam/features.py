@@ -2,7 +2,8 @@
 
 The rest of the package asks this module instead of testing versions itself:
 
-* :func:`module_path` / :func:`module` - where the installed FLA defines its causal conv and its L2 norm.
+* :func:`module_path` / :func:`module` - where the installed FLA defines its causal conv and its L2 norm (and,
+  the same in both releases, its gated delta rule and KDA entry points: the only way the library reaches them).
   fla-core 0.6 keeps the conv in ``fla.modules.causal_conv1d`` (and synthesises ``fla.modules.conv.*`` as
   copies for old imports); 0.5.2 in ``fla.modules.conv`` (``.triton.ops``, ``.cp``); the L2 norm moved from
   ``fla.modules.l2norm`` to ``fla.modules.norm.l2norm``. :func:`conv_chunk_parameter`: the conv's
@@ -62,11 +63,12 @@ def _is_real_module(path: str) -> bool:
         return False
 
 
+_SAME_PATH = {"gated_delta_rule": "fla.ops.gated_delta_rule", "kda": "fla.ops.kda"}  # in both releases
 _MODULES = {
     "0.6": {"conv": "fla.modules.causal_conv1d.ops", "conv_ops": "fla.modules.causal_conv1d.ops",
-            "conv_cp": "fla.modules.causal_conv1d.cp", "l2norm": "fla.modules.norm.l2norm"},
+            "conv_cp": "fla.modules.causal_conv1d.cp", "l2norm": "fla.modules.norm.l2norm", **_SAME_PATH},
     "0.5": {"conv": "fla.modules.conv.causal_conv1d", "conv_ops": "fla.modules.conv.triton.ops",
-            "conv_cp": "fla.modules.conv.cp.ops", "l2norm": "fla.modules.l2norm"},
+            "conv_cp": "fla.modules.conv.cp.ops", "l2norm": "fla.modules.l2norm", **_SAME_PATH},
 }
 
 
@@ -84,6 +86,8 @@ def module_path(role: str) -> str:
       ``CausalConv1dFunction``, ``_has_non_standard_layout``);
     * ``"conv_cp"``: the module defining ``causal_conv1d_cp`` (it binds FLA's CP all-gather by name);
     * ``"l2norm"``: ``l2norm_fwd`` / ``l2norm_bwd``.
+    * ``"gated_delta_rule"``: the public ``chunk_gated_delta_rule`` (``fla.ops.gated_delta_rule``);
+    * ``"kda"``: the public ``chunk_kda`` (``fla.ops.kda``; fla-core 0.6).
 
     Imports ``fla.modules`` on first call.
 
