@@ -2,12 +2,13 @@
 
 The rest of the package asks this module instead of testing versions itself:
 
-* :func:`module_path` / :func:`module` - where the installed FLA defines its causal conv and its L2 norm (and,
-  the same in both releases, its gated delta rule and KDA entry points: the only way the library reaches them).
+* :func:`module_path` / :func:`module` - where the installed FLA defines its causal conv and its L2 norm.
   fla-core 0.6 keeps the conv in ``fla.modules.causal_conv1d`` (and synthesises ``fla.modules.conv.*`` as
   copies for old imports); 0.5.2 in ``fla.modules.conv`` (``.triton.ops``, ``.cp``); the L2 norm moved from
   ``fla.modules.l2norm`` to ``fla.modules.norm.l2norm``. :func:`conv_chunk_parameter`: the conv's
-  chunk-size parameter (``chunk_size`` in 0.6, ``BT`` in 0.5.2).
+  chunk-size parameter (``chunk_size`` in 0.6, ``BT`` in 0.5.2). :func:`gdn_entry_point` /
+  :func:`kda_entry_point`: FLA's public ``chunk_gated_delta_rule`` / ``chunk_kda`` (one path in both releases),
+  which :mod:`fla_ac_isolation.ops` calls.
 * :data:`FEATURES`, :func:`supports`, :func:`require` - the features of this package that need a newer FLA
   than 0.5.2, each probed on FLA's own API (a parameter or a function), never on a version number;
   :func:`require` raises :class:`FlaFeatureError` naming the installed version and the one needed.
@@ -42,7 +43,9 @@ __all__ = [
     "conv_chunk_parameter",
     "explain_import",
     "feature_report",
+    "gdn_entry_point",
     "import_problem",
+    "kda_entry_point",
     "module",
     "module_path",
     "require",
@@ -63,12 +66,11 @@ def _is_real_module(path: str) -> bool:
         return False
 
 
-_SAME_PATH = {"gated_delta_rule": "fla.ops.gated_delta_rule", "kda": "fla.ops.kda"}  # in both releases
 _MODULES = {
     "0.6": {"conv": "fla.modules.causal_conv1d.ops", "conv_ops": "fla.modules.causal_conv1d.ops",
-            "conv_cp": "fla.modules.causal_conv1d.cp", "l2norm": "fla.modules.norm.l2norm", **_SAME_PATH},
+            "conv_cp": "fla.modules.causal_conv1d.cp", "l2norm": "fla.modules.norm.l2norm"},
     "0.5": {"conv": "fla.modules.conv.causal_conv1d", "conv_ops": "fla.modules.conv.triton.ops",
-            "conv_cp": "fla.modules.conv.cp.ops", "l2norm": "fla.modules.l2norm", **_SAME_PATH},
+            "conv_cp": "fla.modules.conv.cp.ops", "l2norm": "fla.modules.l2norm"},
 }
 
 
@@ -86,8 +88,6 @@ def module_path(role: str) -> str:
       ``CausalConv1dFunction``, ``_has_non_standard_layout``);
     * ``"conv_cp"``: the module defining ``causal_conv1d_cp`` (it binds FLA's CP all-gather by name);
     * ``"l2norm"``: ``l2norm_fwd`` / ``l2norm_bwd``.
-    * ``"gated_delta_rule"``: the public ``chunk_gated_delta_rule`` (``fla.ops.gated_delta_rule``);
-    * ``"kda"``: the public ``chunk_kda`` (``fla.ops.kda``; fla-core 0.6).
 
     Imports ``fla.modules`` on first call.
 
@@ -103,6 +103,23 @@ def module_path(role: str) -> str:
 def module(role: str):
     """The module :func:`module_path` names, imported."""
     return importlib.import_module(module_path(role))
+
+
+# The entry points are imported by an import statement on every call: torch.compile traces one without a graph
+# break (it breaks on module()'s cached layout probe), and the object is the one bound in FLA's package now
+# (what the harness's CPU serving replaces).
+def gdn_entry_point() -> Callable:
+    """FLA's public ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, imported."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
+def kda_entry_point() -> Callable:
+    """FLA's public ``fla.ops.kda.chunk_kda`` (fla-core 0.6), imported."""
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda
 
 
 @functools.cache

@@ -212,7 +212,7 @@ def chunk_gated_delta_rule(
             schedule_given["chunk_indices"] = chunk_indices
         # fla-core 0.5.2 takes no chunk_indices= here: it builds the schedule from this call's cu_seqlens
         # (the layer's fresh copy, so the isolation holds), at the cost of the host sync the schedule spares.
-    out, _ = features.module("gated_delta_rule").chunk_gated_delta_rule(
+    out, _ = features.gdn_entry_point()(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=CHUNK_SIZE, cp_context=cp_context,
         **schedule_given,
@@ -329,7 +329,7 @@ def chunk_kda(
             "(q [B, T, H, K]); use backend='reference'"
         )
     check_fla_device(q)
-    out, _ = features.module("kda").chunk_kda(q=q, k=k, v=v, g=g, beta=beta, chunk_size=CHUNK_SIZE, **kwargs)
+    out, _ = features.kda_entry_point()(q=q, k=k, v=v, g=g, beta=beta, chunk_size=CHUNK_SIZE, **kwargs)
     return out
 
 
