@@ -1,8 +1,9 @@
 """What ``policies.save_fla_ops`` keeps per layer: the outputs of each saveable FLA operator, in MiB.
 
-The sizes are those of the ``fla`` backend's custom operators (``fla_seam.custom_ops``) at the benchmark's
-layer shapes (``fla_ac_isolation.families.layer_fields``), in bf16: each operator's fake kernel is run under
-``FakeTensorMode`` on inputs shaped as the mixer hands them, so nothing is allocated and no GPU is needed.
+The sizes are those of the ``fla`` backend's custom operators (``ops.saveable``; kernels in
+``fla_seam.saveable_kernels``) at the benchmark's layer shapes (``fla_ac_isolation.families.layer_fields``), in
+bf16: each operator's fake kernel is run under ``FakeTensorMode`` on inputs shaped as the mixer hands them, so
+nothing is allocated and no GPU is needed.
 They are exact: a checkpointed layer under ``save_fla_ops(ops)`` holds these tensors, and only these, from
 its forward to its backward (more than without saving; the step's peak, set in the backward, need not move).
 
@@ -31,7 +32,7 @@ def output_bytes(kind: str, tokens: int, hidden: int) -> dict[str, dict[str, int
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import fla_ac_isolation.fla_seam.custom_ops  # noqa: F401  (registers the operators)
+    import fla_ac_isolation.ops.saveable  # noqa: F401  (registers the operators)
 
     fields = layer_fields(kind, hidden)
     ops, bf16 = torch.ops.fla_ac_isolation, torch.bfloat16

@@ -1,4 +1,5 @@
-"""The 0.3 import paths of modules that moved into the harness, kept working as deprecated aliases.
+"""The 0.3 import paths of modules that moved (into the harness, or merged into another module), kept working as
+deprecated aliases.
 
 :data:`MOVED` is the one table: a 0.3 module path -> where that module lives now, both relative to the package
 (a moved package's submodules follow it: ``regression.spec`` -> ``harness.regression.spec``). The package's
@@ -6,7 +7,9 @@
 Importing an old path then imports the module at its new path, registers that same module object under the old
 name too (``import fla_ac_isolation.modes`` and the new path give one module, one ``SharedSeqlens`` class),
 and warns with a ``DeprecationWarning`` naming the new path (:func:`deprecation_message`). ``python -m`` with
-an old path runs the new module (the finder's loader hands ``runpy`` the new module's code).
+an old path runs the new module (the finder's loader hands ``runpy`` the new module's code). Three modules of 0.3
+were merged: ``fla_seam.kernels`` into ``ops`` (its functions are ``ops``' entry points with ``backend="fla"``),
+``fla_seam.custom_ops`` and ``ops.reference_ops`` into ``ops.saveable`` (the operators of both backends).
 
 This is the only library module that names harness modules; it imports one only when its old path is imported,
 so ``import fla_ac_isolation`` and every library module stay free of the harness.
@@ -35,12 +38,15 @@ MOVED: dict[str, str] = {
     "extras": "harness.extras",
     "failures": "harness.failures",
     "fault_stack": "harness.fault_stack",
+    "fla_seam.custom_ops": "ops.saveable",
     "fla_seam.interpreter": "harness.fla_seam.interpreter",
+    "fla_seam.kernels": "ops",
     "fla_seam.models": "harness.fla_seam.models",
     "fla_seam.served_ops": "harness.fla_seam.served_ops",
     "fla_seam.serving": "harness.fla_seam.serving",
     "foreign_models": "harness.foreign_models",
     "modes": "harness.modes",
+    "ops.reference_ops": "ops.saveable",
     "reference_kernels": "harness.reference_kernels",
     "regression": "harness.regression",
     "testing": "harness.testing",

@@ -1,12 +1,10 @@
 """What both backends of :mod:`fla_ac_isolation.ops` do to their inputs first: checks, compute dtype, Mamba2's ``dt``.
 
-A leaf (torch only, nothing from this package), so that the ``fla`` backend
-(:mod:`fla_ac_isolation.fla_seam.kernels`, :mod:`fla_ac_isolation.fla_seam.custom_ops`) and the ``reference``
-backend (:mod:`fla_ac_isolation.ops.reference`, :mod:`fla_ac_isolation.ops.reference_ops`) share one copy
-without importing each other.
+A leaf (torch only, nothing from this package), so that the entry points of :mod:`fla_ac_isolation.ops` (the
+``fla`` backend) and the reference (:mod:`fla_ac_isolation.ops.reference`, ``reference_kda``) share one copy.
 
 * :func:`compute_dtype` - float32 for half/bfloat16/float32, float64 kept.
-* :func:`check_packed`, :func:`check_activation`, :func:`check_heads`, :func:`check_groups`,
+* :func:`check_packed`, :func:`check_activation`, :func:`check_conv`, :func:`check_heads`, :func:`check_groups`,
   :func:`check_kda_gates` - the shape and argument checks, each raising ``ValueError`` naming what it got.
 * :func:`discretize_dt` - Mamba2's time step ``clamp(softplus(dt + dt_bias), *dt_limit)``.
 """
@@ -19,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "check_activation", "check_groups", "check_heads", "check_kda_gates", "check_packed", "compute_dtype",
+    "check_activation", "check_conv", "check_groups", "check_heads", "check_kda_gates", "check_packed", "compute_dtype",
     "discretize_dt",
 ]
 
@@ -49,6 +47,19 @@ def check_activation(activation: str | None) -> None:
     """
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be 'silu', 'swish' or None (what FLA's conv offers), got {activation!r}")
+
+
+def check_conv(x: torch.Tensor, weight: torch.Tensor, activation: str | None, cu_seqlens: torch.Tensor | None) -> None:
+    """The reference conv's inputs: :func:`check_activation`, :func:`check_packed` and ``weight [D, W]`` with the
+    ``D`` of ``x [B, T, D]``.
+
+    Raises:
+        ValueError: naming the argument and what was expected.
+    """
+    check_activation(activation)
+    check_packed("x", x, cu_seqlens)
+    if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must be [D, W] with D = {x.shape[-1]}, got shape {tuple(weight.shape)}")
 
 
 def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

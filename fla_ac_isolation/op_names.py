@@ -1,9 +1,9 @@
 """The names of the saveable operations: the one list every part of the package reads.
 
 ``saveable=True`` (:mod:`fla_ac_isolation.ops`) runs these operations as torch custom operators, one per
-backend (:data:`fla_ac_isolation.fla_seam.custom_ops.OPS`, :data:`fla_ac_isolation.ops.reference_ops.OPS`,
-both keyed by these names and built with :func:`by_operation`); :data:`fla_ac_isolation.ops.SAVEABLE_OPS` pairs
-them, and :func:`fla_ac_isolation.policies.save_fla_ops` takes these names. A leaf: it imports nothing.
+backend (:data:`fla_ac_isolation.ops.saveable.TABLE`, keyed by these names and built with :func:`by_operation`);
+:data:`fla_ac_isolation.ops.SAVEABLE_OPS` pairs them, and :func:`fla_ac_isolation.policies.save_fla_ops` takes
+these names. A leaf: it imports nothing.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 :func:`register_saveable_op` registers, in the ``fla_ac_isolation`` namespace, a forward operator
 ``<name>``, its fake (meta) kernel, a backward operator ``<name>_backward`` with its fake kernel, and the
 autograd formula joining them. Both backends of :mod:`fla_ac_isolation.ops` build their ``saveable=True``
-operators with it (:mod:`fla_ac_isolation.fla_seam.custom_ops` from FLA's forward/backward functions,
-:mod:`fla_ac_isolation.ops.reference_ops` from the reference functions), so that
+operators with it, in one loop over one table (:mod:`fla_ac_isolation.ops.saveable`: FLA's forward/backward
+functions from :mod:`fla_ac_isolation.fla_seam.saveable_kernels`, the reference functions themselves), so that
 
 * a SAC policy can save the forward operator's outputs (:func:`fla_ac_isolation.policies.save_fla_ops`),
   and a saved operator is not rerun in the recompute;

@@ -22,7 +22,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 from interpret_compare import compare, scaled_error  # noqa: E402
 
-from fla_ac_isolation.fla_seam import kernels as fla_ops  # noqa: E402
+from fla_ac_isolation import ops  # noqa: E402
 from fla_ac_isolation.fla_seam.layout import chunk_indices_for  # noqa: E402
 from fla_ac_isolation.harness.fla_seam.interpreter import interpreter_shims  # noqa: E402
 from fla_ac_isolation.ops import reference  # noqa: E402
@@ -40,7 +40,7 @@ def case_causal_conv1d(local, chunk_indices=None) -> dict:
     inputs = {"x": torch.randn(1, T, 24, generator=g), "weight": torch.randn(24, 4, generator=g) * 0.5,
               "bias": torch.randn(24, generator=g) * 0.1}
     varlen = {"cu_seqlens": local.cu_seqlens, "cu_seqlens_cpu": local.cu_seqlens_cpu}
-    return compare(lambda **a: fla_ops.causal_conv1d(**a, **varlen, chunk_indices=chunk_indices),
+    return compare(lambda **a: ops.causal_conv1d(**a, **varlen, chunk_indices=chunk_indices, backend="fla"),
                    lambda **a: reference.causal_conv1d(**a, **varlen), inputs)
 
 
@@ -53,7 +53,8 @@ def case_gated_delta_rule_gva(local, chunk_indices=None) -> dict:
         "beta": torch.rand(1, T, 4, generator=g),
     }
     varlen = {"cu_seqlens": local.cu_seqlens, "cu_seqlens_cpu": local.cu_seqlens_cpu}
-    return compare(lambda **a: fla_ops.chunk_gated_delta_rule(**a, **varlen, chunk_indices=chunk_indices),
+    return compare(lambda **a: ops.chunk_gated_delta_rule(**a, **varlen, chunk_indices=chunk_indices,
+                                                              backend="fla"),
                    lambda **a: reference.chunk_gated_delta_rule(**a, **varlen), inputs)
 
 
@@ -67,7 +68,7 @@ def case_ssd_on_simple_gla(local) -> dict:
         "dt_bias": torch.randn(4, generator=g) * 0.1,
     }
     varlen = {"cu_seqlens": local.cu_seqlens, "cu_seqlens_cpu": local.cu_seqlens_cpu, "dt_limit": (0.001, float("inf"))}
-    return compare(lambda **a: fla_ops.ssd(**a, **varlen), lambda **a: reference.ssd(**a, **varlen), inputs)
+    return compare(lambda **a: ops.ssd(**a, **varlen, backend="fla"), lambda **a: reference.ssd(**a, **varlen), inputs)
 
 
 def case_mixer(name: str, seqlens) -> dict:

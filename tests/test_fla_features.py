@@ -163,3 +163,27 @@ def test_the_probes_read_flas_own_objects_even_while_reference_kernels_serve_its
             assert supports("gdn_chunk_indices") is NEW and supports("cp") is NEW
     finally:
         supports.cache_clear()
+
+
+def test_the_entry_points_ops_calls_are_flas_package_objects_found_without_a_graph_break():
+    """``ops`` reaches FLA's gated delta rule and KDA through these two functions: the objects FLA's packages bind
+    (what foreign code imports and the CPU serving replaces), looked up by an import statement, which
+    ``torch.compile`` traces; :func:`module`'s cached layout probe is a graph break (shown for contrast)."""
+    import torch
+
+    gdn = importlib.import_module("fla.ops.gated_delta_rule")
+    assert features.gdn_entry_point() is gdn.chunk_gated_delta_rule
+    if NEW:  # fla-core 0.5.2 has no KDA
+        assert features.kda_entry_point() is importlib.import_module("fla.ops.kda").chunk_kda
+
+    def by_entry_point(x):
+        y = x * 2
+        return y + 1, features.gdn_entry_point()
+
+    def by_module(x):
+        y = x * 2
+        return y + 1, module("l2norm").l2norm_fwd
+
+    breaks = {fn.__name__: len(torch._dynamo.explain(fn)(torch.ones(2)).break_reasons)
+              for fn in (by_entry_point, by_module)}
+    assert breaks == {"by_entry_point": 0, "by_module": 1}

@@ -362,3 +362,19 @@ def test_commands_name_the_extra_they_need(argv):
     proc = subprocess.run([sys.executable, "-c", script, "torchtitan"], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "needs torchtitan, which is not installed: pip install 'fla-ac-isolation[ep]'" in proc.stderr
+
+
+def test_each_operation_has_one_entry_point_and_one_reference_in_the_library():
+    """``def <operation>`` at module level in the library (``harness/`` aside): the entry point in ``ops`` (which holds
+    the FLA path) and the pure-torch reference, nothing else (no per-backend or per-saveable copy)."""
+    operations = ("causal_conv1d", "chunk_gated_delta_rule", "ssd", "chunk_kda")
+    found: dict[str, list[str]] = {name: [] for name in operations}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] == "harness":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name in found:
+                found[node.name].append(str(path.relative_to(PACKAGE)))
+    reference = {"chunk_kda": "ops/reference_kda.py"}
+    assert found == {name: sorted(["ops/__init__.py", reference.get(name, "ops/reference.py")])
+                     for name in operations}

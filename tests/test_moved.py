@@ -1,4 +1,5 @@
-"""The 0.3 import paths of the modules that moved into ``harness/`` still import, as deprecated aliases.
+"""The 0.3 import paths of the modules that moved into ``harness/`` (or were merged into another module) still
+import, as deprecated aliases.
 
 Each old path imports (in a fresh interpreter, parents first), emits exactly one ``DeprecationWarning`` with the
 text below, and is the very module object of its new path (``__name__`` and ``__spec__`` the new path's); ``python
@@ -70,6 +71,47 @@ def test_every_old_path_imports_warns_once_and_is_the_new_module():
         old, new = f"fla_ac_isolation.{relative}", f"fla_ac_isolation.harness.{relative}"
         expected = f"{old} is deprecated (its 0.3 path): the module moved to {new}; import {new} instead"
         assert seen == {"warnings": [["DeprecationWarning", expected]], "same": True, "name": new, "spec": new}
+
+
+# 0.3 modules merged into another module in 0.4 (one definition per operation): old path -> the module it now is
+MERGED = {
+    "fla_ac_isolation.fla_seam.kernels": "fla_ac_isolation.ops",
+    "fla_ac_isolation.fla_seam.custom_ops": "fla_ac_isolation.ops.saveable",
+    "fla_ac_isolation.ops.reference_ops": "fla_ac_isolation.ops.saveable",
+}
+
+_MERGED_SCRIPT = r"""
+import importlib, json, sys, warnings
+import fla_ac_isolation
+out = {}
+for old, new in json.loads(sys.argv[1]).items():
+    assert old not in sys.modules, old
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    out[old] = {
+        "warnings": [str(w.message) for w in caught
+                     if issubclass(w.category, DeprecationWarning) and "fla_ac_isolation" in str(w.message)],
+        "same": module is sys.modules[new] and sys.modules[old] is sys.modules[new], "name": module.__name__,
+        # what a 0.3 caller of each module reached for: the entry points (ops), the registered operators
+        "entry_points": all(hasattr(module, n) for n in ("causal_conv1d", "chunk_gated_delta_rule", "ssd")),
+        "operators": hasattr(module, "TABLE"),
+    }
+print(json.dumps(out))
+"""
+
+
+def test_a_merged_module_path_imports_warns_once_and_is_the_module_it_merged_into():
+    proc = subprocess.run([sys.executable, "-c", _MERGED_SCRIPT, json.dumps(MERGED)], capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for old, new in MERGED.items():
+        expected = f"{old} is deprecated (its 0.3 path): the module moved to {new}; import {new} instead"
+        is_ops = new == "fla_ac_isolation.ops"
+        assert out[old] == {"warnings": [expected], "same": True, "name": new, "entry_points": is_ops,
+                            "operators": not is_ops}
+    assert {_moved.new_path(old) for old in MERGED} == set(MERGED.values())
 
 
 def test_the_warning_text_for_one_path_written_out():

@@ -185,7 +185,9 @@ def test_no_helper_is_called_without_offsets():
 def test_inconsistent_helper_metadata_is_reported(monkeypatch):
     """A replayed tensor that is not the helper's real answer must not be consumed silently."""
     wrong = torch.tensor([[0, 0], [0, 1]])
-    monkeypatch.setattr(reference, "prepare_chunk_indices", lambda *a, **kw: wrong)
+    from fla_ac_isolation.ops import documents  # where the reference asks FLA's helpers
+
+    monkeypatch.setattr(documents, "prepare_chunk_indices", lambda *a, **kw: wrong)
     q, k, v, g, beta = _gdn_inputs(torch.float32)
     with pytest.raises(RuntimeError, match="shared by checkpointed layers"):
         reference.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=_cu().cu_seqlens)

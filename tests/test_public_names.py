@@ -83,12 +83,14 @@ def test_the_backend_validators_live_in_ops_backend():
 
 
 def test_saveable_operations_have_one_list_of_names():
-    from fla_ac_isolation.fla_seam import custom_ops
+    from fla_ac_isolation.fla_seam.saveable_kernels import KERNELS
     from fla_ac_isolation.op_names import SAVEABLE_OP_NAMES
-    from fla_ac_isolation.ops import reference_ops
+    from fla_ac_isolation.ops import saveable
 
     assert SAVEABLE_OP_NAMES == ("gated_delta_rule", "causal_conv1d", "ssd")
-    assert tuple(ops.SAVEABLE_OPS) == tuple(custom_ops.OPS) == tuple(reference_ops.OPS) == SAVEABLE_OP_NAMES
+    assert tuple(ops.SAVEABLE_OPS) == tuple(KERNELS) == SAVEABLE_OP_NAMES
+    assert tuple(saveable.OVERLOADS) == ("fla", "reference")
+    assert all(tuple(table) == SAVEABLE_OP_NAMES for table in (*saveable.TABLE.values(), *saveable.OVERLOADS.values()))
 
 
 # 0.3's top-level mixer names: 0.4 keeps the drop-in mixers in fla_ac_isolation.mixers only (all or none at the top

@@ -169,3 +169,41 @@ def test_fla_called_on_a_cpu_outside_any_backward_is_told_to_use_the_block():
     assert str(info.value) == ("FLA's RMSNorm.forward was called on CPU tensors outside reference_kernels(): FLA's "
                                "Triton kernels cannot run on a CPU; call it inside a `with reference_kernels():` "
                                "block (or on CUDA tensors)")
+
+
+def test_served_chunk_kda_asks_flas_index_helper_by_keyword_as_the_kernel_does():
+    """FLA's ``tensor_cache`` (fla-core 0.6, ``fla/utils/decorators.py``) reuses an entry only for a call with the
+    same number of positional arguments, the same keyword names and the same objects. ``chunk_kda``'s forward asks
+    ``prepare_chunk_indices(cu_seqlens=, chunk_size=, cu_seqlens_cpu=)`` by keyword, FLA's conv (and our layout
+    helper) positionally: after the conv's lookup for one ``cu_seqlens`` object the kernel misses, so the served
+    ``chunk_kda`` must miss too, then hit its own entry on the next call. The positional lookup the stand-in made
+    before hits the conv's entry instead, and FLA's cache would then differ from the kernel's."""
+    import fla.ops.kda as kda_package
+
+    from fla_ac_isolation.fla_cache import probe_tensor_cache
+    from fla_ac_isolation.fla_seam.layout import prepare_chunk_indices
+    from fla_ac_isolation.seqlens import LayerLocalSeqlens
+
+    local = LayerLocalSeqlens.from_seq_lens([5, 70, 3]).local()
+    varlen = dict(cu_seqlens=local.cu_seqlens, cu_seqlens_cpu=local.cu_seqlens_cpu)
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 78, 2, 8, generator=gen), torch.randn(1, 78, 2, 8, generator=gen)
+    v, g = torch.randn(1, 78, 2, 4, generator=gen), -torch.rand(1, 78, 2, 8, generator=gen)
+    beta = torch.rand(1, 78, 2, generator=gen)
+
+    def lookups(probe):
+        return [e.outcome for e in probe.events if e.helper == "prepare_chunk_indices"]
+
+    with reference_kernels() as served, probe_tensor_cache() as probe:
+        prepare_chunk_indices(local.cu_seqlens, 64, cu_seqlens_cpu=local.cu_seqlens_cpu)  # the conv's lookup
+        kda_package.chunk_kda(q, k, v, g, beta, **varlen)
+        kda_package.chunk_kda(q, k, v, g, beta, **varlen)
+    assert [call.kernel for call in served.calls] == ["chunk_kda", "chunk_kda"]
+    assert lookups(probe) == ["miss", "miss", "hit"]
+
+    # the unsafe form: the same lookup positionally (the stand-in's old call) is the conv's entry, a hit
+    other = LayerLocalSeqlens.from_seq_lens([5, 70, 3]).local()
+    with probe_tensor_cache() as probe:
+        conv = prepare_chunk_indices(other.cu_seqlens, 64, cu_seqlens_cpu=other.cu_seqlens_cpu)
+        positional = prepare_chunk_indices(other.cu_seqlens, 64, cu_seqlens_cpu=other.cu_seqlens_cpu)
+    assert lookups(probe) == ["miss", "hit"] and positional is conv

@@ -10,7 +10,7 @@ import torch
 from helpers import FAMILIES
 
 from fla_ac_isolation import ops
-from fla_ac_isolation.ops import reference, reference_ops
+from fla_ac_isolation.ops import reference, saveable
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -181,8 +181,13 @@ def test_mixers_take_saveable_keep_their_state_dict_and_refuse_non_bools(core_fa
         core_family.build(backend="reference", saveable="yes")
 
 
-def test_reference_ops_module_lists_one_forward_operator_per_operation():
-    assert {name: op._schema.name for name, op in reference_ops.OPS.items()} == {
+def test_the_saveable_table_lists_one_forward_operator_per_operation_and_backend():
+    assert {name: op._schema.name for name, op in saveable.OVERLOADS["fla"].items()} == {
+        "causal_conv1d": "fla_ac_isolation::causal_conv1d",
+        "gated_delta_rule": "fla_ac_isolation::gated_delta_rule",
+        "ssd": "fla_ac_isolation::simple_gla",
+    }
+    assert {name: op._schema.name for name, op in saveable.OVERLOADS["reference"].items()} == {
         "causal_conv1d": "fla_ac_isolation::causal_conv1d_reference",
         "gated_delta_rule": "fla_ac_isolation::gated_delta_rule_reference",
         "ssd": "fla_ac_isolation::ssd_scan_reference",

@@ -6,14 +6,14 @@ Everything this project knows about FLA (fla-core 0.5.2 and 0.6) lives in the mo
   queue size, the hit/miss probe (public as :mod:`fla_ac_isolation.fla_cache`).
 * :mod:`~fla_ac_isolation.fla_seam.layout` - FLA's chunk layout: :data:`~.layout.CHUNK_SIZE`, the chunk
   schedule (:func:`~.layout.chunk_indices_for`) and FLA's own index helpers, for the reference backend.
-* :mod:`~fla_ac_isolation.fla_seam.kernels` - the calls into FLA's Triton kernels (causal conv, gated delta
-  rule, simple GLA as the Mamba2 SSD): the ``fla`` backend of :mod:`fla_ac_isolation.ops`.
+* :mod:`~fla_ac_isolation.fla_seam.features` (below) also names the modules of FLA's public entry points, which
+  :mod:`fla_ac_isolation.ops` calls (its ``fla`` backend).
 * :mod:`~fla_ac_isolation.fla_seam.simple_gla` - FLA's simple GLA (the Mamba2 SSD) without host syncs: its
   kernels launched with the state count read on the host, given the chunk schedule.
-* :mod:`~fla_ac_isolation.fla_seam.custom_ops` - the same three calls as torch custom operators (FLA's own
-  forward and backward functions, fake kernels): the ``fla`` backend of ``ops(..., saveable=True)``.
-* :mod:`~fla_ac_isolation.fla_seam.kda` - FLA's Kimi Delta Attention (``chunk_kda``): the ``fla`` backend of
-  ``ops.chunk_kda``, and its index lookups as the kernel makes them (for the reference backend).
+* :mod:`~fla_ac_isolation.fla_seam.saveable_kernels` - FLA's own forward and backward functions (and fakes) as
+  the kernels of the ``fla`` backend's saveable custom operators (``ops(..., saveable=True)``).
+* :mod:`~fla_ac_isolation.fla_seam.kda` - what we know of FLA's Kimi Delta Attention (``chunk_kda``): its
+  key-dim limit and its index lookups as the kernel makes them (for the reference backend).
 * :mod:`~fla_ac_isolation.fla_seam.versions` - the installed fla-core version, the range we test, and
   FLA's Hopper/Triton guard (its issue #640).
 * :mod:`~fla_ac_isolation.fla_seam.features` - what the installed FLA supports (fla-core 0.5.2 or 0.6): where

@@ -6,7 +6,9 @@ The rest of the package asks this module instead of testing versions itself:
   fla-core 0.6 keeps the conv in ``fla.modules.causal_conv1d`` (and synthesises ``fla.modules.conv.*`` as
   copies for old imports); 0.5.2 in ``fla.modules.conv`` (``.triton.ops``, ``.cp``); the L2 norm moved from
   ``fla.modules.l2norm`` to ``fla.modules.norm.l2norm``. :func:`conv_chunk_parameter`: the conv's
-  chunk-size parameter (``chunk_size`` in 0.6, ``BT`` in 0.5.2).
+  chunk-size parameter (``chunk_size`` in 0.6, ``BT`` in 0.5.2). :func:`gdn_entry_point` /
+  :func:`kda_entry_point`: FLA's public ``chunk_gated_delta_rule`` / ``chunk_kda`` (one path in both releases),
+  which :mod:`fla_ac_isolation.ops` calls.
 * :data:`FEATURES`, :func:`supports`, :func:`require` - the features of this package that need a newer FLA
   than 0.5.2, each probed on FLA's own API (a parameter or a function), never on a version number;
   :func:`require` raises :class:`FlaFeatureError` naming the installed version and the one needed.
@@ -41,7 +43,9 @@ __all__ = [
     "conv_chunk_parameter",
     "explain_import",
     "feature_report",
+    "gdn_entry_point",
     "import_problem",
+    "kda_entry_point",
     "module",
     "module_path",
     "require",
@@ -99,6 +103,23 @@ def module_path(role: str) -> str:
 def module(role: str):
     """The module :func:`module_path` names, imported."""
     return importlib.import_module(module_path(role))
+
+
+# The entry points are imported by an import statement on every call: torch.compile traces one without a graph
+# break (it breaks on module()'s cached layout probe), and the object is the one bound in FLA's package now
+# (what the harness's CPU serving replaces).
+def gdn_entry_point() -> Callable:
+    """FLA's public ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, imported."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
+def kda_entry_point() -> Callable:
+    """FLA's public ``fla.ops.kda.chunk_kda`` (fla-core 0.6), imported."""
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda
 
 
 @functools.cache

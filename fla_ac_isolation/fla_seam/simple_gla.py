@@ -224,5 +224,5 @@ def simple_gla(
     chunk_indices: Tensor | None, chunk_offsets: Tensor | None,
 ) -> Tensor:
     """:class:`SimpleGLAFunction` ``.apply``, kept out of ``torch.compile`` graphs as FLA's ``chunk_simple_gla`` is
-    (the saveable path, :mod:`~fla_ac_isolation.fla_seam.custom_ops`, is the traceable one)."""
+    (the saveable path, :mod:`~fla_ac_isolation.fla_seam.saveable_kernels`, is the traceable one)."""
     return SimpleGLAFunction.apply(q, k, v, g, scale, cu_seqlens, chunk_indices, chunk_offsets)

@@ -8,7 +8,7 @@ bias + SiLU over ``x B C``; the SSD scan (``dt = clamp(softplus(dt + dt_bias), t
 
 Without mamba_ssm, transformers' torch path lets state leak across packed documents; here the conv and the
 scan restart at every ``cu_seqlens`` offset. SSD runs on FLA's simple GLA kernels
-(:mod:`fla_ac_isolation.fla_seam.kernels`); with the precomputed ``chunk_indices``/``chunk_offsets`` the layer
+(:func:`fla_ac_isolation.ops.ssd`); with the precomputed ``chunk_indices``/``chunk_offsets`` the layer
 makes no host synchronisation, so its checkpointed step can be captured in a CUDA graph (``docs/graphs.md``).
 Under context parallelism it runs head-parallel (:mod:`fla_ac_isolation.mixers.nemotron_h_cp`).
 """

@@ -3,6 +3,7 @@
 * :data:`BACKENDS` / :data:`Backend` - ``"auto"`` (``fla`` for CUDA tensors, ``reference`` otherwise),
   ``"fla"`` (FLA's Triton kernels) or ``"reference"`` (pure torch).
 * :func:`check_backend`, :func:`resolve_backend` - validate a choice; the concrete backend for a tensor.
+* :func:`check_fla_device` - FLA's Triton kernels get CUDA tensors (or run under Triton's interpreter).
 * :func:`check_saveable` - ``saveable`` is a bool.
 * :func:`check_cp_backend` - context parallelism only on a backend with CP kernels, not as custom operators.
 
@@ -12,11 +13,13 @@ The mixers check their ``backend``/``saveable`` arguments here at construction, 
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
 
-__all__ = ["BACKENDS", "Backend", "check_backend", "check_cp_backend", "check_saveable", "resolve_backend"]
+__all__ = ["BACKENDS", "Backend", "check_backend", "check_cp_backend", "check_fla_device", "check_saveable",
+           "resolve_backend"]
 
 Backend = Literal["auto", "fla", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "fla", "reference")
@@ -44,6 +47,19 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> Literal["fla", "refer
     if backend == "auto":
         return "fla" if tensor.device.type == "cuda" else "reference"
     return backend  # type: ignore[return-value]
+
+
+def check_fla_device(tensor: torch.Tensor) -> None:
+    """Refuse CPU tensors on the ``fla`` backend unless Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``).
+
+    Raises:
+        ValueError: ``tensor`` is on the CPU outside the interpreter (FLA's kernels have no CPU backend).
+    """
+    if tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            "backend='fla' needs CUDA tensors (FLA's Triton kernels have no CPU backend); got CPU tensors. "
+            "Use backend='reference' (or 'auto') on CPU, or TRITON_INTERPRET=1 for kernel tests."
+        )
 
 
 def check_saveable(saveable: bool) -> bool:

@@ -1,6 +1,8 @@
-"""Pure-torch varlen operations: the CPU backend and the parity oracle for :mod:`fla_ac_isolation.fla_seam.kernels`.
+"""Pure-torch varlen operations: the CPU backend of :mod:`fla_ac_isolation.ops` and the parity oracle of its FLA path.
 
-Three operations, each with the signature of its twin in :mod:`fla_ac_isolation.fla_seam.kernels`:
+Three operations, each with the arguments of its entry point in :mod:`fla_ac_isolation.ops` (less ``backend``,
+``saveable`` and ``cp_context``). ``causal_conv1d``, ``chunk_gated_delta_rule`` and ``ssd_scan`` are also the
+kernels of the reference backend's saveable custom operators (:mod:`fla_ac_isolation.ops.saveable`).
 
 * :func:`causal_conv1d` - depthwise causal convolution over time (+ optional SiLU), reset at every
   document start.
@@ -22,8 +24,8 @@ shared between checkpointed layers misbehaves here as it does on a GPU, and a la
 (:meth:`~fla_ac_isolation.LayerLocalSeqlens.local`) is safe here for the same reason. (The kernels also
 look the helpers up in their backward; this backend is differentiated by autograd and does not.) The
 schedule is then *used*: each document is processed chunk by chunk as listed, its recurrent state
-starting from zero. Without ``cu_seqlens`` every batch row is one document and no helper is called, as
-in FLA.
+starting from zero (:func:`~fla_ac_isolation.ops.documents.packed_documents`). Without ``cu_seqlens`` every
+batch row is one document and no helper is called, as in FLA.
 
 Determinism. Everything runs as ordinary torch ops in a fixed order with fixed shapes, so repeated runs
 (and the forward and recompute of a checkpointed region) are bit-identical on a given machine.
@@ -37,107 +39,24 @@ input dtype.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE
 from fla_ac_isolation.op_inputs import (
-    check_activation,
+    check_conv,
     check_groups,
     check_heads,
     check_packed,
     compute_dtype,
     discretize_dt,
 )
+from fla_ac_isolation.ops.documents import PackedDocument, packed_documents
 
 __all__ = ["CHUNK_SIZE", "PackedDocument", "causal_conv1d", "chunk_gated_delta_rule", "packed_documents", "ssd",
            "ssd_scan"]
-
-
-# ------------------------------------------------------------------------------------ chunk schedule
-class PackedDocument(NamedTuple):
-    """One document of a packed batch: its token range and the token ranges of its chunks."""
-
-    start: int
-    end: int
-    chunks: list[tuple[int, int]]
-
-
-def _chunk_ranges(start: int, end: int, chunk_size: int) -> list[tuple[int, int]]:
-    return [(s, min(s + chunk_size, end)) for s in range(start, end, chunk_size)]
-
-
-def packed_documents(
-    num_tokens: int,
-    cu_seqlens: torch.Tensor | None,
-    cu_seqlens_cpu: torch.Tensor | None,
-    chunk_size: int,
-    *,
-    recurrent: bool,
-    chunk_indices: torch.Tensor | None = None,
-    chunk_offsets: torch.Tensor | None = None,
-) -> list[PackedDocument]:
-    """The documents of a batch and their chunks, as FLA's kernels would see them.
-
-    Without ``cu_seqlens`` the whole time axis is one document (per batch row). With it, the schedule is
-    read from ``chunk_indices`` when given, else from ``prepare_chunk_indices(cu_seqlens, chunk_size,
-    cu_seqlens_cpu=...)`` (``[NT, 2]`` rows of ``(document, chunk index within the document)``), grouped per document by
-    ``chunk_offsets`` when given, else by ``prepare_chunk_offsets(cu_seqlens, chunk_size)``, when ``recurrent``
-    (as FLA's state-passing kernels do). Zero-length documents have no chunks and are left out; so are rows
-    past the token count of a padded schedule (:mod:`fla_ac_isolation.static_seqlens`: rows of a
-    zero-length document). Public because the KDA reference (:mod:`~fla_ac_isolation.ops.reference_kda`)
-    walks the same schedule.
-
-    Raises:
-        RuntimeError: the helpers' answers contradict the offsets. That cannot happen with consistent
-            inputs; it means a tensor other than the helper's own result reached this code, e.g. a SAC
-            replay misaligned by a ``cu_seqlens`` object shared across checkpointed layers.
-    """
-    if cu_seqlens is None:
-        return [PackedDocument(0, num_tokens, _chunk_ranges(0, num_tokens, chunk_size))]
-
-    if chunk_indices is None:
-        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
-    offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
-    rows = chunk_indices.tolist()
-    if recurrent:
-        if chunk_offsets is None:
-            chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
-        chunk_offsets = chunk_offsets.tolist()
-        groups = [(n, rows[chunk_offsets[n]:chunk_offsets[n + 1]]) for n in range(len(offsets) - 1)]
-    else:
-        by_doc: dict[int, list] = {}
-        last = len(offsets) - 2  # a padded schedule's extra rows are (last, 0), the last document being empty
-        for row in rows:
-            if row == [last, 0] and offsets[last] == offsets[last + 1]:
-                continue
-            by_doc.setdefault(int(row[0]), []).append(row)
-        groups = sorted(by_doc.items())
-
-    documents = []
-    for n, doc_rows in groups:
-        if not doc_rows:
-            continue
-        start, end = offsets[n], offsets[n + 1]
-        chunks = []
-        for seq, i in doc_rows:
-            lo = start + i * chunk_size
-            if seq != n or not start <= lo < end:
-                raise RuntimeError(
-                    "FLA's chunk metadata does not match cu_seqlens (document "
-                    f"{n}, chunk row {(seq, i)}); was one cu_seqlens object shared by checkpointed layers?"
-                )
-            chunks.append((lo, min(lo + chunk_size, end)))
-        documents.append(PackedDocument(start, end, chunks))
-    covered = sum(hi - lo for doc in documents for lo, hi in doc.chunks)
-    if covered != num_tokens:
-        raise RuntimeError(
-            f"FLA's chunk metadata covers {covered} tokens but the input has {num_tokens}; "
-            "was one cu_seqlens object shared by checkpointed layers?"
-        )
-    return documents
 
 
 def _concat_time(pieces: list[torch.Tensor], like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -181,10 +100,7 @@ def causal_conv1d(
     Raises:
         ValueError: bad ``activation``; ``B != 1`` with ``cu_seqlens``; ``weight`` not ``[D, W]``.
     """
-    check_activation(activation)
-    check_packed("x", x, cu_seqlens)
-    if weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight must be [D, W] with D = {x.shape[-1]}, got shape {tuple(weight.shape)}")
+    check_conv(x, weight, activation, cu_seqlens)
     width = weight.shape[1]
     documents = packed_documents(
         x.shape[1], cu_seqlens, cu_seqlens_cpu, CHUNK_SIZE, recurrent=False, chunk_indices=chunk_indices
@@ -357,6 +273,7 @@ def ssd(
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
+    scan: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The Mamba2 SSD scan over packed documents, each starting from a zero state.
 
@@ -379,6 +296,8 @@ def ssd(
         chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens`` and ``chunk_offsets`` its
             ``[N + 1]`` first row per document: used instead of asking FLA's helpers, as the ``fla`` backend
             does (:mod:`fla_ac_isolation.fla_seam.simple_gla`).
+        scan: what computes the scan, called as :func:`ssd_scan` (``None``: :func:`ssd_scan`);
+            ``ops.ssd(..., saveable=True)`` passes its custom operator over :func:`ssd_scan`.
 
     Returns:
         ``[B, T, H, P]`` in the dtype of ``x``.
@@ -390,9 +309,9 @@ def ssd(
     check_groups(x.shape[2], B, C)
     dtype = compute_dtype(x)
     dt = discretize_dt(dt, dt_bias, dt_limit).to(dtype)
-    y = ssd_scan(x.to(dtype) * dt.unsqueeze(-1), dt * A.to(dtype), B.to(dtype), C.to(dtype),
-                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-                 chunk_offsets=chunk_offsets)
+    y = (scan or ssd_scan)(x.to(dtype) * dt.unsqueeze(-1), dt * A.to(dtype), B.to(dtype), C.to(dtype),
+                           cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+                           chunk_offsets=chunk_offsets)
     if D is not None:
         y = y + D.to(dtype)[:, None] * x.to(dtype)
     return y.to(x.dtype)

@@ -1,5 +1,5 @@
 """Pure-torch Kimi Delta Attention (KDA): the CPU backend of :func:`fla_ac_isolation.ops.chunk_kda` and the
-parity oracle of :func:`fla_ac_isolation.fla_seam.kda.chunk_kda`.
+parity oracle of its ``fla`` backend (FLA's ``chunk_kda``).
 
 Kimi Delta Attention (Kimi Team, 2025, "Kimi Linear: An Expressive, Efficient Attention Architecture",
 arXiv:2510.26692) is the gated delta rule with a decay per key channel instead of per head. Per document,
@@ -21,7 +21,7 @@ FLA's identity-cached index helpers what ``chunk_kda``'s forward asks, with the 
 then ``prepare_chunk_offsets(cu_seqlens, 64)``. A ``cu_seqlens`` object shared by checkpointed layers
 therefore misses and hits FLA's cache here as on a GPU, and the per-layer tensors of
 :meth:`~fla_ac_isolation.LayerLocalSeqlens.local` are safe here for the same reason. The schedule is then
-used (:func:`~fla_ac_isolation.ops.reference.packed_documents`): each document's tokens are those its
+used (:func:`~fla_ac_isolation.ops.documents.packed_documents`): each document's tokens are those its
 chunks cover, so a misreplayed schedule raises instead of mixing documents.
 """
 
@@ -32,7 +32,7 @@ import torch
 from fla_ac_isolation.fla_seam.kda import prepare_kda_chunk_indices
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE
 from fla_ac_isolation.op_inputs import check_heads, check_packed, compute_dtype
-from fla_ac_isolation.ops.reference import packed_documents
+from fla_ac_isolation.ops.documents import packed_documents
 
 __all__ = ["chunk_kda", "kda_recurrence"]
 

@@ -148,15 +148,16 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     """FLA's ``chunk_kda`` on packed documents (``q/k [B, T, H, K]``, ``g [B, T, HV, K]``), FLA's naive
     recurrence per document -> ``(o [B, T, HV, V], None)``.
 
-    Asks ``prepare_chunk_indices`` / ``prepare_chunk_offsets`` as ``chunk_kda`` does in its forward, so
-    FLA's cache sees what it sees with the kernel. ``A_log``/``dt_bias`` come in ``kwargs``
+    Asks ``prepare_chunk_indices`` (by keyword) / ``prepare_chunk_offsets`` (positionally) as ``chunk_kda`` does
+    in its forward, so FLA's cache hits and misses as with the kernel. ``A_log``/``dt_bias`` come in ``kwargs``
     (``use_gate_in_kernel``; with ``lower_bound``, FLA's lower-bound gate). ``state_v_first`` and
     ``safe_gate`` change nothing without recurrent states.
     """
     from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
     from fla.ops.kda.naive import naive_recurrent_kda
 
-    from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+    from fla_ac_isolation.fla_seam.kda import prepare_kda_chunk_indices
+    from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, prepare_chunk_offsets
 
     _unsupported("chunk_kda", initial_state=initial_state is not None, output_final_state=output_final_state,
                  cp_context=cp_context is not None, use_graph=use_graph,
@@ -174,7 +175,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         q, k = _l2_normalize(q), _l2_normalize(k)
     if cu_seqlens is None:
         return naive_recurrent_kda(q, k, v, g, beta, scale=scale)[0], None
-    prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=cu_seqlens_cpu)
+    # by keyword, as chunk_kda's forward asks: FLA's cache keys an entry by its positional count and keyword set,
+    # so a positional lookup would hit the conv's entry for the same offsets where the kernel misses
+    prepare_kda_chunk_indices(cu_seqlens, cu_seqlens_cpu)
     prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
     offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
     pieces = [naive_recurrent_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale=scale)[0]

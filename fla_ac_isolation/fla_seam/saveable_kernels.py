@@ -1,19 +1,21 @@
-"""The ``fla`` backend as torch custom operators: FLA's calls made visible to SAC as single ops.
+"""FLA's forward and backward functions as the kernels of the ``fla`` backend's saveable custom operators.
 
 FLA's kernels are ``torch.autograd.Function`` s that launch Triton directly, so selective activation
 checkpointing (SAC) sees only the few aten ops around the launches and can never save their outputs: every
-recompute reruns the whole FLA forward. Here each FLA call is one operator of the ``fla_ac_isolation``
-namespace, with a fake (meta) kernel and an autograd formula whose backward is an operator too, so
+recompute reruns the whole FLA forward. ``ops(..., saveable=True)`` therefore runs each FLA call as one operator
+of the ``fla_ac_isolation`` namespace, with a fake (meta) kernel and an autograd formula whose backward is an
+operator too, so
 
 * a SAC policy can save an op's outputs (:func:`fla_ac_isolation.policies.save_fla_ops`), and a saved op
   neither reruns nor consults FLA's index cache in the recompute;
 * ``torch.compile`` traces a mixer through the call without a graph break (FLA's public functions are
   ``torch.compiler.disable`` d).
 
-No kernel is ours: every forward op calls FLA 0.6's own forward function, every backward op FLA's own
-backward function, with the arguments FLA's ``Function`` s pass; the operators, their fakes and autograd
-formulas are registered by :func:`~fla_ac_isolation.saveable_op.register_saveable_op`. Operators (all outputs
-contiguous):
+This module holds those operators' kernels only, as data: :data:`KERNELS`, per operation the arguments of
+:func:`~fla_ac_isolation.saveable_op.register_saveable_op`, which :mod:`fla_ac_isolation.ops.saveable` registers
+(with the reference backend's) in one loop. No kernel is ours: every forward calls FLA 0.6's own forward
+function, every backward FLA's own backward function, with the arguments FLA's ``Function`` s pass. Operators
+(all outputs contiguous):
 
 * ``causal_conv1d(x, weight, bias?, activation?, cu_seqlens?, cu_seqlens_cpu?, chunk_indices?) -> y``:
   ``fla.modules.causal_conv1d.causal_conv1d_fwd``, ``y [B, T, D]`` in the dtype of ``x`` (FLA saves only
@@ -55,18 +57,15 @@ placeholders are distinct empty tensors, and an absent conv bias gradient is ``e
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from torch import Tensor
 
-from fla_ac_isolation.fla_seam import features, kernels, simple_gla
+from fla_ac_isolation.fla_seam import features, simple_gla
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
-from fla_ac_isolation.op_inputs import check_groups, discretize_dt
 from fla_ac_isolation.op_names import by_operation
-from fla_ac_isolation.saveable_op import register_saveable_op
 
-__all__ = ["OPS", "causal_conv1d", "chunk_gated_delta_rule", "ssd"]
+__all__ = ["KERNELS"]
 
 # --------------------------------------------------------------------------------------------- helpers
 def _contiguous(t: Tensor | None) -> Tensor | None:
@@ -145,8 +144,6 @@ def _conv_backward_op_fake(dy, x, weight, bias, activation, cu_seqlens, cu_seqle
     return x.new_empty(x.shape), weight.new_empty(weight.shape), db
 
 
-
-
 # ------------------------------------------------------------------------------------- gated delta rule
 def _gdn_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, use_qk_l2norm_in_kernel: bool,
@@ -213,8 +210,6 @@ def _gdn_backward_op_fake(do, q, k, v, beta, A, g_cumsum, q_rstd, k_rstd, g_dtyp
             g_cumsum.new_empty(g_cumsum.shape, dtype=g_dtype), beta.new_empty(beta.shape))
 
 
-
-
 # ----------------------------------------------------------------------------- simple GLA (Mamba2 SSD)
 def _gla_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Tensor | None,
@@ -257,112 +252,16 @@ def _gla_backward_op_fake(do, q, k, v, g_cumsum, g_dtype, *_schedule):
             g_cumsum.new_empty(g_cumsum.shape, dtype=g_dtype))
 
 
-
-_conv_op = register_saveable_op("causal_conv1d", _conv_forward, fake=_conv_forward_fake,
-                                grads_of=("x", "weight", "bias"), backward=_conv_backward_op,
-                                backward_fake=_conv_backward_op_fake)
-_gdn_op = register_saveable_op("gated_delta_rule", _gdn_forward, fake=_gdn_forward_fake,
-                               grads_of=("q", "k", "v", "g", "beta"),
-                               outputs=("o", "A", "g_cumsum", "q_rstd", "k_rstd"),
-                               backward=_gdn_backward_op, backward_fake=_gdn_backward_op_fake)
-_gla_op = register_saveable_op("simple_gla", _gla_forward, fake=_gla_forward_fake, grads_of=("q", "k", "v", "g"),
-                               outputs=("o", "g_cumsum"), backward=_gla_backward_op,
-                               backward_fake=_gla_backward_op_fake)
-
-OPS: dict[str, torch._ops.OpOverload] = by_operation(
-    gated_delta_rule=torch.ops.fla_ac_isolation.gated_delta_rule.default,
-    causal_conv1d=torch.ops.fla_ac_isolation.causal_conv1d.default,
-    ssd=torch.ops.fla_ac_isolation.simple_gla.default,
+KERNELS: dict[str, dict] = by_operation(
+    causal_conv1d=dict(name="causal_conv1d", forward=_conv_forward, fake=_conv_forward_fake,
+                       grads_of=("x", "weight", "bias"), backward=_conv_backward_op,
+                       backward_fake=_conv_backward_op_fake),
+    gated_delta_rule=dict(name="gated_delta_rule", forward=_gdn_forward, fake=_gdn_forward_fake,
+                          grads_of=("q", "k", "v", "g", "beta"), outputs=("o", "A", "g_cumsum", "q_rstd", "k_rstd"),
+                          backward=_gdn_backward_op, backward_fake=_gdn_backward_op_fake),
+    ssd=dict(name="simple_gla", forward=_gla_forward, fake=_gla_forward_fake, grads_of=("q", "k", "v", "g"),
+             outputs=("o", "g_cumsum"), backward=_gla_backward_op, backward_fake=_gla_backward_op_fake),
 )
-"""The forward operator behind each saveable operation (what a SAC policy saves), by operation name
-(:data:`~fla_ac_isolation.op_names.SAVEABLE_OP_NAMES`)."""
-
-
-# ------------------------------------------------------------------- the backend functions (ops facade)
-def causal_conv1d(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    *,
-    activation: str | None = "silu",
-    cu_seqlens: Tensor | None = None,
-    cu_seqlens_cpu: Tensor | None = None,
-    chunk_indices: Tensor | None = None,
-) -> Tensor:
-    """:func:`fla_ac_isolation.fla_seam.kernels.causal_conv1d` as the ``fla_ac_isolation::causal_conv1d`` op.
-
-    ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` or ``None`` -> ``[B, T, D]`` (dtype of ``x``, contiguous).
-    Follows FLA's ``CausalConv1dFunction``: ``causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (Triton backend).
-
-    Raises:
-        ValueError: CPU tensors outside Triton's interpreter.
-    """
-    kernels._check_device(x)
-    return _conv_op(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
-
-
-def chunk_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm_in_kernel: bool = True,
-    cu_seqlens: Tensor | None = None,
-    cu_seqlens_cpu: Tensor | None = None,
-    chunk_indices: Tensor | None = None,
-) -> Tensor:
-    """:func:`fla_ac_isolation.fla_seam.kernels.chunk_gated_delta_rule` as the ``gated_delta_rule`` op.
-
-    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]`` (dtype of ``q``).
-    ``scale`` defaults to ``K ** -0.5``. Follows FLA's ``ChunkGatedDeltaRuleFunction`` (``l2norm_fwd``,
-    ``chunk_gated_delta_rule_fwd`` / ``chunk_gated_delta_rule_bwd``, ``l2norm_bwd``), chunk size 64.
-
-    Raises:
-        ValueError: CPU tensors outside Triton's interpreter.
-    """
-    kernels._check_device(q)
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
-    return _gdn_op(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu,
-                        chunk_indices)[0]
-
-
-def ssd(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    *,
-    D: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
-    cu_seqlens: Tensor | None = None,
-    cu_seqlens_cpu: Tensor | None = None,
-    chunk_indices: Tensor | None = None,
-    chunk_offsets: Tensor | None = None,
-) -> Tensor:
-    """:func:`fla_ac_isolation.fla_seam.kernels.ssd` with its simple GLA call as the ``simple_gla`` op.
-
-    ``x [B, T, H, P]``, ``dt [B, T, H]``, ``A [H]``, ``B, C [B, T, G, N]``, ``D [H]`` -> ``[B, T, H, P]``.
-    The same maths as the plain ``fla`` backend (discretisation, ``v = dt * x`` in the dtype of ``x``,
-    ``g = dt * A`` in float32, the ``D`` skip outside the op); ``B``/``C`` reach the op grouped. Follows
-    FLA's ``ChunkSimpleGLAFunction`` with the state passes sized on the host
-    (:mod:`~fla_ac_isolation.fla_seam.simple_gla`): given ``chunk_indices`` and ``chunk_offsets``, no host sync.
-
-    Raises:
-        ValueError: CPU tensors outside Triton's interpreter; ``H`` not a multiple of ``G``.
-    """
-    kernels._check_device(x)
-    features.require("ssd_kernels", where="ops.ssd(..., backend='fla', saveable=True)")
-    check_groups(x.shape[2], B, C)
-    dt = discretize_dt(dt, dt_bias, dt_limit)
-    value = (x * dt.unsqueeze(-1)).to(x.dtype)  # x promoted inside the multiply: no float32 copy of x
-    log_decay = dt * A.float()
-    y, _ = _gla_op(C.to(x.dtype), B.to(x.dtype), value, log_decay, 1.0, cu_seqlens, cu_seqlens_cpu,
-                   chunk_indices, chunk_offsets)
-    if D is not None:
-        y = (y + D.float()[:, None] * x).to(x.dtype)  # promoted inside the ops: the numbers of y.float() + ...
-    return y
+"""Per saveable operation (:data:`~fla_ac_isolation.op_names.SAVEABLE_OP_NAMES`), the keyword arguments of
+:func:`~fla_ac_isolation.saveable_op.register_saveable_op` for its ``fla`` operator: its name, FLA's forward
+and backward functions and their fakes."""

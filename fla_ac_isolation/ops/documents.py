@@ -1,0 +1,100 @@
+"""The documents of a packed batch and their chunks, as FLA's kernels see them: the reference backends' schedule.
+
+:func:`packed_documents` asks FLA's own identity-cached index helpers (through
+:mod:`fla_ac_isolation.fla_seam.layout`) what FLA's kernel wrappers ask in their forward, unless the caller
+hands the schedule over, and checks their answers against the offsets. :mod:`~fla_ac_isolation.ops.reference`
+and :mod:`~fla_ac_isolation.ops.reference_kda` walk the documents it returns, so they hit and miss FLA's cache
+where the kernels do, and a misreplayed schedule raises instead of mixing documents.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from fla_ac_isolation.fla_seam.layout import prepare_chunk_indices, prepare_chunk_offsets
+
+__all__ = ["PackedDocument", "packed_documents"]
+
+
+class PackedDocument(NamedTuple):
+    """One document of a packed batch: its token range and the token ranges of its chunks."""
+
+    start: int
+    end: int
+    chunks: list[tuple[int, int]]
+
+
+def _chunk_ranges(start: int, end: int, chunk_size: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk_size, end)) for s in range(start, end, chunk_size)]
+
+
+def packed_documents(
+    num_tokens: int,
+    cu_seqlens: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None,
+    chunk_size: int,
+    *,
+    recurrent: bool,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+) -> list[PackedDocument]:
+    """The documents of a batch and their chunks, as FLA's kernels would see them.
+
+    Without ``cu_seqlens`` the whole time axis is one document (per batch row). With it, the schedule is
+    read from ``chunk_indices`` when given, else from ``prepare_chunk_indices(cu_seqlens, chunk_size,
+    cu_seqlens_cpu=...)`` (``[NT, 2]`` rows of ``(document, chunk index within the document)``), grouped per document by
+    ``chunk_offsets`` when given, else by ``prepare_chunk_offsets(cu_seqlens, chunk_size)``, when ``recurrent``
+    (as FLA's state-passing kernels do). Zero-length documents have no chunks and are left out; so are rows
+    past the token count of a padded schedule (:mod:`fla_ac_isolation.static_seqlens`: rows of a
+    zero-length document).
+
+    Raises:
+        RuntimeError: the helpers' answers contradict the offsets. That cannot happen with consistent
+            inputs; it means a tensor other than the helper's own result reached this code, e.g. a SAC
+            replay misaligned by a ``cu_seqlens`` object shared across checkpointed layers.
+    """
+    if cu_seqlens is None:
+        return [PackedDocument(0, num_tokens, _chunk_ranges(0, num_tokens, chunk_size))]
+
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+    offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    rows = chunk_indices.tolist()
+    if recurrent:
+        if chunk_offsets is None:
+            chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
+        chunk_offsets = chunk_offsets.tolist()
+        groups = [(n, rows[chunk_offsets[n]:chunk_offsets[n + 1]]) for n in range(len(offsets) - 1)]
+    else:
+        by_doc: dict[int, list] = {}
+        last = len(offsets) - 2  # a padded schedule's extra rows are (last, 0), the last document being empty
+        for row in rows:
+            if row == [last, 0] and offsets[last] == offsets[last + 1]:
+                continue
+            by_doc.setdefault(int(row[0]), []).append(row)
+        groups = sorted(by_doc.items())
+
+    documents = []
+    for n, doc_rows in groups:
+        if not doc_rows:
+            continue
+        start, end = offsets[n], offsets[n + 1]
+        chunks = []
+        for seq, i in doc_rows:
+            lo = start + i * chunk_size
+            if seq != n or not start <= lo < end:
+                raise RuntimeError(
+                    "FLA's chunk metadata does not match cu_seqlens (document "
+                    f"{n}, chunk row {(seq, i)}); was one cu_seqlens object shared by checkpointed layers?"
+                )
+            chunks.append((lo, min(lo + chunk_size, end)))
+        documents.append(PackedDocument(start, end, chunks))
+    covered = sum(hi - lo for doc in documents for lo, hi in doc.chunks)
+    if covered != num_tokens:
+        raise RuntimeError(
+            f"FLA's chunk metadata covers {covered} tokens but the input has {num_tokens}; "
+            "was one cu_seqlens object shared by checkpointed layers?"
+        )
+    return documents
