@@ -12,13 +12,16 @@ module-level mutable state). Its public names are re-exported as :mod:`fla_ac_is
 * :func:`cache_enabled`, :func:`cache_size`, :func:`tensor_cache_size` (temporarily resize every
   helper's queue, e.g. to 1 to provoke evictions), :func:`clear_tensor_cache`.
 * :func:`probe_tensor_cache` - records, for a block of code, every helper call as ``hit``, ``miss`` or
-  ``bypass`` (cache disabled), in call order.
+  ``bypass`` (cache disabled), in call order; with ``arguments=True`` also the tensors each call was given
+  (the objects FLA's cache compares by identity: which offsets object reached FLA in which call).
 
 How the probe works: for the duration of the block, each cached helper's queue (a closure cell of FLA's
 wrapper) is swapped for a ``deque`` subclass that reports lookups; a lookup that runs off the end of the
 queue is a miss, any other lookup a hit. The helper's underlying function (another closure cell) is
 wrapped to see calls made while the cache is disabled. The queue's contents are carried over and put
-back on exit, so probing does not change FLA's behaviour.
+back on exit, so probing does not change FLA's behaviour. A hit's arguments are those of the entry the
+lookup stopped at (FLA's wrapper returns from inside the loop, closing the generator there); a miss's and a
+bypass's are those the helper's function receives.
 """
 
 from __future__ import annotations
@@ -170,10 +173,16 @@ def tensor_cache_size(size: int) -> Iterator[None]:
 # ------------------------------------------------------------------------------------------- probe
 @dataclass(frozen=True)
 class CacheEvent:
-    """One call of an FLA cached helper: its name and whether it hit, missed or bypassed the cache."""
+    """One call of an FLA cached helper: its name and whether it hit, missed or bypassed the cache.
+
+    ``arguments``: the call's tensor arguments, positional then keyword (the ``cu_seqlens`` objects FLA's cache
+    compares by identity), held while the event is; recorded only while a probe with ``arguments=True`` is
+    active (else empty), and not compared.
+    """
 
     helper: str
     outcome: Outcome
+    arguments: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass
@@ -214,15 +223,31 @@ class _ProbeState:
     def __init__(self) -> None:
         self.sinks: list[list[CacheEvent]] = []  # the ``events`` lists of the active probes
         self.installed: list[tuple[_Helper, deque, Callable[..., Any]]] = []
+        self.keeping = 0  # how many active probes record arguments
 
-    def emit(self, helper: str, outcome: Outcome) -> list[tuple[list[CacheEvent], int]]:
+    def emit(self, helper: str, outcome: Outcome, args: tuple = (), kwargs: dict | None = None,
+             ) -> list[tuple[list[CacheEvent], int]]:
         """Append an event to every active probe; return where it went, so it can be amended."""
-        event = CacheEvent(helper, outcome)
+        event = CacheEvent(helper, outcome, self.tensors(args, kwargs))
         where = []
         for sink in self.sinks:
             where.append((sink, len(sink)))
             sink.append(event)
         return where
+
+    def amend(self, where: list[tuple[list[CacheEvent], int]], helper: str, outcome: Outcome, args: tuple = (),
+              kwargs: dict | None = None) -> None:
+        event = CacheEvent(helper, outcome, self.tensors(args, kwargs))
+        for sink, pos in where:
+            sink[pos] = event
+
+    def tensors(self, args: tuple, kwargs: dict | None) -> tuple[Any, ...]:
+        if not self.keeping:
+            return ()
+        import torch
+
+        values = (*args, *(kwargs or {}).values())
+        return tuple(v for v in values if isinstance(v, torch.Tensor))
 
 
 _probe_state = _ProbeState()
@@ -231,7 +256,7 @@ _probe_state = _ProbeState()
 class _ProbingDeque(deque):
     """A helper's queue that reports each lookup: running off its end is a miss, else a hit."""
 
-    def __init__(self, items, maxlen: int, name: str, pending: list[bool]) -> None:
+    def __init__(self, items, maxlen: int, name: str, pending: list) -> None:
         super().__init__(items, maxlen)
         self._name = name
         self._pending = pending  # set on a miss, consumed by the wrapped fn to tell a miss from a bypass
@@ -239,25 +264,31 @@ class _ProbingDeque(deque):
     def __iter__(self):
         # Recorded as a hit at lookup time (so nested helper calls come after it) ...
         where = _probe_state.emit(self._name, "hit")
-        yield from super().__iter__()
+        entry = None
+        try:
+            for entry in super().__iter__():
+                yield entry
+        except GeneratorExit:  # FLA's wrapper returned from inside its loop: a hit on the last entry yielded
+            if _probe_state.keeping and entry is not None:
+                _probe_state.amend(where, self._name, "hit", entry[0], entry[1])
+            raise
         # ... and amended when FLA's wrapper runs off the end: no entry matched, the helper will run.
-        for sink, pos in where:
-            sink[pos] = CacheEvent(self._name, "miss")
-        self._pending.append(True)
+        _probe_state.amend(where, self._name, "miss")
+        self._pending.append(where)
 
 
 def _install() -> None:
     for helper in cached_helpers():
         original = helper.cached_cell.cell_contents
         fn = helper.fn_cell.cell_contents
-        pending: list[bool] = []
+        pending: list = []  # where each miss's event went, for its arguments
         probing = _ProbingDeque(original, original.maxlen, helper.name, pending)
 
         def counting_fn(*args, _fn=fn, _name=helper.name, _pending=pending, **kwargs):
             if _pending:
-                _pending.pop()
+                _probe_state.amend(_pending.pop(), _name, "miss", args, kwargs)
             else:
-                _probe_state.emit(_name, "bypass")
+                _probe_state.emit(_name, "bypass", args, kwargs)
             return _fn(*args, **kwargs)
 
         helper.cached_cell.cell_contents = probing
@@ -276,8 +307,12 @@ def _uninstall() -> None:
 
 
 @contextlib.contextmanager
-def probe_tensor_cache() -> Iterator[CacheProbe]:
+def probe_tensor_cache(arguments: bool = False) -> Iterator[CacheProbe]:
     """Record every FLA cached-helper call made inside the block as a hit, a miss or a bypass.
+
+    Args:
+        arguments: also record each call's tensor arguments (:attr:`CacheEvent.arguments`), for every probe
+            active meanwhile (the events hold them: the offsets objects stay alive while the events do).
 
     Example::
 
@@ -292,9 +327,11 @@ def probe_tensor_cache() -> Iterator[CacheProbe]:
     if not _probe_state.sinks:
         _install()
     _probe_state.sinks.append(probe.events)
+    _probe_state.keeping += bool(arguments)
     try:
         yield probe
     finally:
+        _probe_state.keeping -= bool(arguments)
         # by identity: two probes' event lists may be equal
         _probe_state.sinks[:] = [s for s in _probe_state.sinks if s is not probe.events]
         if not _probe_state.sinks:
