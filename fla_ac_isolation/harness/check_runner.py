@@ -255,7 +255,12 @@ class CheckStep:
     @property
     def aligned(self) -> bool:
         """The step ran, at least one region was checkpointed, and none diverged."""
-        return self.error is None and bool(self.regions) and all(r.verdict != "divergent" for r in self.regions)
+        return self.error is None and bool(self.regions) and not self.divergent
+
+    @property
+    def divergent(self) -> bool:
+        """A region's recompute ran other ops than its forward."""
+        return any(r.verdict == "divergent" for r in self.regions)
 
 
 @dataclass
@@ -515,14 +520,17 @@ def _dry_run(model: nn.Module, batch: dict, spec: CheckSpec) -> tuple[bool, dict
         calls), and the gradients of the step when it ran without AC (``None`` when it checkpoints itself).
 
     Raises:
-        CheckInputError: the step raised without AC (naming its error: the batch or the model is wrong, not
-            AC), or the forward returns no loss.
+        CheckInputError: the step raised without AC, or the forward of a model that checkpoints itself raised
+            (a forward runs the ops it runs without AC: only the backward recomputes), naming its error: the
+            batch or the model is wrong, not AC; or the forward returns no loss.
     """
     model.zero_grad(set_to_none=True)
-    error = None
+    error, in_forward = None, True
     with _serving(spec), ReplayAudit(model, on_divergence="record") as audit:
         try:
-            _loss(model(**batch)).backward()
+            loss = _loss(model(**batch))
+            in_forward = False
+            loss.backward()
         except CheckInputError:
             raise
         except Exception as err:
@@ -533,6 +541,10 @@ def _dry_run(model: nn.Module, batch: dict, spec: CheckSpec) -> tuple[bool, dict
     if error is not None and not self_checkpointed:
         raise CheckInputError(f"model(**batch) fails without activation checkpointing, so the model or the "
                               f"batch is wrong, not AC: {first_line(error)}") from error
+    if error is not None and in_forward:
+        raise CheckInputError(f"model(**batch) fails in its forward, before any recompute (the model checkpoints "
+                              f"itself; its forward runs the ops it runs without AC), so the model or the batch is "
+                              f"wrong, not AC: {first_line(error)}") from error
     grads = None if self_checkpointed else _grads(model)
     model.zero_grad(set_to_none=True)
     return self_checkpointed, grads
@@ -557,45 +569,48 @@ def _refuse_environment(err: Exception) -> None:
 
 
 class _OffsetsSeen:
-    """The offsets objects (``cu_seqlens``) FLA's kernels received during each call of each watched module
-    (``{(path, n-th call): {id: object}}``; a forward and each recompute are separate calls), as the CPU's
-    served kernels record them (:func:`~fla_ac_isolation.harness.reference_kernels.reference_kernels`); on CUDA nothing
-    is recorded and nothing is judged fresh."""
+    """The tensors FLA's cached index helpers received during each call of each watched module
+    (``{(path, n-th call): [the tensors of each helper call]}``; a forward and each recompute are separate calls),
+    as :func:`~fla_ac_isolation.fla_cache.probe_tensor_cache` records them (``arguments=True``: a hit's are those
+    of the entry it matched): on any device. The batch's own tensors are nobody's own."""
 
-    def __init__(self, model: nn.Module, paths: list[str], served: Any) -> None:
-        self.calls = getattr(served, "calls", None)
-        self.seen: dict[tuple[str, int], dict[int, Any]] = {}
-        self.started: dict[str, int] = {}  # path -> how many kernel calls were recorded when its call began
+    def __init__(self, model: nn.Module, paths: list[str], probe: Any, batch: dict) -> None:
+        self.probe = probe
+        self.shared = {id(v): v for v in _tensors(batch.values())}  # kept: their ids stay theirs
+        self.seen: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
+        self.started: dict[str, int] = {}  # path -> how many events were recorded when its call began
         self.handles = []
-        for path in paths if self.calls is not None else ():
+        for path in paths:
             module = model.get_submodule(path)
             self.handles.append(module.register_forward_pre_hook(self._pre(path)))
             self.handles.append(module.register_forward_hook(self._post(path)))
 
     def _pre(self, path: str):
         def hook(module, args):
-            self.started[path] = len(self.calls)
+            self.started[path] = self.probe.mark()
         return hook
 
     def _post(self, path: str):
         def hook(module, args, output):
             start = self.started.pop(path)
             n = sum(p == path for p, _ in self.seen)
-            self.seen[(path, n)] = {id(c.cu_seqlens): c.cu_seqlens for c in self.calls[start:]
-                                    if c.cu_seqlens is not None}
+            self.seen[(path, n)] = [e.arguments for e in self.probe.events[start:]]
         return hook
 
     def fresh(self) -> tuple[str, ...]:
-        """The watched paths every call of which handed FLA objects of their own, none another call handed it
-        (a path one of whose calls handed FLA no offsets is left out: nothing to judge)."""
-        owner: dict[int, set[tuple[str, int]]] = {}
-        for key, objects in self.seen.items():
-            for i in objects:
-                owner.setdefault(i, set()).add(key)
+        """The watched paths each call of which handed FLA's helpers, in every helper call, a tensor no other call
+        (nor the batch) handed them: no entry another call made can be hit (FLA's cache compares every argument
+        by identity). A path one of whose calls made no helper call is left out: nothing to judge."""
+        owner: dict[int, set[tuple[str, int] | None]] = {i: {None} for i in self.shared}
+        for key, calls in self.seen.items():
+            for arguments in calls:
+                for t in arguments:
+                    owner.setdefault(id(t), set()).add(key)
         out = []
         for path in dict.fromkeys(p for p, _ in self.seen):
             keys = [k for k in self.seen if k[0] == path]
-            if all(self.seen[k] and all(owner[i] == {k} for i in self.seen[k]) for k in keys):
+            if all(self.seen[k] and all(any(owner[id(t)] == {k} for t in arguments) for arguments in self.seen[k])
+                   for k in keys):
                 out.append(path)
         return tuple(out)
 
@@ -604,12 +619,23 @@ class _OffsetsSeen:
             h.remove()
 
 
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors among ``values``, those in tuples too (torchtitan's ``VarlenMetadata``)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, tuple):
+            out += _tensors(v)
+    return out
+
+
 def _step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpointed: bool = False,
           watch: tuple[str, ...] = (), reference: dict[int, torch.Tensor] | None = None) -> CheckStep:
     """One audited step: ``model`` checkpointed by the check (``spec.ac``, ``spec.policy``), or as it is when
     it checkpoints itself; ``watch``: the FLA-backed modules whose offsets objects are recorded
     (:attr:`CheckStep.fresh_offsets`); ``reference``: the gradients without AC to compare with."""
-    from fla_ac_isolation.fla_cache import clear_tensor_cache
+    from fla_ac_isolation.fla_cache import clear_tensor_cache, probe_tensor_cache
     from fla_ac_isolation.policies import checkpoint_layers
 
     if not self_checkpointed:
@@ -620,8 +646,9 @@ def _step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpointed: 
     clear_tensor_cache()
     model.zero_grad(set_to_none=True)
     error = None
-    with _serving(spec) as served, ReplayAudit(model, on_divergence="record") as audit:
-        seen = _OffsetsSeen(model, list(watch), served)
+    with (_serving(spec), probe_tensor_cache(arguments=True) as probe,
+          ReplayAudit(model, on_divergence="record") as audit):
+        seen = _OffsetsSeen(model, list(watch), probe, batch)
         try:
             _loss(model(**batch)).backward()
         except CheckInputError:
@@ -641,44 +668,55 @@ def _step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpointed: 
     return CheckStep(regions, error, calls, blind=blind, grad_diff=diff, fresh_offsets=seen.fresh())
 
 
-def _require_judged(step: CheckStep) -> None:
-    """Refuse a step that ran but in which the audit could not judge every checkpointed region (none was
-    recomputed, or some ran as reentrant checkpoints it cannot look into): passing it would call unseen
-    regions aligned."""
-    if step.error is None and step.blind is not None:
+def _require_judged(step: CheckStep, mixers: list[MixerFinding]) -> None:
+    """The one rule of what a step that ran must have shown to be judged (the CLI and the pytest plugin read it
+    from here): refuse a step in which the audit could not judge every checkpointed region (none was recomputed,
+    or some ran as reentrant checkpoints it cannot look into), in which no checkpointed region ran, or in which
+    nothing of FLA's offsets was seen: the model's foreign FLA-backed layers ran but FLA never received packed
+    offsets (no call of its cached index helpers: the offsets sit under a keyword the model does not read, FLA's
+    models take unknown keywords silently, and the batch ran as one sequence), or the model holds no FLA-backed
+    class and its regions called none of FLA's index helpers. Passing any of them would call unseen regions or an
+    unseen fault aligned. Our drop-ins count as seen: on CUDA they hand FLA a precomputed chunk schedule."""
+    if step.error is not None:
+        return
+    if step.blind is not None:
         raise CheckInputError(
             f"the audit could not judge this step ({step.blind}), so nothing can be passed: checkpoint with "
             f"use_reentrant=False and make the loss depend on every checkpointed layer"
         )
-
-
-def _require_fla_offsets(step: CheckStep, mixers: list[MixerFinding]) -> None:
-    """Refuse a step in which the model's foreign FLA-backed layers ran but FLA never received packed offsets (no
-    call of its cached index helpers): the offsets sit under a keyword the model does not read (FLA's models
-    take unknown keywords silently), and the batch ran as one sequence. Our drop-ins are left out: on CUDA they
-    hand FLA a precomputed chunk schedule."""
+    if not step.regions:
+        raise CheckInputError("no checkpointed region ran: nothing was recomputed, so nothing was judged: the "
+                              "model's forward must call the layers of its layer list")
     takes = [m.name for m in mixers if m.status != "leaking" and m.framework != "fla_ac_isolation"]  # foreign
-    if step.error is None and step.fla_helper_calls == 0 and takes:
+    if step.fla_helper_calls == 0 and takes:
         raise CheckInputError(
             f"no packed offsets reached FLA: the model's FLA-backed layers ({', '.join(takes)}) called none of "
             f"FLA's index helpers, so they ran the batch as one sequence and nothing can be checked; give the "
             f"offsets under the keyword the model reads: {_offsets_keywords()}"
         )
+    if step.fla_helper_calls == 0 and not mixers:
+        raise CheckInputError(
+            "nothing was judged: the step found no FLA-backed class and its checkpointed regions called none of "
+            "FLA's index helpers, so no packed offsets reached FLA and nothing of the fault could show; check a "
+            "model whose layers call FLA, with its offsets under the keyword it reads"
+        )
 
 
 def _apply_fix(model: nn.Module, mixers: list[MixerFinding]) -> tuple[str, ...]:
-    """``swap_mixers`` where a leaking class has a drop-in, then ``isolate_seqlens`` for what stays exposed."""
+    """``swap_mixers`` where a leaking class has a drop-in, then ``isolate_seqlens`` for what stays exposed:
+    ``mixers`` is the survey of the plan (:func:`survey`) of a model built by the same factory, so what stays
+    exposed is read from it (its exposed paths that ``swap_mixers`` did not replace), not classified again."""
     from fla_ac_isolation.isolate import isolate_seqlens
     from fla_ac_isolation.swap import swap_mixers
 
-    applied = []
+    applied, swapped = [], set()
     leaking = [m for m in mixers if m.status == "leaking" or m.leak_fix is not None]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the leaking classes are reported already
         if any(drop_in_for(ForeignClass(*m.cls.rsplit(".", 1))) for m in leaking):
-            swap_mixers(model)
+            swapped = set(swap_mixers(model))
             applied.append("swap_mixers(model)")
-        if any(p.status == EXPOSED for p in classify(model)):  # the model as swapped
+        if any(p not in swapped for m in mixers if m.status == EXPOSED for p in m.paths):
             isolate_seqlens(model)
             applied.append("isolate_seqlens(model)")
     return tuple(applied)
@@ -717,13 +755,12 @@ def run_check(spec: CheckSpec) -> CheckResult:
     self_checkpointed, reference = _dry_run(model, batch, spec)
     watch = tuple(p for m in mixers if m.status == "exposed" for p in m.paths)
     as_given = _step(model, batch, spec, self_checkpointed=self_checkpointed, watch=watch, reference=reference)
-    _require_judged(as_given)
-    _require_fla_offsets(as_given, mixers)
+    _require_judged(as_given, mixers)
     mixers = _observed_covered(mixers, as_given.fresh_offsets)
     result = CheckResult(spec, type(model).__name__, mixers, as_given, self_checkpointed=self_checkpointed)
     result.fixes = [f"{m.name}: {m.fix}" for m in mixers if m.fix]
     result.fixes += [f"{m.name}, to keep packed documents apart: {m.leak_fix}" for m in mixers if m.leak_fix]
-    if not as_given.aligned and not any(m.status == "exposed" for m in mixers):
+    if as_given.divergent and not any(m.status == "exposed" for m in mixers):
         result.fixes.append(OWN_CODE_FIX)
     if spec.verify_fix and not as_given.aligned:
         fresh, fresh_batch = load_model(spec)
