@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import fla_ac_isolation.harness.check_runner as check_runner
+import fla_ac_isolation.harness.check_step as check_step
 from fla_ac_isolation import mixer_plan
 from fla_ac_isolation.harness.check_runner import CheckInputError, CheckSpec, run_check
 from fla_ac_isolation.harness.cli import main
@@ -167,7 +168,7 @@ def _observed(fresh_per_call: bool) -> tuple[str, ...]:
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     clear_tensor_cache()
     with probe_tensor_cache(arguments=True) as probe:
-        seen = check_runner._OffsetsSeen(model, ["a", "b"], probe, {"cu_seqlens": cu})
+        seen = check_step._OffsetsSeen(model, ["a", "b"], probe, {"cu_seqlens": cu})
         hidden = torch.zeros(1, 8)
         for name in ("a", "b", "a"):  # a's second call: as its recompute
             hidden = model[name](hidden, cu.clone() if fresh_per_call else cu)
