@@ -18,6 +18,7 @@ import json
 
 import pytest
 import torch
+from page_output import assert_printed_as_on_page
 from torch import nn
 
 import fla_ac_isolation.harness.check_runner as check_runner
@@ -55,6 +56,7 @@ def test_an_isolated_model_whose_call_misspells_the_keyword_is_a_failed_step_exi
     code, out, err = _check(capsys, "--model", f"{EXAMPLE}:misspelt_isolated")
     assert (code, out) == (2, "")  # no report: no class list, no "aligned", no verdict, no Fix: line
     assert err == f"fla-ac-isolation check: error: {FORWARD_FAILED}{HOOK_ERROR}\n"
+    assert_printed_as_on_page(err, "docs/check.md", f"$ fla-ac-isolation check --model {EXAMPLE}:misspelt_isolated")
 
     code, out, _ = _check(capsys, "--model", f"{EXAMPLE}:misspelt_isolated", "--json")
     assert code == 2 and json.loads(out) == {"error": FORWARD_FAILED + HOOK_ERROR, "exit_code": 2}

@@ -100,13 +100,16 @@ def assert_ac_safe(model: Any, batch: dict | None = None, **spec: Any) -> Any:
     from fla_ac_isolation.harness.cli.check import render
 
     target, owned = _check_target(model, batch)
+    refused = None
     try:
         result = run_check(CheckSpec(model=target, **spec))
     except CheckInputError as err:
-        pytest.fail(f"fla-ac-isolation check refused the model: {err}", pytrace=False)
+        refused = str(err)  # failed below, outside this handler: the report shows no chained traceback
     finally:
         if owned:
             delattr(sys.modules[__name__], _TARGET)
+    if refused is not None:
+        pytest.fail(f"fla-ac-isolation check refused the model: {refused}", pytrace=False)
     report = render(result)
     if owned:  # the check loaded the objects given here, not a callable the reader could run
         report = report.replace(f"(--model {target})", "(given to assert_ac_safe)", 1)
