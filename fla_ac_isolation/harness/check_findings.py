@@ -34,10 +34,11 @@ class MixerFinding:
         fix: the one-line fix (of the fault when exposed, of the leak when leaking), ``None`` when covered.
         leak_fix: for an exposed or covered class whose documents leak here (``why``), what to do about that.
         observed: ``"fresh offsets"``: the class is of those that take shared offsets, but in the audited step
-            every call of every instance handed FLA's kernels a ``cu_seqlens`` object no other call (another
-            layer, or its forward / recompute) handed them (``LayerLocalSeqlens.local()``, a hook, the user's
-            own copy): covered by what the step observed (on a CPU, where the served kernels record what they
-            receive). ``None``: decided from the class (and its hook).
+            every call of every instance handed FLA's cached index helpers, in each of their calls, a tensor no
+            other call (another layer, its forward / recompute, or the batch) handed them
+            (``LayerLocalSeqlens.local()``, a hook, the user's own copy): covered by what the step observed,
+            read from FLA's cache probe (any device: FLA's CUDA kernels call those helpers as the CPU's
+            stand-ins do). ``None``: decided from the class (and its hook).
     """
 
     cls: str
@@ -74,8 +75,8 @@ class CheckStep:
     <fla_ac_isolation.ReplayAudit.why_blind>`: no region recomputed, reentrant regions; ``None``: every region
     that ran was looked into, or none ran), the largest absolute difference of its gradients from the step
     without AC (``None``: not compared: the model checkpoints itself, or the step failed), and the paths of the
-    FLA-backed modules every call of which handed FLA's kernels an offsets object of its own
-    (:attr:`MixerFinding.observed`; CPU only)."""
+    FLA-backed modules every call of which handed FLA's cached index helpers offsets of its own
+    (:attr:`MixerFinding.observed`). :attr:`aligned`: it ran and none diverged; :attr:`divergent`: one did."""
 
     regions: tuple[RegionVerdict, ...]
     error: str | None = None
