@@ -101,7 +101,6 @@ def _require_judged(step: CheckStep, mixers: list[MixerFinding]) -> None:
         )
 
 
-
 def run_check(spec: CheckSpec) -> CheckResult:
     """Check the model of ``spec``: survey its FLA-backed classes, audit one step, verify the fix.
 
@@ -111,10 +110,10 @@ def run_check(spec: CheckSpec) -> CheckResult:
     (:attr:`MixerFinding.observed`).
 
     Raises:
-        CheckInputError: an invalid ``spec``, a model that cannot be loaded, a batch without packed offsets
-            (or whose offsets never reach FLA), a step the audit could not judge (no region recomputed, or
-            reentrant regions), a step that fails without AC, a model without a layer list to
-            checkpoint, or a forward that returns no loss.
+        CheckInputError: an invalid ``spec``, a model that cannot be loaded, a batch without packed offsets,
+            a step that judged nothing (:func:`_require_judged`: no region recomputed, reentrant regions, offsets
+            never reaching FLA, no FLA at all), a step that fails without AC (or in the forward of a model that
+            checkpoints itself), a model without a layer list to checkpoint, or a forward that returns no loss.
         CheckEnvironmentError: the step without AC fails because FLA refuses this environment (#640).
     """
     spec = spec.validate()
