@@ -4,7 +4,9 @@ checkpointed by the model itself with its own SAC policy saving every ``aten._to
 
 Callables for ``fla-ac-isolation check --model examples/own_decoder.py:<name>``: ``plain`` (no AC: the check
 applies it), ``own_ckpt`` (checkpoints itself), ``isolated`` (``own_ckpt`` after ``isolate_seqlens``), ``local``
-(its blocks call ``LayerLocalSeqlens.local()``); ``my_policy`` is the policy (``--policy
+(its blocks call ``LayerLocalSeqlens.local()``), ``misspelt`` (``own_ckpt`` whose blocks hand the offsets as
+``cu_seq_lens=``, a keyword FLA never reads) and ``misspelt_isolated`` (that, after ``isolate_seqlens``);
+``my_policy`` is the policy (``--policy
 examples/own_decoder.py:my_policy``).
 """
 
@@ -32,6 +34,14 @@ class Block(nn.Module):
 
     def forward(self, x, cu_seqlens):
         x = x + self.mixer(self.norm1(x), cu_seqlens=cu_seqlens)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class MisspeltBlock(Block):
+    """A block whose mixer call misspells FLA's keyword (``cu_seq_lens=``; FLA's layers take unknown keywords)."""
+
+    def forward(self, x, cu_seqlens):
+        x = x + self.mixer(self.norm1(x), cu_seq_lens=cu_seqlens)[0]
         return x + self.mlp(self.norm2(x))
 
 
@@ -102,3 +112,16 @@ def isolated():
 def local():
     torch.manual_seed(0)
     return LocalDecoder(ckpt=True), _batch()
+
+
+def misspelt():
+    torch.manual_seed(0)
+    return Decoder(ckpt=True, block=MisspeltBlock), _batch()
+
+
+def misspelt_isolated():
+    from fla_ac_isolation import isolate_seqlens
+
+    model, batch = misspelt()
+    isolate_seqlens(model)
+    return model, batch

@@ -1,7 +1,7 @@
 """``fla-ac-isolation check``: the user's own model (``--model module:callable``) or a tiny one (``--config``), one
 audited step under SAC, its FLA-backed classes, the fix verified on a fresh model; exit 0 / 1 / 2.
 
-The two models of ``examples/check_model.py`` are the ones ``docs/foreign-classes.md`` shows: what the page prints
+The two models of ``examples/check_model.py`` are the ones ``docs/check.md`` shows: what the page prints
 is what the command prints."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fla_ac_isolation.harness.foreign_models import build_tiny
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-PAGE = "docs/foreign-classes.md"
+PAGE = "docs/check.md"
 EXAMPLE = "examples/check_model.py"
 CONV_LEAK = ("           its short conv runs transformers' torch causal_conv1d_fn across document boundaries (the "
              "causal_conv1d package cannot be imported here): documents are not kept apart")

@@ -1,8 +1,9 @@
 """What ``check`` refuses or fails, each condition pinned by its exact exit code and message.
 
 * A batch whose only 1-D tensors are floats holds no packed offsets (offsets are integer): exit 2.
-* A step that raises under AC while every checkpointed region is aligned: exit 1 (the step failed), and a step
-  with no checkpointed region at all is not aligned (exit 1: nothing passed).
+* A step that raises under AC (not without it) while every checkpointed region is aligned: exit 1, ``FAILED
+  under AC`` (nothing diverged: no ``DIVERGENT`` and no fix of code that did not diverge), and a step with no
+  checkpointed region at all is not aligned (exit 1: nothing passed, ``NOT JUDGED``).
 * FLA's own refusal of the environment (its #640 guard: the gated backward on a Hopper GPU with Triton >= 3.4 and
   < 3.7.1, ``fla/ops/common/chunk_o.py``) is the environment's, not the model's: exit 3 naming what to install.
   On a CPU the guard is made active the way FLA computes it on an H200 with Triton 3.6 (its module flags), so
@@ -185,7 +186,7 @@ def test_a_step_that_raises_under_ac_with_every_region_aligned_fails_exit_1(caps
         "  layers.1  aligned",
         "  the step failed: RuntimeError: raised in the backward of step 2, outside every checkpointed region",
     ]
-    assert lines[-1] == "verdict: DIVERGENT (exit 1)"
+    assert "Fix:" not in lines and lines[-1] == "verdict: FAILED under AC (exit 1)"
 
 
 def test_a_step_with_no_checkpointed_region_is_not_aligned_exit_1():
@@ -197,7 +198,7 @@ def test_a_step_with_no_checkpointed_region_is_not_aligned_exit_1():
 
     assert (step.aligned, aligned.aligned, result.exit_code) == (False, True, 1)
     assert render(result).splitlines()[-3:] == [
-        "as given: 0 of 0 checkpointed region(s) aligned", "", "verdict: DIVERGENT (exit 1)"]
+        "as given: 0 of 0 checkpointed region(s) aligned", "", "verdict: NOT JUDGED (exit 1)"]
 
 
 # ---------------------------------------------------------------------------- FLA refuses the environment

@@ -130,3 +130,30 @@ def test_probe_under_torch_compile_records_hits_and_leaves_the_helpers_compiled(
         assert out.tolist() == [0, 2, 4, 0, 2, 4, 6]
     # prepare_lens's diff and prepare_position_ids's cumsum ran inside compiled graphs
     assert any(torch.diff in g for g in graphs) and any("cumsum" in g for g in graphs)
+
+
+def test_the_probe_records_which_offsets_object_each_call_was_given_on_a_hit_a_miss_and_a_bypass():
+    """``arguments=True``: every event holds the call's tensors (a hit: the entry it matched), so a reader tells a
+    shared offsets object (one object in every call) from fresh ones; without it events hold none."""
+    clear_tensor_cache()
+    shared, other = offsets(), offsets()
+    with probe_tensor_cache(arguments=True) as probe:
+        prepare_chunk_indices(shared, 4)
+        prepare_chunk_indices(other, 4)
+        prepare_chunk_indices(shared, 4)  # a hit on the first entry, with another entry after it in the queue
+        with tensor_cache_disabled():
+            prepare_lens(other)
+    got = [(e.helper, e.outcome, [a is shared for a in e.arguments], [a is other for a in e.arguments])
+           for e in probe.events]
+    assert got == [
+        ("prepare_chunk_indices", "miss", [True], [False]),
+        ("prepare_lens", "miss", [True], [False]),
+        ("prepare_chunk_indices", "miss", [False], [True]),
+        ("prepare_lens", "miss", [False], [True]),
+        ("prepare_chunk_indices", "hit", [True], [False]),
+        ("prepare_lens", "bypass", [False], [True]),
+    ]
+    with probe_tensor_cache() as plain:
+        prepare_chunk_indices(shared, 4)
+        prepare_chunk_indices(offsets(), 4)
+    assert [(e.outcome, e.arguments) for e in plain.events] == [("hit", ()), ("miss", ()), ("miss", ())]

@@ -10,6 +10,7 @@ import torch
 from fla.layers import GatedDeltaNet, Mamba2
 from torch import nn
 
+import fla_ac_isolation.harness.check_findings as check_findings
 import fla_ac_isolation.harness.check_runner as check_runner
 import fla_ac_isolation.isolate as isolate_module
 import fla_ac_isolation.mixer_plan as mixer_plan
@@ -123,11 +124,11 @@ def test_the_survey_reads_a_plan_it_is_given_and_classifies_only_without_one(mon
     plan = classify(model)
     count = []
     real = mixer_plan.classify
-    monkeypatch.setattr(check_runner, "classify", lambda m: count.append(1) or real(m))
+    monkeypatch.setattr(check_findings, "classify", lambda m: count.append(1) or real(m))
 
-    given = check_runner.survey(model, plan)
+    given = check_findings.survey(model, plan)
     assert count == []
-    assert check_runner.survey(model) == given and count == [1]
+    assert check_findings.survey(model) == given and count == [1]
     assert [(f.name, f.status, f.paths) for f in given] == [
         ("GatedDeltaNet", "exposed", ("blocks.fla_gdn",)),
         ("Qwen3_5GatedDeltaNet", "exposed", ("blocks.qwen",)),

@@ -1,6 +1,7 @@
 """The pytest plugin (``fla_ac_isolation.harness.pytest_plugin``): a user's test files, as ``docs/pytest-plugin.md`` shows
 them, run by pytest's own ``pytester`` with the plugin loaded by ``-p`` (as the installed ``pytest11`` entry point
-loads it): the check passes a safe model and fails an unsafe one and a blind one with the report; the EP=2
+loads it): the check passes a safe model, fails an unsafe one with the report (and a test expecting that failure
+passes) and fails a blind one with the check's own refusal; the EP=2
 regression with a user's mixer class passes this package's GDN and fails a mixer that shares its offsets; the
 pages' printed outputs are what these runs print; loading the plugin imports nothing heavy."""
 
@@ -86,7 +87,7 @@ def test_the_fixtures_are_offered_once_the_plugin_is_loaded(pytester):
 def test_the_check_passes_the_isolated_model_and_fails_the_shared_and_the_blind_one_with_the_report(pytester):
     pytester.makepyfile(test_ac_safety=_page_python(0))
     result = pytester.runpytest(*RUN, "-q")
-    result.assert_outcomes(passed=1, failed=2)
+    result.assert_outcomes(passed=2, failed=2)  # test_shared_offsets_model_is_caught passes: it expects the failure
     out = result.stdout.str()
     assert "PASSED" not in out and "test_isolated_model" not in out  # -q: a passing test prints no line
     result.stdout.fnmatch_lines([
@@ -102,12 +103,31 @@ def test_the_check_passes_the_isolated_model_and_fails_the_shared_and_the_blind_
         "  your own FLA-calling code: build a LayerLocalSeqlens once per forward*",
         "verdict: DIVERGENT (exit 1)",
         "*_ test_model_without_fla _*",
-        "as given: 2 of 2 checkpointed region(s) aligned",
-        "verdict: OK (exit 0)",
-        "NOT JUDGED: the step found no FLA-backed class and its checkpointed regions called none of FLA's index "
-        "helpers: no packed offsets reached FLA, so nothing of the fault was judged",
+        "fla-ac-isolation check refused the model: nothing was judged: the step found no FLA-backed class and its "
+        "checkpointed regions called none of FLA's index helpers, so no packed offsets reached FLA and nothing of "
+        "the fault could show; check a model whose layers call FLA, with its offsets under the keyword it reads",
     ])
+    assert "test_shared_offsets_model_is_caught" not in out and "During handling" not in out
     assert_printed_as_on_page(out, PAGE, "$ python -m pytest -q test_ac_safety.py", skip=("passed",))
+
+
+def test_what_the_page_tells_a_user_expecting_a_failure_is_what_pytest_raises():
+    """``pytest.fail`` raises ``Failed`` (``pytest.fail.Exception``): a ``BaseException``, which
+    ``pytest.raises(Exception)`` does not catch (the unsafe way the page warns of)."""
+    from _pytest.outcomes import Failed
+
+    assert pytest.fail.Exception is Failed
+    assert issubclass(Failed, BaseException) and not issubclass(Failed, Exception)
+    caught = None
+    try:
+        try:
+            pytest.fail("a failing model", pytrace=False)
+        except Exception:  # what a user's `except Exception` / pytest.raises(Exception) would catch: not this
+            caught = "Exception"
+    except Failed as failed:
+        caught = f"Failed: {failed}"
+    assert caught == "Failed: a failing model"
+    assert "`pytest.raises(pytest.fail.Exception, match=...)`" in (ROOT / PAGE).read_text()
 
 
 def test_a_refused_input_fails_the_test_with_the_checks_error_and_a_wrong_kind_is_a_type_error():

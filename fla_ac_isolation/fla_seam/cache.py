@@ -12,13 +12,16 @@ module-level mutable state). Its public names are re-exported as :mod:`fla_ac_is
 * :func:`cache_enabled`, :func:`cache_size`, :func:`tensor_cache_size` (temporarily resize every
   helper's queue, e.g. to 1 to provoke evictions), :func:`clear_tensor_cache`.
 * :func:`probe_tensor_cache` - records, for a block of code, every helper call as ``hit``, ``miss`` or
-  ``bypass`` (cache disabled), in call order.
+  ``bypass`` (cache disabled), in call order; with ``arguments=True`` also the tensors each call was given
+  (the objects FLA's cache compares by identity: which offsets object reached FLA in which call).
 
 How the probe works: for the duration of the block, each cached helper's queue (a closure cell of FLA's
 wrapper) is swapped for a ``deque`` subclass that reports lookups; a lookup that runs off the end of the
 queue is a miss, any other lookup a hit. The helper's underlying function (another closure cell) is
 wrapped to see calls made while the cache is disabled. The queue's contents are carried over and put
-back on exit, so probing does not change FLA's behaviour.
+back on exit, so probing does not change FLA's behaviour. A hit's arguments are those of the entry the
+lookup stopped at (FLA's wrapper returns from inside the loop, closing the generator there); a miss's and a
+bypass's are those the helper's function receives.
 
 Under ``torch.compile`` the probe's bookkeeping (recording an event, telling a miss from a bypass) is
 ``torch.compiler.disable`` d, so it always runs eagerly: dynamo breaks the graph at each lookup, as it does
@@ -179,10 +182,16 @@ def tensor_cache_size(size: int) -> Iterator[None]:
 # ------------------------------------------------------------------------------------------- probe
 @dataclass(frozen=True)
 class CacheEvent:
-    """One call of an FLA cached helper: its name and whether it hit, missed or bypassed the cache."""
+    """One call of an FLA cached helper: its name and whether it hit, missed or bypassed the cache.
+
+    ``arguments``: the call's tensor arguments, positional then keyword (the ``cu_seqlens`` objects FLA's cache
+    compares by identity), held while the event is; recorded only while a probe with ``arguments=True`` is
+    active (else empty), and not compared.
+    """
 
     helper: str
     outcome: Outcome
+    arguments: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass
@@ -223,16 +232,31 @@ class _ProbeState:
     def __init__(self) -> None:
         self.sinks: list[list[CacheEvent]] = []  # the ``events`` lists of the active probes
         self.installed: list[tuple[_Helper, deque, Callable[..., Any]]] = []
+        self.keeping = 0  # how many active probes record arguments
 
     @torch.compiler.disable
-    def emit(self, helper: str, outcome: Outcome) -> list[tuple[list[CacheEvent], int]]:
+    def emit(self, helper: str, outcome: Outcome, args: tuple = (), kwargs: dict | None = None,
+             ) -> list[tuple[list[CacheEvent], int]]:
         """Append an event to every active probe; return where it went, so it can be amended."""
-        event = CacheEvent(helper, outcome)
+        event = CacheEvent(helper, outcome, self.tensors(args, kwargs))
         where = []
         for sink in self.sinks:
             where.append((sink, len(sink)))
             sink.append(event)
         return where
+
+    @torch.compiler.disable
+    def amend(self, where: list[tuple[list[CacheEvent], int]], helper: str, outcome: Outcome, args: tuple = (),
+              kwargs: dict | None = None) -> None:
+        event = CacheEvent(helper, outcome, self.tensors(args, kwargs))
+        for sink, pos in where:
+            sink[pos] = event
+
+    def tensors(self, args: tuple, kwargs: dict | None) -> tuple[Any, ...]:
+        if not self.keeping:
+            return ()
+        values = (*args, *(kwargs or {}).values())
+        return tuple(v for v in values if isinstance(v, torch.Tensor))
 
 
 _probe_state = _ProbeState()
@@ -241,45 +265,70 @@ _probe_state = _ProbeState()
 class _ProbingDeque(deque):
     """A helper's queue that reports each lookup: running off its end is a miss, else a hit."""
 
-    def __init__(self, items, maxlen: int, name: str, pending: list[bool]) -> None:
+    def __init__(self, items, maxlen: int, name: str) -> None:
         super().__init__(items, maxlen)
         self._name = name
-        self._pending = pending  # set on a miss, consumed by the wrapped fn to tell a miss from a bypass
 
     def __iter__(self):
         # Recorded as a hit at lookup time (so nested helper calls come after it) ...
-        where = _probe_state.emit(self._name, "hit")
-        yield from super().__iter__()
+        _lookup_started(self._name)
+        entry = None
+        try:
+            for entry in super().__iter__():
+                yield entry
+        except GeneratorExit:  # FLA's wrapper returned from inside its loop: a hit on the last entry yielded
+            _lookup_hit(self._name, entry)
+            raise
         # ... and amended when FLA's wrapper runs off the end: no entry matched, the helper will run.
-        _ran_off_end(self._name, where, self._pending)
+        _lookup_missed(self._name)
+
+
+# The bookkeeping below is torch.compiler.disable'd and the code dynamo may trace (the deque's lookup, the
+# helper's wrapped function) hands it only the helper's name and the call's values: where an event went is
+# kept here, never passed through traced code (dynamo would guard on those lists and recompile as they grow).
+_open: list[list[tuple[list[CacheEvent], int]]] = []  # where each lookup in progress recorded its hit
+_misses: dict[str, list[list[tuple[list[CacheEvent], int]]]] = {}  # per helper: misses awaiting their call
 
 
 @torch.compiler.disable
-def _ran_off_end(name: str, where: list[tuple[list[CacheEvent], int]], pending: list[bool]) -> None:
-    """Turn the lookup's recorded hit into a miss and tell the helper's wrapped function it was one."""
-    for sink, pos in where:
-        sink[pos] = CacheEvent(name, "miss")
-    pending.append(True)
+def _lookup_started(name: str) -> None:
+    _open.append(_probe_state.emit(name, "hit"))
 
 
 @torch.compiler.disable
-def _note_call(name: str, pending: list[bool]) -> None:
-    """Called by a helper's wrapped function: a call after a miss was recorded, any other is a bypass."""
+def _lookup_hit(name: str, entry: Any) -> None:
+    where = _open.pop()
+    if _probe_state.keeping and entry is not None:
+        _probe_state.amend(where, name, "hit", entry[0], entry[1])
+
+
+@torch.compiler.disable
+def _lookup_missed(name: str) -> None:
+    """Turn the lookup's recorded hit into a miss and leave where it went for the helper's wrapped function."""
+    where = _open.pop()
+    _probe_state.amend(where, name, "miss")
+    _misses.setdefault(name, []).append(where)
+
+
+@torch.compiler.disable
+def _note_call(name: str, args: tuple, kwargs: dict) -> None:
+    """Called by a helper's wrapped function: a call after a miss completes that miss (with its arguments), any
+    other is a bypass."""
+    pending = _misses.get(name)
     if pending:
-        pending.pop()
+        _probe_state.amend(pending.pop(), name, "miss", args, kwargs)
     else:
-        _probe_state.emit(name, "bypass")
+        _probe_state.emit(name, "bypass", args, kwargs)
 
 
 def _install() -> None:
     for helper in cached_helpers():
         original = helper.cached_cell.cell_contents
         fn = helper.fn_cell.cell_contents
-        pending: list[bool] = []
-        probing = _ProbingDeque(original, original.maxlen, helper.name, pending)
+        probing = _ProbingDeque(original, original.maxlen, helper.name)
 
-        def counting_fn(*args, _fn=fn, _name=helper.name, _pending=pending, **kwargs):
-            _note_call(_name, _pending)
+        def counting_fn(*args, _fn=fn, _name=helper.name, **kwargs):
+            _note_call(_name, args, kwargs)
             return _fn(*args, **kwargs)
 
         helper.cached_cell.cell_contents = probing
@@ -295,11 +344,17 @@ def _uninstall() -> None:
         helper.cached_cell.cell_contents = original
         helper.fn_cell.cell_contents = fn
     _probe_state.installed.clear()
+    _open.clear()
+    _misses.clear()
 
 
 @contextlib.contextmanager
-def probe_tensor_cache() -> Iterator[CacheProbe]:
+def probe_tensor_cache(arguments: bool = False) -> Iterator[CacheProbe]:
     """Record every FLA cached-helper call made inside the block as a hit, a miss or a bypass.
+
+    Args:
+        arguments: also record each call's tensor arguments (:attr:`CacheEvent.arguments`), for every probe
+            active meanwhile (the events hold them: the offsets objects stay alive while the events do).
 
     Example::
 
@@ -314,9 +369,11 @@ def probe_tensor_cache() -> Iterator[CacheProbe]:
     if not _probe_state.sinks:
         _install()
     _probe_state.sinks.append(probe.events)
+    _probe_state.keeping += bool(arguments)
     try:
         yield probe
     finally:
+        _probe_state.keeping -= bool(arguments)
         # by identity: two probes' event lists may be equal
         _probe_state.sinks[:] = [s for s in _probe_state.sinks if s is not probe.events]
         if not _probe_state.sinks:

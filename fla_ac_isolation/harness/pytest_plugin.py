@@ -8,8 +8,9 @@ FLA and the check are imported when a test calls one of these:
 * :func:`assert_ac_safe` (fixture ``fla_ac_check``): one training step of your model and batch under
   :class:`~fla_ac_isolation.ReplayAudit` (:func:`fla_ac_isolation.harness.check_runner.run_check`); the test fails with
   the check's report (the FLA-backed classes, each checkpointed region, the first divergent op, the FLA helper
-  whose cache state differed, the fix, verified) unless every region is aligned and no mixer leaks. A step in
-  which nothing was checkpointed, or in which no FLA-backed call was seen, fails too (it judged nothing).
+  whose cache state differed, the fix, verified) unless every region is aligned and no mixer leaks. A step the
+  check refuses fails with its error: one that judged nothing (no region recomputed, no FLA seen: the check's
+  own rule, the CLI's too) or input it cannot take.
 * :func:`assert_regression_safe` (fixture ``fla_ac_regression``): the EP regression (two gloo ranks on a CPU,
   torchtitan's MoE, the tiny decoder of :mod:`fla_ac_isolation.harness.regression.model`) with YOUR mixer class in the
   linear-attention slots (its contract: :mod:`fla_ac_isolation.harness.regression.user_mixer`); the test fails unless
@@ -71,18 +72,6 @@ def _check_target(model: Any, batch: Any) -> tuple[str, bool]:
     return f"{__name__}:{_TARGET}", True
 
 
-def _judged(result: Any) -> str | None:
-    """Why the step judged nothing (``None``: it judged something): no checkpointed region, or no FLA-backed
-    class found and no call of FLA's cached index helpers seen."""
-    step = result.as_given
-    if step.error is None and not step.regions:
-        return "no checkpointed region ran: nothing was recomputed, so nothing was judged"
-    if step.error is None and not result.mixers and step.fla_helper_calls == 0:
-        return ("the step found no FLA-backed class and its checkpointed regions called none of FLA's index helpers: "
-                "no packed offsets reached FLA, so nothing of the fault was judged")
-    return None
-
-
 def assert_ac_safe(model: Any, batch: dict | None = None, **spec: Any) -> Any:
     """Run ``model`` and ``batch`` through the check and fail the calling test with its report unless it passes.
 
@@ -100,28 +89,30 @@ def assert_ac_safe(model: Any, batch: dict | None = None, **spec: Any) -> Any:
         The :class:`~fla_ac_isolation.harness.check_runner.CheckResult` of a passing check.
 
     Raises:
-        pytest.fail.Exception: the check's report, when a region diverged, the step failed under AC, a mixer
-            leaks across packed documents, or the step judged nothing; the check's own error when it refused
-            the input (:class:`~fla_ac_isolation.harness.check_runner.CheckInputError`).
+        pytest.fail.Exception: the check's report, when a region diverged, the step failed under AC or a mixer
+            leaks across packed documents; the check's own error when it refused the input or the step judged
+            nothing (:class:`~fla_ac_isolation.harness.check_runner.CheckInputError`). It derives from
+            ``BaseException``, not ``Exception``: a test expecting a failing model catches it with
+            ``pytest.raises(pytest.fail.Exception)``.
         TypeError: ``model`` / ``batch`` of another kind than above.
     """
     from fla_ac_isolation.harness.check_runner import CheckInputError, CheckSpec, run_check
     from fla_ac_isolation.harness.cli.check import render
 
     target, owned = _check_target(model, batch)
+    refused = None
     try:
         result = run_check(CheckSpec(model=target, **spec))
     except CheckInputError as err:
-        pytest.fail(f"fla-ac-isolation check refused the model: {err}", pytrace=False)
+        refused = str(err)  # failed below, outside this handler: the report shows no chained traceback
     finally:
         if owned:
             delattr(sys.modules[__name__], _TARGET)
+    if refused is not None:
+        pytest.fail(f"fla-ac-isolation check refused the model: {refused}", pytrace=False)
     report = render(result)
     if owned:  # the check loaded the objects given here, not a callable the reader could run
         report = report.replace(f"(--model {target})", "(given to assert_ac_safe)", 1)
-    blind = _judged(result)
-    if blind is not None:
-        pytest.fail(f"{report}\n\nNOT JUDGED: {blind}", pytrace=False)
     if result.exit_code != 0:
         pytest.fail(report, pytrace=False)
     return result

@@ -20,10 +20,12 @@ Example::
 Exit codes: 0 when every checkpointed region is aligned and no mixer leaks across packed documents, or, under
 ``--ac full``, when a region's recompute ran other ops but the step's gradients equal those of the step without
 AC (full AC replays nothing by index; the report says what SAC would do with the same model); 1 when a
-region diverged (under SAC, or with other gradients), the step failed under AC or a mixer leaks (the verdict
-line names the leaking classes); 2 for
-bad input (flags, a callable that cannot be loaded or returns something else than ``(model, batch)``, a batch
-without packed offsets, a step that fails without AC too, a model without a layer list), printed on stderr and,
+region diverged (under SAC, or with other gradients: ``DIVERGENT``), the step failed under AC but not without
+it (``FAILED under AC``) or a mixer leaks (the verdict line names the leaking classes); 2 for bad input
+(flags, a callable that cannot be loaded or returns something else than ``(model, batch)``, a batch without
+packed offsets, a step that fails without AC too, or in its forward when the model checkpoints itself, a step
+that judged nothing: no region recomputed, no packed offsets reaching FLA, no FLA seen at all; a model without
+a layer list), printed on stderr and,
 with ``--json``, as ``{"error": ..., "exit_code": 2}`` on stdout; 3 when FLA refuses this environment (its #640
 guard: the gated backward on a Hopper GPU with Triton < 3.7.1), the message naming what to install, printed and
 with ``--json`` shown the same way (``"exit_code": 3``).
@@ -130,6 +132,19 @@ def _step_lines(title: str, step: CheckStep) -> list[str]:
     return lines
 
 
+def _verdict_word(result: CheckResult, harmless: bool) -> str:
+    step = result.as_given
+    if harmless:
+        return "OK under full AC" if result.exit_code == 0 else "LEAKING"
+    if result.exit_code == 0:
+        return "OK"
+    if step.divergent:
+        return "DIVERGENT"
+    if step.error is not None:
+        return "FAILED under AC"  # it ran without AC (or its forward ran): no region diverged, the step failed
+    return "LEAKING" if step.aligned else "NOT JUDGED"
+
+
 def render(result: CheckResult) -> str:
     """The plain-text report of ``result`` (foreign text is printed as it is: no markup is interpreted)."""
     spec = result.spec
@@ -165,10 +180,7 @@ def render(result: CheckResult) -> str:
                       f"{result.as_given.grad_diff:.3g}: the divergent recompute computed other values"]
     if result.fixes:
         lines += ["", "Fix (before you use SAC):" if harmless else "Fix:", *(f"  {fix}" for fix in result.fixes)]
-    if harmless:
-        verdict = "OK under full AC" if result.exit_code == 0 else "LEAKING"
-    else:
-        verdict = "OK" if result.exit_code == 0 else ("LEAKING" if result.as_given.aligned else "DIVERGENT")
+    verdict = _verdict_word(result, harmless)
     leaking = ", ".join(m.name for m in result.leaking)
     if leaking:
         verdict += f" (exit 1): packed documents mix in {leaking}" if result.as_given.aligned or harmless else (

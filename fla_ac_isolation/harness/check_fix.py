@@ -1,0 +1,61 @@
+"""The fix step of ``check``: the one-line fixes of what it found, the classes covered by what the step observed,
+and the fix applied to a fresh model (``swap_mixers``, then ``isolate_seqlens``) read from the survey's plan.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+from torch import nn
+
+from fla_ac_isolation.families import drop_in_for
+from fla_ac_isolation.foreign_classes import ForeignClass
+from fla_ac_isolation.harness.check_findings import CheckStep, MixerFinding
+from fla_ac_isolation.mixer_plan import EXPOSED
+
+__all__ = ["OWN_CODE_FIX", "apply_fix", "fixes", "observed_covered"]
+
+OWN_CODE_FIX = ("your own FLA-calling code: build a LayerLocalSeqlens once per forward and hand each layer "
+                "seqlens.local() inside its forward (docs/own-model.md)")
+
+
+
+def apply_fix(model: nn.Module, mixers: list[MixerFinding]) -> tuple[str, ...]:
+    """``swap_mixers`` where a leaking class has a drop-in, then ``isolate_seqlens`` for what stays exposed:
+    ``mixers`` is the survey of the plan (:func:`survey`) of a model built by the same factory, so what stays
+    exposed is read from it (its exposed paths that ``swap_mixers`` did not replace), not classified again."""
+    from fla_ac_isolation.isolate import isolate_seqlens
+    from fla_ac_isolation.swap import swap_mixers
+
+    applied, swapped = [], set()
+    leaking = [m for m in mixers if m.status == "leaking" or m.leak_fix is not None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the leaking classes are reported already
+        if any(drop_in_for(ForeignClass(*m.cls.rsplit(".", 1))) for m in leaking):
+            swapped = set(swap_mixers(model))
+            applied.append("swap_mixers(model)")
+        if any(p not in swapped for m in mixers if m.status == EXPOSED for p in m.paths):
+            isolate_seqlens(model)
+            applied.append("isolate_seqlens(model)")
+    return tuple(applied)
+
+
+def observed_covered(mixers: list[MixerFinding], fresh: tuple[str, ...]) -> list[MixerFinding]:
+    """An exposed class every instance of which the step saw hand FLA fresh offsets in every call is covered."""
+    out = []
+    for m in mixers:
+        if m.status == EXPOSED and m.paths and all(p in fresh for p in m.paths):
+            m = replace(m, status="covered", fix=None, observed="fresh offsets")
+        out.append(m)
+    return out
+
+
+def fixes(mixers: list[MixerFinding], step: CheckStep) -> list[str]:
+    """The one-line fixes, in order: each exposed or leaking class's, each class's leak's, and (a region diverged
+    with no exposed class to blame) the fix of the user's own FLA-calling code."""
+    out = [f"{m.name}: {m.fix}" for m in mixers if m.fix]
+    out += [f"{m.name}, to keep packed documents apart: {m.leak_fix}" for m in mixers if m.leak_fix]
+    if step.divergent and not any(m.status == EXPOSED for m in mixers):
+        out.append(OWN_CODE_FIX)
+    return out

@@ -1,0 +1,189 @@
+"""What ``check`` is asked to check (:class:`CheckSpec`), each field checked at the boundary; the errors of the
+check (:class:`CheckInputError`: exit 2, :class:`CheckEnvironmentError`: exit 3); the user's SAC policy and
+``module:callable`` targets resolved (:func:`resolve_policy`, :func:`load_callable`). The check itself:
+:mod:`fla_ac_isolation.harness.check_runner`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pathlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fla_ac_isolation.harness.environment import resolve_device
+from fla_ac_isolation.harness.failures import first_line
+from fla_ac_isolation.policies import POLICIES
+
+__all__ = ["CheckEnvironmentError", "CheckInputError", "CheckSpec", "load_callable", "resolve_policy"]
+
+
+class CheckInputError(ValueError):
+    """What the check was given cannot be checked: the spec, the callable, what it returned, or the model's
+    layers (the message names which)."""
+
+
+class CheckEnvironmentError(RuntimeError):
+    """The environment cannot run the check: FLA refuses it (its #640 guard, recognised by
+    :func:`fla_ac_isolation.fla_seam.versions.is_hopper_gdn_refusal`); the message names what to install and
+    FLA's own error. Not the model's fault, nor AC's (the command exits with 3)."""
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """What to check; :meth:`validate` checks every field.
+
+    Attributes:
+        model: ``"module:callable"`` or ``"path/to/file.py:callable"`` returning ``(model, batch)``.
+        config: a tiny model instead (:func:`fla_ac_isolation.harness.foreign_models.tiny_names`); exactly one of
+            the two.
+        ac: ``"selective"`` (with ``policy``) or ``"full"``. Ignored for a model that checkpoints itself (its
+            factory's model already calls ``checkpoint``): it is audited as it is, with its own policy.
+        policy: the SAC policy: a name (:data:`fla_ac_isolation.policies.POLICIES`), ``"module:callable"`` /
+            ``"path/to/file.py:callable"`` naming the user's own policy function, or that function itself: a
+            function as ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` takes it,
+            ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` (one with a ``fresh()`` method is renewed for
+            every checkpointed call).
+        device: ``cpu``, ``cuda`` or ``auto`` (``cuda`` when a GPU is visible).
+        seed: the tiny model's weights and batch (``config`` only).
+        verify_fix: when the model diverges, run the fix on a fresh model too.
+        first_config: on CUDA, every Triton autotuner of FLA keeps its first config (no autotuning: the first
+            step takes seconds, not minutes; the kernels run untuned, the verdict is the same). No effect on CPU.
+    """
+
+    model: str | None = None
+    config: str | None = None
+    ac: str = "selective"
+    policy: str | Callable = "save-all-copies"
+    device: str = "auto"
+    seed: int = 0
+    verify_fix: bool = True
+    first_config: bool = False
+
+    def validate(self) -> CheckSpec:
+        """Return self after checking every field.
+
+        Raises:
+            CheckInputError: naming the field and what it must be.
+        """
+        if (self.model is None) == (self.config is None):
+            raise CheckInputError("give exactly one of model ('module:callable') and config (a model_type)")
+        if self.model is not None and (not isinstance(self.model, str) or self.model.count(":") != 1
+                                       or not all(self.model.split(":"))):
+            raise CheckInputError(f"model must be 'module:callable' or 'path/to/file.py:callable', got {self.model!r}")
+        if self.config is not None:
+            from fla_ac_isolation.harness.foreign_models import tiny_names
+
+            names = tiny_names()
+            if self.config not in names:
+                raise CheckInputError(f"config must be one of {sorted(names)}, got {self.config!r}")
+        if self.ac not in ("full", "selective"):
+            raise CheckInputError(f"ac must be 'full' or 'selective', got {self.ac!r}")
+        if self.ac == "selective":
+            resolve_policy(self.policy)
+        try:
+            resolve_device(self.device)
+        except ValueError as err:
+            raise CheckInputError(str(err)) from None
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise CheckInputError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.first_config, bool):
+            raise CheckInputError(f"first_config must be a bool, got {self.first_config!r}")
+        return self
+
+    @property
+    def policy_name(self) -> str:
+        """How the report names the policy: its name, its ``module:callable``, or the function's name."""
+        if isinstance(self.policy, str):
+            return self.policy
+        return getattr(self.policy, "__qualname__", None) or type(self.policy).__name__
+
+
+POLICY_EXPECTED = ("one of {names}, 'module:callable' or 'path/to/file.py:callable' naming your own SAC policy, or "
+                   "that function: (ctx, op, *args, **kwargs) -> CheckpointPolicy, as "
+                   "torch.utils.checkpoint.create_selective_checkpoint_contexts takes it")
+
+
+def resolve_policy(policy: Any) -> Callable:
+    """The SAC policy function of ``policy`` (:attr:`CheckSpec.policy`): a named policy is built fresh, a
+    ``module:callable`` is imported (:func:`load_callable`), a function is returned as it is.
+
+    Raises:
+        CheckInputError: naming ``policy`` and what it must be: an unknown name, a target that cannot be
+            imported, or a function that does not take ``(ctx, op, ...)`` (e.g. a policy constructor uncalled).
+    """
+    from fla_ac_isolation.policies import sac_context_fn
+
+    expected = POLICY_EXPECTED.format(names=sorted(POLICIES))
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]()
+    if isinstance(policy, str):
+        if policy.count(":") != 1 or not all(policy.split(":")):
+            raise CheckInputError(f"policy must be {expected}, got {policy!r}")
+        fn = load_callable(policy, "policy")
+    elif callable(policy):
+        fn = policy
+    else:
+        raise CheckInputError(f"policy must be {expected}, got {type(policy).__name__}")
+    try:
+        sac_context_fn(fn)
+    except TypeError as err:
+        raise CheckInputError(f"policy {_shown(policy)}: {err}") from None
+    return fn
+
+
+def _shown(policy: Any) -> str:
+    return repr(policy) if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
+
+
+def _module_not_found_hint(err: BaseException, where: str) -> str:
+    top = where.split(".")[0]
+    if not isinstance(err, ModuleNotFoundError) or err.name is None or err.name.split(".")[0] != top:
+        return ""
+    return (f" (module:callable imports from the working directory {os.getcwd()} and sys.path: run from the "
+            f"folder that holds {top}.py or the {top}/ package, or give path/to/file.py:callable)")
+
+
+def load_callable(target: str, argument: str = "model") -> Callable:
+    """The callable of ``target``: ``"path/to/file.py:callable"`` (the file, run as a module) or
+    ``"module:callable"``, imported with the working directory on ``sys.path`` (first, as pytest and uvicorn
+    put it; it stays there), so a module next to where the command runs is found.
+
+    Raises:
+        CheckInputError: naming ``argument`` and ``target``: no such file, the import fails (a
+            ``ModuleNotFoundError`` of the module itself says where modules are looked up), no such attribute,
+            or it is not callable.
+    """
+    where, _, name = target.partition(":")
+    try:
+        if where.endswith(".py") or "/" in where:
+            path = pathlib.Path(where)
+            if not path.is_file():
+                raise CheckInputError(f"{argument} {target!r}: no file {where}")
+            spec = importlib.util.spec_from_file_location(f"_fla_ac_isolation_check_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses look their module up while a class is created
+            spec.loader.exec_module(module)
+        else:
+            cwd = os.getcwd()
+            if cwd not in sys.path and "" not in sys.path:
+                sys.path.insert(0, cwd)
+            module = importlib.import_module(where)
+    except CheckInputError:
+        raise
+    except Exception as err:
+        raise CheckInputError(f"{argument} {target!r}: importing {where} failed: {first_line(err)}"
+                              f"{_module_not_found_hint(err, where)}") from err
+    if not hasattr(module, name):
+        raise CheckInputError(f"{argument} {target!r}: {where} has no callable {name!r}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        shown = f"{where}:{name}" if where.endswith(".py") or "/" in where else f"{where}.{name}"
+        raise CheckInputError(f"{argument} {target!r}: {shown} is not callable ({type(fn).__name__})")
+    return fn
+
+

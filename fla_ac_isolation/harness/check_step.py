@@ -1,0 +1,225 @@
+"""One step of ``check``: the step without AC first (gradients kept; whether the model checkpoints itself; a
+failure there refused as bad input), then one step under :class:`~fla_ac_isolation.ReplayAudit` with the check's
+AC (or the model's own), and which watched modules handed FLA's cached index helpers offsets of their own in
+every call (read from :func:`~fla_ac_isolation.fla_cache.probe_tensor_cache`, so on any device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+from typing import Any
+
+import torch
+from torch import nn
+
+from fla_ac_isolation.audit import ReplayAudit
+from fla_ac_isolation.harness.check_findings import CheckStep, RegionVerdict
+from fla_ac_isolation.harness.check_spec import CheckEnvironmentError, CheckInputError, CheckSpec, resolve_policy
+from fla_ac_isolation.harness.failures import first_line
+
+__all__ = ["audited_step", "autotune_notice", "dry_run"]
+
+
+def _loss(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", None) if not isinstance(out, torch.Tensor) else out
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise CheckInputError(f"model(**batch) must return a scalar loss or an object with .loss (labels in the "
+                              f"batch?), got {type(out).__name__}")
+    return loss
+
+
+def autotune_notice(device: str, first_config: bool) -> str | None:
+    """What the check tells the user before a step on ``device`` (``None``: nothing to tell: a CPU, whose FLA
+    kernels are served by reference stand-ins and never autotune)."""
+    if device == "cpu":
+        return None
+    if first_config:
+        return ("FLA's Triton autotuners keep their first config (--first-config): kernels compile once per "
+                "shape, untuned; the verdict does not depend on it")
+    return ("FLA compiles and autotunes its Triton kernels on first use: the first step can take minutes with no "
+            "output (rerun with --first-config, or CheckSpec(first_config=True), to keep each autotuner's first "
+            "config: seconds, untuned kernels, the same verdict)")
+
+
+def _serving(spec: CheckSpec):
+    if spec.device != "cpu":
+        if not spec.first_config:
+            return contextlib.nullcontext()
+        from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config
+
+        return first_autotune_config()
+    from fla_ac_isolation.harness.reference_kernels import reference_kernels
+
+    return reference_kernels()
+
+
+def _grads(model: nn.Module) -> dict[int, torch.Tensor]:
+    """The gradients by parameter object (checkpoint wrappers rename parameters, they keep the objects)."""
+    return {id(p): p.grad.detach().clone() for p in model.parameters() if p.grad is not None}
+
+
+def _grad_diff(model: nn.Module, reference: dict[int, torch.Tensor] | None) -> float | None:
+    if reference is None:
+        return None
+    got = _grads(model)
+    if got.keys() != reference.keys():
+        return float("inf")
+    return max((float((got[n].double() - reference[n].double()).abs().max()) for n in got), default=0.0)
+
+
+def dry_run(model: nn.Module, batch: dict, spec: CheckSpec) -> tuple[bool, dict[int, torch.Tensor] | None]:
+    """One step of ``model`` as given, before the check applies AC, under a :class:`ReplayAudit` that sees
+    whether the model checkpoints itself; gradients are dropped after it.
+
+    Returns:
+        ``(self_checkpointed, gradients)``: whether a checkpointed region ran (the model's own ``checkpoint``
+        calls), and the gradients of the step when it ran without AC (``None`` when it checkpoints itself).
+
+    Raises:
+        CheckInputError: the step raised without AC, or the forward of a model that checkpoints itself raised
+            (a forward runs the ops it runs without AC: only the backward recomputes), naming its error: the
+            batch or the model is wrong, not AC; or the forward returns no loss.
+    """
+    model.zero_grad(set_to_none=True)
+    error, in_forward = None, True
+    with _serving(spec), ReplayAudit(model, on_divergence="record") as audit:
+        try:
+            loss = _loss(model(**batch))
+            in_forward = False
+            loss.backward()
+        except CheckInputError:
+            raise
+        except Exception as err:
+            error = err
+    self_checkpointed = bool(audit.regions)
+    if error is not None:
+        _refuse_environment(error)
+    if error is not None and not self_checkpointed:
+        raise CheckInputError(f"model(**batch) fails without activation checkpointing, so the model or the "
+                              f"batch is wrong, not AC: {first_line(error)}") from error
+    if error is not None and in_forward:
+        raise CheckInputError(f"model(**batch) fails in its forward, before any recompute (the model checkpoints "
+                              f"itself; its forward runs the ops it runs without AC), so the model or the batch is "
+                              f"wrong, not AC: {first_line(error)}") from error
+    grads = None if self_checkpointed else _grads(model)
+    model.zero_grad(set_to_none=True)
+    return self_checkpointed, grads
+
+
+def _refuse_environment(err: Exception) -> None:
+    """Raise :class:`CheckEnvironmentError` when ``err`` is FLA's #640 refusal (the seam recognises it)."""
+    from fla_ac_isolation.fla_seam.versions import HOPPER_GDN_REMEDY, fla_version, is_hopper_gdn_refusal
+
+    if not is_hopper_gdn_refusal(err):
+        return
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = "(version unknown)"
+    raise CheckEnvironmentError(
+        f"FLA refuses this environment, not the model: FLA {fla_version()} refuses the gated backward "
+        f"(chunk_bwd_dqkwg: gated delta rule, simple GLA) on a Hopper GPU with Triton {triton} (Triton >= 3.4.0 and "
+        f"< 3.7.1 miscompile it, FLA issue #640); {HOPPER_GDN_REMEDY}, then run check again; FLA's error: "
+        f"{first_line(err)}"
+    ) from err
+
+
+class _OffsetsSeen:
+    """The tensors FLA's cached index helpers received during each call of each watched module
+    (``{(path, n-th call): [the tensors of each helper call]}``; a forward and each recompute are separate calls),
+    as :func:`~fla_ac_isolation.fla_cache.probe_tensor_cache` records them (``arguments=True``: a hit's are those
+    of the entry it matched): on any device. The batch's own tensors are nobody's own."""
+
+    def __init__(self, model: nn.Module, paths: list[str], probe: Any, batch: dict) -> None:
+        self.probe = probe
+        self.shared = {id(v): v for v in _tensors(batch.values())}  # kept: their ids stay theirs
+        self.seen: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
+        self.started: dict[str, int] = {}  # path -> how many events were recorded when its call began
+        self.handles = []
+        for path in paths:
+            module = model.get_submodule(path)
+            self.handles.append(module.register_forward_pre_hook(self._pre(path)))
+            self.handles.append(module.register_forward_hook(self._post(path)))
+
+    def _pre(self, path: str):
+        def hook(module, args):
+            self.started[path] = self.probe.mark()
+        return hook
+
+    def _post(self, path: str):
+        def hook(module, args, output):
+            start = self.started.pop(path)
+            n = sum(p == path for p, _ in self.seen)
+            self.seen[(path, n)] = [e.arguments for e in self.probe.events[start:]]
+        return hook
+
+    def fresh(self) -> tuple[str, ...]:
+        """The watched paths each call of which handed FLA's helpers, in every helper call, a tensor no other call
+        (nor the batch) handed them: no entry another call made can be hit (FLA's cache compares every argument
+        by identity). A path one of whose calls made no helper call is left out: nothing to judge."""
+        owner: dict[int, set[tuple[str, int] | None]] = {i: {None} for i in self.shared}
+        for key, calls in self.seen.items():
+            for arguments in calls:
+                for t in arguments:
+                    owner.setdefault(id(t), set()).add(key)
+        out = []
+        for path in dict.fromkeys(p for p, _ in self.seen):
+            keys = [k for k in self.seen if k[0] == path]
+            if all(self.seen[k] and all(any(owner[id(t)] == {k} for t in arguments) for arguments in self.seen[k])
+                   for k in keys):
+                out.append(path)
+        return tuple(out)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors among ``values``, those in tuples too (torchtitan's ``VarlenMetadata``)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, tuple):
+            out += _tensors(v)
+    return out
+
+
+def audited_step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpointed: bool = False,
+          watch: tuple[str, ...] = (), reference: dict[int, torch.Tensor] | None = None) -> CheckStep:
+    """One audited step: ``model`` checkpointed by the check (``spec.ac``, ``spec.policy``), or as it is when
+    it checkpoints itself; ``watch``: the FLA-backed modules whose offsets objects are recorded
+    (:attr:`CheckStep.fresh_offsets`); ``reference``: the gradients without AC to compare with."""
+    from fla_ac_isolation.fla_cache import clear_tensor_cache, probe_tensor_cache
+    from fla_ac_isolation.policies import checkpoint_layers
+
+    if not self_checkpointed:
+        try:
+            checkpoint_layers(model, spec.ac, resolve_policy(spec.policy) if spec.ac == "selective" else None)
+        except ValueError as err:
+            raise CheckInputError(f"cannot checkpoint the model's layers: {err}") from err
+    clear_tensor_cache()
+    model.zero_grad(set_to_none=True)
+    error = None
+    with (_serving(spec), probe_tensor_cache(arguments=True) as probe,
+          ReplayAudit(model, on_divergence="record") as audit):
+        seen = _OffsetsSeen(model, list(watch), probe, batch)
+        try:
+            _loss(model(**batch)).backward()
+        except CheckInputError:
+            raise
+        except Exception as err:
+            error = first_line(err)
+        finally:
+            seen.remove()
+    regions = tuple(
+        RegionVerdict(r.label, r.verdict, r.first_diff, r.forward_op, r.recompute_op,
+                      tuple(d.helper for d in r.fla), r.where)
+        for r in audit.regions
+    )
+    calls = sum(n for r in audit.regions for counts in r.forward_cache.values() for n in counts.values())
+    blind = audit.why_blind if audit.regions or audit.unaudited else None  # none ran: CheckStep.aligned's rule
+    diff = _grad_diff(model, reference) if error is None else None
+    return CheckStep(regions, error, calls, blind=blind, grad_diff=diff, fresh_offsets=seen.fresh())

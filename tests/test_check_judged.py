@@ -1,0 +1,220 @@
+"""What ``check`` judges, in one place (``run_check``; the CLI and the pytest plugin render it):
+
+* a model that checkpoints itself and whose forward fails (``isolate_seqlens``' hook refusing a misspelt
+  ``cu_seq_lens=``) is a step that failed, exit 2 with the hook's error: no region verdict, no ``Fix:`` line;
+  the unsafe path (the same misspelling without ``isolate_seqlens``) is exit 2 too, told that no offsets reached
+  FLA;
+* a step that saw nothing it could judge (no FLA-backed class and no call of FLA's index helpers) is refused by
+  ``run_check`` itself, for the CLI too;
+* "covered by observation" reads which offsets objects FLA's cached helpers received (the cache probe), which
+  FLA's CUDA kernels call as the CPU's served ones do: not the CPU-served kernels' own record;
+* the fix step reads the survey's plan (one classification per ``run_check``), not a second one.
+
+The model is ``examples/own_decoder.py`` (FLA's ``GatedDeltaNet`` and ``KimiDeltaAttention`` with an MLP)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from page_output import assert_printed_as_on_page
+from torch import nn
+
+import fla_ac_isolation.harness.check_runner as check_runner
+import fla_ac_isolation.harness.check_step as check_step
+from fla_ac_isolation import mixer_plan
+from fla_ac_isolation.harness.check_runner import CheckInputError, CheckSpec, run_check
+from fla_ac_isolation.harness.cli import main
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+EXAMPLE = "examples/own_decoder.py"
+HOOK_ERROR = ("ValueError: isolate_seqlens: layers.0.mixer (GatedDeltaNet) is hooked to refresh ['cu_seqlens'], but "
+              "this call passed none of them and passed the offsets-like keyword(s) ['cu_seq_lens']: GatedDeltaNet "
+              "hands FLA its offsets only from ['cu_seqlens'], so FLA would never see these and would run the packed "
+              "documents as one sequence (they mix); fix the call: pass the offsets as cu_seqlens=...")
+FORWARD_FAILED = ("model(**batch) fails in its forward, before any recompute (the model checkpoints itself; its "
+                  "forward runs the ops it runs without AC), so the model or the batch is wrong, not AC: ")
+NO_OFFSETS = ("no packed offsets reached FLA: the model's FLA-backed layers (GatedDeltaNet, KimiDeltaAttention) "
+              "called none of FLA's index helpers, so they ran the batch as one sequence and nothing can be "
+              "checked; give the offsets under the keyword the model reads: cu_seq_lens_q (transformers), "
+              "attention_masks (torchtitan), cu_doc_lens (OLMo-core), cu_seqlens (flash-linear-attention's models)")
+NOTHING_JUDGED = ("nothing was judged: the step found no FLA-backed class and its checkpointed regions called none "
+                  "of FLA's index helpers, so no packed offsets reached FLA and nothing of the fault could show; "
+                  "check a model whose layers call FLA, with its offsets under the keyword it reads")
+
+
+def _check(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["check", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ------------------------------------------------------------------ a step that failed is not a verdict
+def test_an_isolated_model_whose_call_misspells_the_keyword_is_a_failed_step_exit_2_with_the_hooks_error(capsys):
+    code, out, err = _check(capsys, "--model", f"{EXAMPLE}:misspelt_isolated")
+    assert (code, out) == (2, "")  # no report: no class list, no "aligned", no verdict, no Fix: line
+    assert err == f"fla-ac-isolation check: error: {FORWARD_FAILED}{HOOK_ERROR}\n"
+    assert_printed_as_on_page(err, "docs/check.md", f"$ fla-ac-isolation check --model {EXAMPLE}:misspelt_isolated")
+
+    code, out, _ = _check(capsys, "--model", f"{EXAMPLE}:misspelt_isolated", "--json")
+    assert code == 2 and json.loads(out) == {"error": FORWARD_FAILED + HOOK_ERROR, "exit_code": 2}
+
+    with pytest.raises(CheckInputError) as raised:
+        run_check(CheckSpec(model=f"{EXAMPLE}:misspelt_isolated"))
+    assert str(raised.value) == FORWARD_FAILED + HOOK_ERROR
+    assert isinstance(raised.value.__cause__, ValueError)
+
+
+def test_the_same_misspelling_without_isolate_seqlens_is_told_that_no_offsets_reached_fla_exit_2(capsys):
+    """The unsafe path: FLA's layers take ``cu_seq_lens=`` silently and run the batch as one sequence."""
+    code, out, err = _check(capsys, "--model", f"{EXAMPLE}:misspelt")
+    assert (code, out) == (2, "")
+    assert err == f"fla-ac-isolation check: error: {NO_OFFSETS}\n"
+    with pytest.raises(CheckInputError) as raised:
+        run_check(CheckSpec(model=f"{EXAMPLE}:misspelt"))
+    assert str(raised.value) == NO_OFFSETS
+
+
+def test_without_the_forward_rule_the_failed_step_was_reported_as_a_divergence(monkeypatch):
+    """What the rule prevents: the failed forward passed on to the audited step gives a DIVERGENT exit 1 over one
+    region never recomputed, with a Fix: line pointing at LayerLocalSeqlens."""
+    from fla_ac_isolation.harness.cli.check import render
+
+    dry = check_runner._dry_run
+
+    def lenient(model, batch, spec):
+        try:
+            return dry(model, batch, spec)
+        except CheckInputError:
+            return True, None  # the old rule: a model that checkpoints itself goes on to the step
+
+    monkeypatch.setattr(check_runner, "_dry_run", lenient)
+    result = run_check(CheckSpec(model=f"{EXAMPLE}:misspelt_isolated"))
+    lines = render(result).splitlines()
+    assert result.as_given.error == HOOK_ERROR and result.exit_code == 1
+    assert [r.verdict for r in result.as_given.regions] == ["not recomputed"]
+    assert "Fix:" not in lines  # a fix of own code is offered for a divergence only (none diverged)
+    assert lines[-1] == "verdict: FAILED under AC (exit 1)"
+
+
+# ---------------------------------------------------------------------- nothing judged: run_check refuses
+MLP = """
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, hidden, cu_seqlens):
+        for layer in self.layers:
+            hidden = hidden + layer(hidden)
+        return hidden.pow(2).mean()
+
+
+def mlp():
+    return MLP(), {"hidden": torch.randn(1, 6, 8), "cu_seqlens": torch.tensor([0, 2, 6], dtype=torch.int32)}
+"""
+
+
+@pytest.fixture
+def mlp_target(tmp_path):
+    path = tmp_path / "fla_free.py"
+    path.write_text(MLP)
+    return f"{path}:mlp"
+
+
+def test_a_model_without_fla_is_refused_by_run_check_and_the_cli_exit_2(capsys, monkeypatch, mlp_target):
+    with pytest.raises(CheckInputError) as raised:
+        run_check(CheckSpec(model=mlp_target))
+    assert str(raised.value) == NOTHING_JUDGED
+    code, out, err = _check(capsys, "--model", mlp_target)
+    assert (code, out, err) == (2, "", f"fla-ac-isolation check: error: {NOTHING_JUDGED}\n")
+
+    # the unsafe path, without the rule: both regions aligned, passed blind
+    monkeypatch.setattr(check_runner, "_require_judged", lambda step, mixers: None)
+    result = run_check(CheckSpec(model=mlp_target))
+    assert result.exit_code == 0 and result.mixers == [] and result.as_given.fla_helper_calls == 0
+    assert [r.verdict for r in result.as_given.regions] == ["aligned", "aligned"]
+
+
+def test_the_plugin_renders_run_checks_refusal_and_keeps_no_rule_of_its_own(mlp_target):
+    import fla_ac_isolation.harness.pytest_plugin as plugin
+
+    with pytest.raises(pytest.fail.Exception) as failed:
+        plugin.assert_ac_safe(mlp_target)
+    assert str(failed.value) == f"fla-ac-isolation check refused the model: {NOTHING_JUDGED}"
+    assert not hasattr(plugin, "_judged")
+
+
+# ------------------------------------------------------------- covered: observed from FLA's cache, any device
+class Helpers(nn.Module):
+    """Calls FLA's cached index helpers with the offsets it is handed (as FLA's CUDA kernels do), no kernel."""
+
+    def forward(self, hidden, cu_seqlens):
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        prepare_chunk_indices(cu_seqlens, 4)
+        return hidden * 2
+
+
+def _observed(fresh_per_call: bool) -> tuple[str, ...]:
+    from fla_ac_isolation.fla_cache import clear_tensor_cache, probe_tensor_cache
+
+    model = nn.ModuleDict({"a": Helpers(), "b": Helpers()})
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    clear_tensor_cache()
+    with probe_tensor_cache(arguments=True) as probe:
+        seen = check_step._OffsetsSeen(model, ["a", "b"], probe, {"cu_seqlens": cu})
+        hidden = torch.zeros(1, 8)
+        for name in ("a", "b", "a"):  # a's second call: as its recompute
+            hidden = model[name](hidden, cu.clone() if fresh_per_call else cu)
+        seen.remove()
+    return seen.fresh()
+
+
+def test_fresh_offsets_are_observed_from_flas_cached_helpers_without_the_cpu_served_kernels():
+    """No ``reference_kernels()`` here: what is read is what FLA's helpers were given, which FLA's own (CUDA)
+    kernels call; the batch's shared tensor in every call is not fresh."""
+    assert _observed(fresh_per_call=True) == ("a", "b")
+    assert _observed(fresh_per_call=False) == ()
+
+
+def test_a_model_whose_blocks_call_local_is_covered_and_the_shared_one_stays_exposed():
+    local = run_check(CheckSpec(model=f"{EXAMPLE}:local", verify_fix=False))
+    assert [(m.name, m.status, m.observed) for m in local.mixers] == [
+        ("GatedDeltaNet", "covered", "fresh offsets"), ("KimiDeltaAttention", "covered", "fresh offsets")]
+    assert local.as_given.fresh_offsets == tuple(f"layers.{i}.mixer" for i in range(4)) and local.exit_code == 0
+    shared = run_check(CheckSpec(model=f"{EXAMPLE}:plain", verify_fix=False))
+    assert [(m.status, m.observed) for m in shared.mixers] == [("exposed", None), ("exposed", None)]
+    assert shared.as_given.fresh_offsets == ()
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_model_whose_blocks_call_local_is_covered_by_what_flas_kernels_were_handed(hopper_guard_lifted):
+    """FLA's own Triton kernels (no served stand-ins): the same observation as on a CPU."""
+    local = run_check(CheckSpec(model=f"{EXAMPLE}:local", device="cuda", verify_fix=False, first_config=True))
+    assert [(m.name, m.status, m.observed) for m in local.mixers] == [
+        ("GatedDeltaNet", "covered", "fresh offsets"), ("KimiDeltaAttention", "covered", "fresh offsets")]
+    assert local.exit_code == 0 and local.fixes == []
+    shared = run_check(CheckSpec(model=f"{EXAMPLE}:plain", device="cuda", verify_fix=False, first_config=True))
+    assert [m.status for m in shared.mixers] == ["exposed", "exposed"] and shared.as_given.fresh_offsets == ()
+
+
+# ---------------------------------------------------------------------------- the fix reads the one plan
+@pytest.mark.parametrize(("spec", "applied"), [
+    (CheckSpec(model=f"{EXAMPLE}:plain"), ("isolate_seqlens(model)",)),
+    (CheckSpec(config="qwen3_5_moe_text"), ("swap_mixers(model)",)),  # every exposed mixer swapped: no hook
+], ids=["isolate", "swap"])
+def test_run_check_with_the_fix_verified_classifies_once(monkeypatch, spec, applied):
+    calls = []
+    real = mixer_plan.classify
+    monkeypatch.setattr(check_runner, "classify", lambda m: calls.append(type(m).__name__) or real(m))
+    result = run_check(spec)
+    assert len(calls) == 1 and result.fix_applied == applied
+    assert result.fixed is not None and result.fixed.aligned and not result.as_given.aligned
