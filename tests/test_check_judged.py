@@ -40,6 +40,11 @@ NO_OFFSETS = ("no packed offsets reached FLA: the model's FLA-backed layers (Gat
               "called none of FLA's index helpers, so they ran the batch as one sequence and nothing can be "
               "checked; give the offsets under the keyword the model reads: cu_seq_lens_q (transformers), "
               "attention_masks (torchtitan), cu_doc_lens (OLMo-core), cu_seqlens (flash-linear-attention's models)")
+MISSPELT_CALL = ("no packed offsets reached FLA: the model's FLA-backed layers (GatedDeltaNet, KimiDeltaAttention) "
+                 "called none of FLA's index helpers, so they ran the batch as one sequence and nothing can be "
+                 "checked; the model's call of layers.0.mixer (GatedDeltaNet) (and 3 more layer(s)) passed the "
+                 "offsets as cu_seq_lens=, a keyword GatedDeltaNet does not read: fix the call: pass them as "
+                 "cu_seqlens=")
 NOTHING_JUDGED = ("nothing was judged: the step found no FLA-backed class and its checkpointed regions called none "
                   "of FLA's index helpers, so no packed offsets reached FLA and nothing of the fault could show; "
                   "check a model whose layers call FLA, with its offsets under the keyword it reads")
@@ -67,14 +72,25 @@ def test_an_isolated_model_whose_call_misspells_the_keyword_is_a_failed_step_exi
     assert isinstance(raised.value.__cause__, ValueError)
 
 
-def test_the_same_misspelling_without_isolate_seqlens_is_told_that_no_offsets_reached_fla_exit_2(capsys):
-    """The unsafe path: FLA's layers take ``cu_seq_lens=`` silently and run the batch as one sequence."""
+def test_the_same_misspelling_without_isolate_seqlens_is_told_which_call_to_fix_exit_2(capsys):
+    """The unsafe path: FLA's layers take ``cu_seq_lens=`` silently and run the batch as one sequence. The batch
+    says ``cu_seqlens``, so the advice names the model's call, the keyword it gave and the one FLA reads (the
+    batch-keyword advice, :data:`NO_OFFSETS`, would send the user to a batch that is right)."""
     code, out, err = _check(capsys, "--model", f"{EXAMPLE}:misspelt")
     assert (code, out) == (2, "")
-    assert err == f"fla-ac-isolation check: error: {NO_OFFSETS}\n"
+    assert err == f"fla-ac-isolation check: error: {MISSPELT_CALL}\n"
     with pytest.raises(CheckInputError) as raised:
         run_check(CheckSpec(model=f"{EXAMPLE}:misspelt"))
-    assert str(raised.value) == NO_OFFSETS
+    assert str(raised.value) == MISSPELT_CALL
+
+
+def test_following_the_misspelling_advice_fixes_the_model():
+    """Doing what the advice says (the block calls its mixer with ``cu_seqlens=``) is the example's ``own_ckpt``
+    model (``Block`` instead of ``MisspeltBlock``, nothing else differs): the check then judges the step (the shared
+    offsets' divergence, exit 1), and with isolate_seqlens it passes (exit 0)."""
+    judged = run_check(CheckSpec(model=f"{EXAMPLE}:own_ckpt", verify_fix=False))
+    assert judged.exit_code == 1 and judged.as_given.divergent
+    assert run_check(CheckSpec(model=f"{EXAMPLE}:isolated", verify_fix=False)).exit_code == 0
 
 
 def test_without_the_forward_rule_the_failed_step_was_reported_as_a_divergence(monkeypatch):

@@ -76,7 +76,9 @@ class CheckStep:
     that ran was looked into, or none ran), the largest absolute difference of its gradients from the step
     without AC (``None``: not compared: the model checkpoints itself, or the step failed), and the paths of the
     FLA-backed modules every call of which handed FLA's cached index helpers offsets of its own
-    (:attr:`MixerFinding.observed`). :attr:`aligned`: it ran and none diverged; :attr:`divergent`: one did."""
+    (:attr:`MixerFinding.observed`), and the offsets-like keywords (``cu_*`` names holding offsets) the model's
+    own calls gave each watched module (not a batch keyword passed on as it is), as ``(path, names)`` pairs.
+    :attr:`aligned`: it ran and none diverged; :attr:`divergent`: one did."""
 
     regions: tuple[RegionVerdict, ...]
     error: str | None = None
@@ -84,6 +86,7 @@ class CheckStep:
     blind: str | None = None
     grad_diff: float | None = None
     fresh_offsets: tuple[str, ...] = ()
+    offsets_keywords: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def aligned(self) -> bool:

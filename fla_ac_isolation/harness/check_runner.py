@@ -67,6 +67,20 @@ __all__ = ["OWN_CODE_FIX", "CheckEnvironmentError", "CheckInputError", "CheckRes
 _dry_run, _step = dry_run, audited_step  # run_check calls these names (tests replace them here)
 
 
+def _misspelt(step: CheckStep, mixers: list[MixerFinding]) -> str | None:
+    """Advice for layer calls that were handed offsets under keywords their class does not read (a misspelt
+    ``cu_seq_lens=`` in the model's own call): name the call, the keyword given and the one the class reads."""
+    reads = {p: m for m in mixers for p in m.paths}
+    wrong = [(path, names, reads[path]) for path, names in step.offsets_keywords
+             if path in reads and not set(names) & set(reads[path].offsets)]
+    if not wrong:
+        return None
+    path, names, m = wrong[0]
+    more = f" (and {len(wrong) - 1} more layer(s))" if len(wrong) > 1 else ""
+    return (f"the model's call of {path} ({m.name}){more} passed the offsets as {', '.join(n + '=' for n in names)}, "
+            f"a keyword {m.name} does not read: fix the call: pass them as {m.offsets[0]}=")
+
+
 def _require_judged(step: CheckStep, mixers: list[MixerFinding]) -> None:
     """The one rule of what a step that ran must have shown to be judged (the CLI and the pytest plugin read it
     from here): refuse a step in which the audit could not judge every checkpointed region (none was recomputed,
@@ -90,8 +104,8 @@ def _require_judged(step: CheckStep, mixers: list[MixerFinding]) -> None:
     if step.fla_helper_calls == 0 and takes:
         raise CheckInputError(
             f"no packed offsets reached FLA: the model's FLA-backed layers ({', '.join(takes)}) called none of "
-            f"FLA's index helpers, so they ran the batch as one sequence and nothing can be checked; give the "
-            f"offsets under the keyword the model reads: {offsets_keywords()}"
+            f"FLA's index helpers, so they ran the batch as one sequence and nothing can be checked; "
+            + (_misspelt(step, mixers) or f"give the offsets under the keyword the model reads: {offsets_keywords()}")
         )
     if step.fla_helper_calls == 0 and not mixers:
         raise CheckInputError(

@@ -17,6 +17,7 @@ from fla_ac_isolation.audit import ReplayAudit
 from fla_ac_isolation.harness.check_findings import CheckStep, RegionVerdict
 from fla_ac_isolation.harness.check_spec import CheckEnvironmentError, CheckInputError, CheckSpec, resolve_policy
 from fla_ac_isolation.harness.failures import first_line
+from fla_ac_isolation.offsets_hook import offsets_like_keywords
 
 __all__ = ["audited_step", "autotune_notice", "dry_run"]
 
@@ -136,15 +137,20 @@ class _OffsetsSeen:
         self.shared = {id(v): v for v in _tensors(batch.values())}  # kept: their ids stay theirs
         self.seen: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
         self.started: dict[str, int] = {}  # path -> how many events were recorded when its call began
+        self.keywords: dict[str, set[str]] = {}  # path -> the offsets-like keywords the model's calls gave it
+        self.batch = batch
         self.handles = []
         for path in paths:
             module = model.get_submodule(path)
-            self.handles.append(module.register_forward_pre_hook(self._pre(path)))
+            self.handles.append(module.register_forward_pre_hook(self._pre(path), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post(path)))
 
     def _pre(self, path: str):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             self.started[path] = self.probe.mark()
+            for name in offsets_like_keywords(kwargs):  # a keyword the batch gave as it is is the batch's
+                if kwargs[name] is not self.batch.get(name):
+                    self.keywords.setdefault(path, set()).add(name)
         return hook
 
     def _post(self, path: str):
@@ -222,4 +228,6 @@ def audited_step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpo
     calls = sum(n for r in audit.regions for counts in r.forward_cache.values() for n in counts.values())
     blind = audit.why_blind if audit.regions or audit.unaudited else None  # none ran: CheckStep.aligned's rule
     diff = _grad_diff(model, reference) if error is None else None
-    return CheckStep(regions, error, calls, blind=blind, grad_diff=diff, fresh_offsets=seen.fresh())
+    keywords = tuple((path, tuple(sorted(names))) for path, names in seen.keywords.items())
+    return CheckStep(regions, error, calls, blind=blind, grad_diff=diff, fresh_offsets=seen.fresh(),
+                     offsets_keywords=keywords)
