@@ -234,7 +234,6 @@ class _ProbeState:
         self.installed: list[tuple[_Helper, deque, Callable[..., Any]]] = []
         self.keeping = 0  # how many active probes record arguments
 
-    @torch.compiler.disable
     def emit(self, helper: str, outcome: Outcome, args: tuple = (), kwargs: dict | None = None,
              ) -> list[tuple[list[CacheEvent], int]]:
         """Append an event to every active probe; return where it went, so it can be amended."""
@@ -245,7 +244,6 @@ class _ProbeState:
             sink.append(event)
         return where
 
-    @torch.compiler.disable
     def amend(self, where: list[tuple[list[CacheEvent], int]], helper: str, outcome: Outcome, args: tuple = (),
               kwargs: dict | None = None) -> None:
         event = CacheEvent(helper, outcome, self.tensors(args, kwargs))
@@ -283,7 +281,8 @@ class _ProbingDeque(deque):
         _lookup_missed(self._name)
 
 
-# The bookkeeping below is torch.compiler.disable'd and the code dynamo may trace (the deque's lookup, the
+# The bookkeeping below (and _ProbeState's emit/amend, called only from it) is torch.compiler.disable'd and
+# the code dynamo may trace (the deque's lookup, the
 # helper's wrapped function) hands it only the helper's name and the call's values: where an event went is
 # kept here, never passed through traced code (dynamo would guard on those lists and recompile as they grow).
 _open: list[list[tuple[list[CacheEvent], int]]] = []  # where each lookup in progress recorded its hit

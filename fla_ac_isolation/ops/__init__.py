@@ -333,6 +333,19 @@ def chunk_kda(
     return out
 
 
+def _check_int_tensor(name: str, t: object) -> None:
+    """``TypeError`` naming ``name`` unless ``t`` is an int32/int64 tensor (a chunk schedule's form)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+        what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be an int32/int64 tensor, got {what}")
+
+
+def _check_beside(name: str, t: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """``ValueError`` naming ``name`` unless ``t`` is on the device of ``cu_seqlens``."""
+    if not devices_match(t.device, cu_seqlens.device):
+        raise ValueError(f"{name} must be on the device of cu_seqlens ({cu_seqlens.device}), got {t.device}")
+
+
 def _check_chunk_offsets(chunk_offsets: torch.Tensor | None, chunk_indices: torch.Tensor | None,
                          cu_seqlens: torch.Tensor | None) -> None:
     """Reject a ``chunk_offsets`` that FLA's state kernels would misread: ``[N + 1]`` integers on the device of
@@ -347,17 +360,12 @@ def _check_chunk_offsets(chunk_offsets: torch.Tensor | None, chunk_indices: torc
         return
     if chunk_indices is None:
         raise ValueError("chunk_offsets needs chunk_indices (the state count is its row count); got chunk_indices=None")
-    if not isinstance(chunk_offsets, torch.Tensor) or chunk_offsets.dtype not in (torch.int32, torch.int64):
-        what = chunk_offsets.dtype if isinstance(chunk_offsets, torch.Tensor) else type(chunk_offsets).__name__
-        raise TypeError(f"chunk_offsets must be an int32/int64 tensor, got {what}")
+    _check_int_tensor("chunk_offsets", chunk_offsets)
     if chunk_offsets.shape != cu_seqlens.shape:
         raise ValueError(
             f"chunk_offsets must be [N + 1] like cu_seqlens {tuple(cu_seqlens.shape)}, got {tuple(chunk_offsets.shape)}"
         )
-    if not devices_match(chunk_offsets.device, cu_seqlens.device):
-        raise ValueError(
-            f"chunk_offsets must be on the device of cu_seqlens ({cu_seqlens.device}), got {chunk_offsets.device}"
-        )
+    _check_beside("chunk_offsets", chunk_offsets, cu_seqlens)
 
 
 def _check_chunk_indices(chunk_indices: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> None:
@@ -375,14 +383,9 @@ def _check_chunk_indices(chunk_indices: torch.Tensor | None, cu_seqlens: torch.T
         return
     if cu_seqlens is None:
         raise ValueError("chunk_indices describes packed documents and needs cu_seqlens; got cu_seqlens=None")
-    if not isinstance(chunk_indices, torch.Tensor) or chunk_indices.dtype not in (torch.int32, torch.int64):
-        what = chunk_indices.dtype if isinstance(chunk_indices, torch.Tensor) else type(chunk_indices).__name__
-        raise TypeError(f"chunk_indices must be an int32/int64 tensor, got {what}")
+    _check_int_tensor("chunk_indices", chunk_indices)
     if chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
         raise ValueError(
             f"chunk_indices must be [NT, 2] rows (document, chunk), got shape {tuple(chunk_indices.shape)}"
         )
-    if not devices_match(chunk_indices.device, cu_seqlens.device):
-        raise ValueError(
-            f"chunk_indices must be on the device of cu_seqlens ({cu_seqlens.device}), got {chunk_indices.device}"
-        )
+    _check_beside("chunk_indices", chunk_indices, cu_seqlens)
