@@ -5,9 +5,9 @@ checkpointed by the model itself with its own SAC policy saving every ``aten._to
 Callables for ``fla-ac-isolation check --model examples/own_decoder.py:<name>``: ``plain`` (no AC: the check
 applies it), ``own_ckpt`` (checkpoints itself), ``isolated`` (``own_ckpt`` after ``isolate_seqlens``), ``local``
 (its blocks call ``LayerLocalSeqlens.local()``), ``misspelt`` (``own_ckpt`` whose blocks hand the offsets as
-``cu_seq_lens=``, a keyword FLA never reads) and ``misspelt_isolated`` (that, after ``isolate_seqlens``);
-``my_policy`` is the policy (``--policy
-examples/own_decoder.py:my_policy``).
+``cu_seq_lens=``, a keyword FLA never reads), ``misspelt_isolated`` (that, after ``isolate_seqlens``) and
+``isolated_sac`` (``isolated`` checkpointing with ``sac_context_fn(my_policy)``, safe under ``--autocast``);
+``my_policy`` is the policy (``--policy examples/own_decoder.py:my_policy``).
 """
 
 import functools
@@ -53,14 +53,16 @@ class LocalBlock(Block):
 
 
 class Decoder(nn.Module):
-    def __init__(self, d: int = 64, vocab: int = 128, ckpt: bool = False, block: type = Block) -> None:
+    def __init__(self, d: int = 64, vocab: int = 128, ckpt: bool = False, block: type = Block,
+                 context_fn=None) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         gdn = functools.partial(GatedDeltaNet, hidden_size=d, num_heads=4, head_dim=16, expand_v=1, mode="chunk")
         kda = functools.partial(KimiDeltaAttention, hidden_size=d, num_heads=4, head_dim=16, mode="chunk")
         self.layers = nn.ModuleList(block(mixer(), d) for mixer in (gdn, kda, gdn, kda))
         self.head = nn.Linear(d, vocab)
-        self.ckpt = ckpt
+        self.ckpt = ckpt  # the user's own SAC contexts unless another context_fn is given
+        self.context_fn = context_fn or functools.partial(create_selective_checkpoint_contexts, my_policy)
 
     def offsets(self, cu_seqlens):
         return cu_seqlens
@@ -69,8 +71,7 @@ class Decoder(nn.Module):
         x, offsets = self.embed(input_ids), self.offsets(cu_seqlens)
         for layer in self.layers:
             if self.ckpt:
-                x = checkpoint(layer, x, offsets, use_reentrant=False,
-                               context_fn=functools.partial(create_selective_checkpoint_contexts, my_policy))
+                x = checkpoint(layer, x, offsets, use_reentrant=False, context_fn=self.context_fn)
             else:
                 x = layer(x, offsets)
         return nn.functional.cross_entropy(self.head(x)[0, :-1], labels[0, 1:])
@@ -125,3 +126,13 @@ def misspelt_isolated():
     model, batch = misspelt()
     isolate_seqlens(model)
     return model, batch
+
+
+def isolated_sac():
+    from fla_ac_isolation import isolate_seqlens
+    from fla_ac_isolation.policies import sac_context_fn
+
+    torch.manual_seed(0)
+    model = Decoder(ckpt=True, context_fn=sac_context_fn(my_policy))
+    isolate_seqlens(model)
+    return model, _batch()

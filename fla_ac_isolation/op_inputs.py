@@ -36,7 +36,22 @@ def check_packed(name: str, t: torch.Tensor, cu_seqlens: torch.Tensor | None) ->
     if cu_seqlens is not None and t.shape[0] != 1:
         raise ValueError(
             f"{name} must have batch size 1 when cu_seqlens is given (packed input), got shape {tuple(t.shape)}"
+            f"{_autocast_replay_hint()}"
         )
+
+
+def _autocast_replay_hint() -> str:
+    """The likely cause when a shape check fails in a backward under ``torch.autocast`` with its weight-cast
+    cache on: a SAC recompute handed this op another op's saved cast (torch issue #193338)."""
+    in_backward = getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
+    autocast = any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+    if not (in_backward and autocast and torch.is_autocast_cache_enabled()):
+        return ""
+    return ("; this ran in a backward under torch.autocast with its weight-cast cache on: if the layer is "
+            "checkpointed with a SAC policy that saves aten._to_copy (torch's create_selective_checkpoint_contexts), "
+            "the recompute skipped a weight cast its forward ran and SAC handed this op another op's saved tensor "
+            "(torch issue #193338): checkpoint with fla_ac_isolation.policies.sac_context_fn(policy), call "
+            "backward() outside the autocast block, or use torch.autocast(..., cache_enabled=False)")
 
 
 def check_activation(activation: str | None) -> None:

@@ -234,3 +234,19 @@ def test_run_check_with_the_fix_verified_classifies_once(monkeypatch, spec, appl
     result = run_check(spec)
     assert len(calls) == 1 and result.fix_applied == applied
     assert result.fixed is not None and result.fixed.aligned and not result.as_given.aligned
+
+
+@pytest.mark.gpu
+def test_on_cuda_check_autocast_names_the_weight_cast_cache_and_passes_sac_context_fn(hopper_guard_lifted):
+    """FLA's own kernels under ``torch.autocast("cuda", bfloat16)``: torch's SAC contexts diverge at a cast the
+    weight-cast cache skipped (the audit sees it before any misreplayed tensor reaches a kernel); our context_fn
+    aligns every region."""
+    from fla_ac_isolation.harness.check_fix import AUTOCAST_CHECK_FIX
+
+    raw = run_check(CheckSpec(model=f"{EXAMPLE}:isolated", device="cuda", autocast="bf16", first_config=True))
+    divergent = [r for r in raw.as_given.regions if r.verdict == "divergent"]
+    assert divergent and all(r.autocast_cast for r in divergent)
+    assert raw.exit_code == 1 and raw.fixes == [AUTOCAST_CHECK_FIX]
+    fixed = run_check(CheckSpec(model=f"{EXAMPLE}:isolated_sac", device="cuda", autocast="bf16", first_config=True))
+    assert [r.verdict for r in fixed.as_given.regions] == ["aligned"] * 4
+    assert fixed.exit_code == 0 and fixed.fixes == []

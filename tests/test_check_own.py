@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from page_output import assert_printed_as_on_page
 
 from fla_ac_isolation.harness.check_runner import CheckInputError, CheckSpec, autotune_notice, resolve_policy
 from fla_ac_isolation.harness.cli import main
@@ -140,8 +141,8 @@ def test_full_ac_says_the_gradients_are_right_and_what_sac_would_do_exit_0(capsy
     assert lines[3:5] == EXPOSED and DIVERGENT_0 in lines
     assert ("under full AC nothing is replayed by index: torch recomputes every op and keeps only what the "
             "recompute returns, so a recompute that runs other ops still gives these gradients: bit-equal to the "
-            "step without AC (compared). Under SAC (--ac selective) the same recompute would hand the ops after #6 "
-            "other ops' saved outputs (wrong gradients, or an error): fix it before you use SAC") in lines
+            "step without AC (compared). Under SAC (--ac selective) the same recompute would hand the ops after #6 in "
+            "layers.0, #116 in layers.1 other ops' saved outputs (wrong gradients, or an error): fix it before you use SAC") in lines
     assert lines[lines.index("Fix (before you use SAC):") + 1:][:2] == FIXES
     assert code == 0
     assert lines[-1] == ("verdict: OK under full AC (exit 0): the gradients are right, but SAC would misalign "
@@ -247,6 +248,124 @@ def test_a_backward_inside_autocast_is_bit_exact_to_no_ac_with_sac_context_fn_an
     assert torch.equal(loss0, loss1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
 
     model, batch = example.isolated()  # the user's own checkpoint(context_fn=create_selective_checkpoint_contexts)
-    with pytest.raises(ValueError, match=r"^x must have batch size 1 when cu_seqlens is given \(packed input\), "
-                                         r"got shape \(134, 64\)$"):
+    with pytest.raises(ValueError) as caught:
         _autocast_step(model, batch)
+    assert str(caught.value) == AUTOCAST_ERROR
+
+
+AUTOCAST_ERROR = (
+    "x must have batch size 1 when cu_seqlens is given (packed input), got shape (134, 64); this ran in a backward "
+    "under torch.autocast with its weight-cast cache on: if the layer is checkpointed with a SAC policy that saves "
+    "aten._to_copy (torch's create_selective_checkpoint_contexts), the recompute skipped a weight cast its forward "
+    "ran and SAC handed this op another op's saved tensor (torch issue #193338): checkpoint with "
+    "fla_ac_isolation.policies.sac_context_fn(policy), call backward() outside the autocast block, or use "
+    "torch.autocast(..., cache_enabled=False)"
+)
+AUTOCAST_DIVERGENT = ("  layers.3  divergent at op #2 in layers.3.mixer.q_proj: recompute ran aten.t.default -> "
+                      "[64, 64] bfloat16 cpu, forward ran aten._to_copy.default -> [1, 134, 64] bfloat16 cpu")
+
+
+def test_the_reference_ops_name_the_autocast_cache_only_in_a_backward_under_autocast_with_its_cache():
+    """The hint is added where its three conditions hold, and nowhere else (the shape check's message is kept)."""
+    from fla_ac_isolation.op_inputs import check_packed
+
+    x, offsets = torch.zeros(2, 3), torch.tensor([0, 3], dtype=torch.int32)
+    plain = "x must have batch size 1 when cu_seqlens is given (packed input), got shape (2, 3)"
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            for cache in (True, False):
+                with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+                    with pytest.raises(ValueError) as caught:
+                        check_packed("x", x, offsets)
+                    seen.append(str(caught.value))
+            with pytest.raises(ValueError) as caught:  # no autocast
+                check_packed("x", x, offsets)
+            seen.append(str(caught.value))
+            return g
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError) as caught:  # not in a backward
+        check_packed("x", x, offsets)
+    assert str(caught.value) == plain
+    Probe.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert seen == [plain + AUTOCAST_ERROR.split("(134, 64)", 1)[1], plain, plain]
+
+
+def test_check_autocast_names_the_weight_cast_cache_and_the_checkpointings_fix_exit_1(capsys):
+    """``--autocast bf16``: the model's own checkpoint with torch's SAC contexts diverges at the cast the cache
+    skipped; the fix named is the checkpointing's, not FLA's (its classes are covered)."""
+    from fla_ac_isolation.harness.check_fix import AUTOCAST_CHECK_FIX
+
+    code, lines, _ = _check(capsys, "--model", f"{EXAMPLE}:isolated", "--autocast", "bf16")
+    assert lines[0] == (f"fla-ac-isolation check: Decoder (--model {EXAMPLE}:isolated) | its own checkpointing | "
+                        f"cpu (FLA served by reference_kernels) | autocast bf16")
+    assert [line.split()[0] for line in lines if line.startswith("  covered")] == ["covered", "covered"]
+    assert AUTOCAST_DIVERGENT in lines
+    assert f"  the step failed: ValueError: {AUTOCAST_ERROR}" in lines
+    fix = lines.index("Fix:")
+    assert lines[fix + 1:fix + 3] == [f"  {AUTOCAST_CHECK_FIX}", ""]
+    assert (code, lines[-1]) == (1, "verdict: DIVERGENT (exit 1)")
+    assert_printed_as_on_page("\n".join(lines), "docs/check.md",
+                              f"$ fla-ac-isolation check --model {EXAMPLE}:isolated --autocast bf16")
+
+
+def test_check_autocast_passes_the_same_model_checkpointed_with_sac_context_fn_exit_0(capsys):
+    code, lines, _ = _check(capsys, "--model", f"{EXAMPLE}:isolated_sac", "--autocast", "bf16")
+    assert "as given: 4 of 4 checkpointed region(s) aligned" in lines
+    assert "Fix:" not in lines
+    assert (code, lines[-1]) == (0, "verdict: OK (exit 0)")
+
+
+def test_the_audit_names_the_autocast_cache_and_not_with_the_cache_off():
+    """The unsafe path (torch's contexts, cache on) diverges with the cause named; ``cache_enabled=False`` (the
+    same model, the same contexts) aligns every region and the step is bit-exact to no AC."""
+    from fla_ac_isolation import ReplayAudit
+    from fla_ac_isolation.audit.explain import AUTOCAST_FIX
+    from fla_ac_isolation.harness.reference_kernels import reference_kernels
+
+    example = _example()
+    results = {}
+    for cache in (True, False):
+        model, batch = example.isolated()
+        with (reference_kernels(), ReplayAudit(model, on_divergence="record") as audit,
+              torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache)):
+            loss = model(**batch)
+            try:
+                loss.backward()
+                error = None
+            except ValueError as err:
+                error = str(err)
+        results[cache] = audit.regions, error, loss.detach(), [p.grad for p in model.parameters()]
+    regions, error, _, _ = results[True]
+    assert [(r.label, r.verdict, r.autocast_cast) for r in regions] == [
+        ("layers.0", "not recomputed", False), ("layers.1", "not recomputed", False),
+        ("layers.2", "not recomputed", False), ("layers.3", "divergent", True)]
+    assert regions[3].message.splitlines()[1:3] == [
+        "torch.autocast's weight-cast cache was on in this recompute and the divergent op is a cast "
+        "(aten._to_copy): a weight the forward cast was still in that cache when the backward, run inside the "
+        "same autocast block, recomputed the region, so the recompute skipped the cast (torch issue #193338; any "
+        "checkpointed layer, FLA or not).", AUTOCAST_FIX]
+    assert error == AUTOCAST_ERROR
+    regions, error, loss, grads = results[False]
+    assert [r.verdict for r in regions] == ["aligned"] * 4 and error is None
+    model, batch = example.plain()
+    from fla_ac_isolation.harness.reference_kernels import reference_kernels as served
+
+    with served(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        loss0 = model(**batch)
+        loss0.backward()
+    assert torch.equal(loss, loss0.detach())
+    assert all(torch.equal(a, b) for a, b in zip(grads, [p.grad for p in model.parameters()], strict=True))
+
+
+@pytest.mark.parametrize("autocast", ["bf32", "bfloat16", True])
+def test_a_bad_autocast_is_refused_naming_autocast(autocast):
+    with pytest.raises(CheckInputError) as caught:
+        CheckSpec(model="a:b", autocast=autocast).validate()
+    assert str(caught.value) == f"autocast must be one of ['bf16', 'fp16'] or None, got {autocast!r}"

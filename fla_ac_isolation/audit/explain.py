@@ -13,7 +13,7 @@ from fla_ac_isolation.audit.records import CacheDifference
 from fla_ac_isolation.families import drop_in_for, remedy
 from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer, foreign_mixer
 
-__all__ = ["explain", "foreign_fix"]
+__all__ = ["AUTOCAST_FIX", "autocast_skipped_cast", "explain", "foreign_fix"]
 
 
 VERBS = {"miss": "missed", "hit": "hit", "bypass": "bypassed the cache", "not called": "was not called"}
@@ -36,15 +36,36 @@ def foreign_fix(running: list[nn.Module]) -> str | None:
     return None
 
 
+AUTOCAST_CAUSE = (
+    "torch.autocast's weight-cast cache was on in this recompute and the divergent op is a cast (aten._to_copy): "
+    "a weight the forward cast was still in that cache when the backward, run inside the same autocast block, "
+    "recomputed the region, so the recompute skipped the cast (torch issue #193338; any checkpointed layer, FLA "
+    "or not)."
+)
+AUTOCAST_FIX = (
+    "Fix: checkpoint with context_fn=fla_ac_isolation.policies.sac_context_fn(policy) (or checkpoint_layers), "
+    "which turns that cache off inside each region, instead of torch's create_selective_checkpoint_contexts "
+    "alone; or call backward() outside the autocast block; or torch.autocast(..., cache_enabled=False)."
+)
+
+
+def autocast_skipped_cast(fwd_op: str | None, rec_op: str | None, autocast_cache: bool) -> bool:
+    """Whether a divergence at ``fwd_op`` / ``rec_op`` is torch.autocast's weight-cast cache (:data:`AUTOCAST_CAUSE`):
+    the recompute ran with that cache on and one of the two ops is a cast."""
+    return autocast_cache and "aten._to_copy" in f"{fwd_op} {rec_op}"
+
+
 def explain(label: str, where: str | None, idx: int, fwd_op: str, rec_op: str, diffs: list[CacheDifference],
-            fix: str | None = None) -> str:
+            fix: str | None = None, autocast_cache: bool = False) -> str:
     """The message of a divergent recompute of region ``label`` at op ``idx`` (``where``: the module
     running there); ``diffs``: the FLA cache differences that implicate FLA, empty when FLA is not the cause;
-    ``fix``: :func:`foreign_fix` of the modules running there (replaces the fix for code one owns)."""
+    ``fix``: :func:`foreign_fix` of the modules running there (replaces the fix for code one owns);
+    ``autocast_cache``: the recompute ran under ``torch.autocast`` with its weight-cast cache on (named as the
+    cause when the divergent op is a cast)."""
     inside = f" (in {where})" if where and where != label else ""
     lines = [f"ReplayAudit: region {label}: recompute op #{idx}{inside} is {rec_op}, forward had {fwd_op}."]
     main = [d for d in diffs if "not called" not in (d.forward, d.recompute)] or diffs
-    if main:
+    if main:  # FLA's cache first: an autocast cause (below) can add to it
         groups: dict[tuple[str, str], list[str]] = {}
         for d in main:
             groups.setdefault((d.forward, d.recompute), []).append(d.helper)
@@ -67,7 +88,9 @@ def explain(label: str, where: str | None, idx: int, fwd_op: str, rec_op: str, d
             "Fix: give each layer its own cu_seqlens (build a LayerLocalSeqlens once per forward and call "
             ".local() inside each layer's forward), or disable FLA's cache (tensor_cache_disabled())."
         )
-    else:
+    if autocast_skipped_cast(fwd_op, rec_op, autocast_cache):
+        lines += [AUTOCAST_CAUSE, AUTOCAST_FIX]
+    elif not main:
         lines.append(
             "Something inside the region reads state that changed between forward and backward (a cache "
             "keyed by object identity, a "

@@ -14,6 +14,7 @@ from fla_ac_isolation.audit.records import (
     OpRecord,
     Pass,
     Region,
+    autocast_caching,
     cache_differences,
     format_op,
     implicating_fla,
@@ -68,7 +69,7 @@ class PassRecorder(TorchDispatchMode):
         probe_events = self._session.probe_events()
         self._events_src = probe_events
         self._events_start = len(probe_events) if probe_events is not None else 0
-        p = Pass(self._kind)  # type: ignore[arg-type]
+        p = Pass(self._kind, autocast_cache=autocast_caching())  # type: ignore[arg-type]  # inside the user's context
         self._pass = p
         region = self._region
         if self._kind == "forward":
@@ -159,7 +160,8 @@ class PassRecorder(TorchDispatchMode):
             p.where = self._session.namer.where(self._region.label)
             p.fix = foreign_fix(running_modules())
         diffs = implicating_fla(cache_differences(self._region.forward.events, p.events, rec_complete=rec is None))
-        p.message = explain(self._region.label, p.where, i, fwd_op, rec_op, list(diffs), fix=p.fix)
+        p.message = explain(self._region.label, p.where, i, fwd_op, rec_op, list(diffs), fix=p.fix,
+                            autocast_cache=p.autocast_cache)
         mode = self._session.on_divergence
         if mode == "raise":
             raise ReplayDivergenceError(p.message)

@@ -20,6 +20,7 @@ __all__ = [
     "Pass",
     "Region",
     "UnauditedRegion",
+    "autocast_caching",
     "by_helper",
     "cache_differences",
     "format_op",
@@ -45,6 +46,15 @@ _SCOPE_ENTER = torch.ops.profiler._record_function_enter_new.default
 _SCOPE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 FSDP_SCOPE = "FSDP::"
 """Prefix of the ``record_function`` scopes FSDP2 (``fully_shard``) wraps its own work in."""
+
+
+def autocast_caching() -> bool:
+    """Whether ``torch.autocast`` is on for some device with its weight-cast cache on (torch's default): a leaf
+    tensor cast in a region's forward is then a cache hit in a recompute run inside the same autocast block, and
+    that recompute skips the forward's ``aten._to_copy``."""
+    if not torch.is_autocast_cache_enabled():
+        return False
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda", "xpu", "mps", "hpu"))
 
 
 def scope_change(func: Any, args: tuple, depth: int) -> int:
@@ -119,6 +129,7 @@ class Pass:
     where: str | None = None  # innermost module running at the first divergent op
     fix: str | None = None  # the fix for a known foreign FLA-backed mixer running there (explain.foreign_fix)
     message: str | None = None
+    autocast_cache: bool = False  # torch.autocast on, with its weight-cast cache, when the pass began
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fla_ac_isolation.audit.explain import explain
+from fla_ac_isolation.audit.explain import autocast_skipped_cast, explain
 from fla_ac_isolation.audit.records import (
     CacheDifference,
     Region,
@@ -40,6 +40,8 @@ class RegionReport:
         forward_cache / recompute_cache: ``{helper: {"hit": n, "miss": n, "bypass": n}}`` per pass.
         recompute_error: first line of an error that ended the recompute, if any.
         message: the full, actionable explanation for a divergent region (``None`` otherwise).
+        autocast_cast: the first differing op is a cast and the recompute ran under ``torch.autocast`` with its
+            weight-cast cache on: that cache, not FLA, made the recompute skip a cast (torch issue #193338).
     """
 
     index: int
@@ -57,6 +59,7 @@ class RegionReport:
     recompute_cache: dict[str, dict[str, int]]
     recompute_error: str | None
     message: str | None
+    autocast_cast: bool = False
 
     @property
     def aligned(self) -> bool:
@@ -87,7 +90,7 @@ def region_report(region: Region) -> RegionReport:
         rec_op = format_op(rec.ops[i] if i < len(rec.ops) else None, f"<end of recompute after {i} ops>")
         if rec.done:  # rebuilt with every helper call of the pass (raise/warn saw those up to the op)
             message = explain(region.label or f"region #{region.index}", rec.where, i, fwd_op, rec_op,
-                              list(diffs), fix=rec.fix)
+                              list(diffs), fix=rec.fix, autocast_cache=rec.autocast_cache)
     return RegionReport(
         index=region.index,
         label=region.label or f"region #{region.index}",
@@ -104,6 +107,7 @@ def region_report(region: Region) -> RegionReport:
         recompute_cache=by_helper(rec.events),
         recompute_error=rec.error,
         message=message,
+        autocast_cast=i is not None and autocast_skipped_cast(fwd_op, rec_op, rec.autocast_cache),
     )
 
 

@@ -65,6 +65,7 @@ class RegionVerdict:
     recompute_op: str | None = None
     fla_helpers: tuple[str, ...] = ()
     where: str | None = None
+    autocast_cast: bool = False  # the divergent op is a cast torch.autocast's weight-cast cache skipped
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,12 @@ from fla_ac_isolation.foreign_classes import ForeignClass
 from fla_ac_isolation.harness.check_findings import CheckStep, MixerFinding
 from fla_ac_isolation.mixer_plan import EXPOSED
 
-__all__ = ["OWN_CODE_FIX", "apply_fix", "fixes", "observed_covered"]
+__all__ = ["AUTOCAST_CHECK_FIX", "OWN_CODE_FIX", "apply_fix", "fixes", "observed_covered"]
 
+AUTOCAST_CHECK_FIX = ("your checkpointing, under torch.autocast: pass context_fn=sac_context_fn(policy) "
+                      "(fla_ac_isolation.policies; it turns autocast's weight-cast cache off inside each region) "
+                      "instead of torch's create_selective_checkpoint_contexts, or call backward() outside the "
+                      "autocast block (docs/check.md)")
 OWN_CODE_FIX = ("your own FLA-calling code: build a LayerLocalSeqlens once per forward and hand each layer "
                 "seqlens.local() inside its forward (docs/own-model.md)")
 
@@ -52,10 +56,14 @@ def observed_covered(mixers: list[MixerFinding], fresh: tuple[str, ...]) -> list
 
 
 def fixes(mixers: list[MixerFinding], step: CheckStep) -> list[str]:
-    """The one-line fixes, in order: each exposed or leaking class's, each class's leak's, and (a region diverged
+    """The one-line fixes, in order: each exposed or leaking class's, each class's leak's, the checkpointing's
+    (a region diverged at a cast torch.autocast's weight-cast cache skipped), and (a region diverged otherwise,
     with no exposed class to blame) the fix of the user's own FLA-calling code."""
     out = [f"{m.name}: {m.fix}" for m in mixers if m.fix]
     out += [f"{m.name}, to keep packed documents apart: {m.leak_fix}" for m in mixers if m.leak_fix]
-    if step.divergent and not any(m.status == EXPOSED for m in mixers):
+    divergent = [r for r in step.regions if r.verdict == "divergent"]
+    if any(r.autocast_cast for r in divergent):
+        out.append(AUTOCAST_CHECK_FIX)
+    if any(not r.autocast_cast for r in divergent) and not any(m.status == EXPOSED for m in mixers):
         out.append(OWN_CODE_FIX)
     return out

@@ -53,6 +53,9 @@ class CheckSpec:
         verify_fix: when the model diverges, run the fix on a fresh model too.
         first_config: on CUDA, every Triton autotuner of FLA keeps its first config (no autotuning: the first
             step takes seconds, not minutes; the kernels run untuned, the verdict is the same). No effect on CPU.
+        autocast: ``"bf16"`` or ``"fp16"``: every step runs its forward and its backward inside
+            ``torch.autocast(device, dtype)`` (a training loop that wraps its whole step), where torch's
+            weight-cast cache can misalign a SAC recompute (torch issue #193338); ``None``: no autocast.
     """
 
     model: str | None = None
@@ -63,6 +66,7 @@ class CheckSpec:
     seed: int = 0
     verify_fix: bool = True
     first_config: bool = False
+    autocast: str | None = None
 
     def validate(self) -> CheckSpec:
         """Return self after checking every field.
@@ -93,6 +97,9 @@ class CheckSpec:
             raise CheckInputError(f"seed must be an int, got {self.seed!r}")
         if not isinstance(self.first_config, bool):
             raise CheckInputError(f"first_config must be a bool, got {self.first_config!r}")
+        if self.autocast not in AUTOCAST_DTYPES:
+            raise CheckInputError(f"autocast must be one of {sorted(k for k in AUTOCAST_DTYPES if k)} or None, got "
+                                  f"{self.autocast!r}")
         return self
 
     @property
@@ -102,6 +109,9 @@ class CheckSpec:
             return self.policy
         return getattr(self.policy, "__qualname__", None) or type(self.policy).__name__
 
+
+AUTOCAST_DTYPES = {None: None, "bf16": "bfloat16", "fp16": "float16"}
+""":attr:`CheckSpec.autocast` -> the ``torch`` dtype's name its steps autocast to."""
 
 POLICY_EXPECTED = ("one of {names}, 'module:callable' or 'path/to/file.py:callable' naming your own SAC policy, or "
                    "that function: (ctx, op, *args, **kwargs) -> CheckpointPolicy, as "

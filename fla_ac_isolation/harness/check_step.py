@@ -15,7 +15,13 @@ from torch import nn
 
 from fla_ac_isolation.audit import ReplayAudit
 from fla_ac_isolation.harness.check_findings import CheckStep, RegionVerdict
-from fla_ac_isolation.harness.check_spec import CheckEnvironmentError, CheckInputError, CheckSpec, resolve_policy
+from fla_ac_isolation.harness.check_spec import (
+    AUTOCAST_DTYPES,
+    CheckEnvironmentError,
+    CheckInputError,
+    CheckSpec,
+    resolve_policy,
+)
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.offsets_hook import offsets_like_keywords
 
@@ -43,16 +49,22 @@ def autotune_notice(device: str, first_config: bool) -> str | None:
             "config: seconds, untuned kernels, the same verdict)")
 
 
-def _serving(spec: CheckSpec):
+def _serving(spec: CheckSpec) -> contextlib.ExitStack:
+    """What a step of ``spec`` runs inside: FLA served on a CPU (or its first configs), ``torch.autocast``."""
+    stack = contextlib.ExitStack()
     if spec.device != "cpu":
-        if not spec.first_config:
-            return contextlib.nullcontext()
-        from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config
+        if spec.first_config:
+            from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config
 
-        return first_autotune_config()
-    from fla_ac_isolation.harness.reference_kernels import reference_kernels
+            stack.enter_context(first_autotune_config())
+    else:
+        from fla_ac_isolation.harness.reference_kernels import reference_kernels
 
-    return reference_kernels()
+        stack.enter_context(reference_kernels())
+    if spec.autocast is not None:
+        dtype = getattr(torch, AUTOCAST_DTYPES[spec.autocast])
+        stack.enter_context(torch.autocast(spec.device, dtype=dtype))
+    return stack
 
 
 def _grads(model: nn.Module) -> dict[int, torch.Tensor]:
@@ -222,7 +234,7 @@ def audited_step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpo
             seen.remove()
     regions = tuple(
         RegionVerdict(r.label, r.verdict, r.first_diff, r.forward_op, r.recompute_op,
-                      tuple(d.helper for d in r.fla), r.where)
+                      tuple(d.helper for d in r.fla), r.where, r.autocast_cast)
         for r in audit.regions
     )
     calls = sum(n for r in audit.regions for counts in r.forward_cache.values() for n in counts.values())

@@ -54,7 +54,7 @@ __all__ = ["HELP", "add_arguments", "render", "run", "spec_from_arguments"]
 FULL_AC_NOTE = ("under full AC nothing is replayed by index: torch recomputes every op and keeps only what the "
                 "recompute returns, so a recompute that runs other ops "
                 "still gives these gradients: {grads}. Under SAC (--ac selective) the same recompute would hand "
-                "the ops after #{first} other ops' saved outputs (wrong gradients, or an error): fix it before "
+                "the ops after {first} other ops' saved outputs (wrong gradients, or an error): fix it before "
                 "you use SAC")
 
 HELP = "one training step of your model under ReplayAudit: exposed, leaking or covered FLA classes, and the fix"
@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-config", action="store_true",
                         help="on CUDA: FLA's Triton autotuners keep their first config (no minutes of autotuning on "
                              "first use; untuned kernels, the same verdict)")
+    parser.add_argument("--autocast", choices=("bf16", "fp16"), default=default["autocast"],
+                        help="run each step's forward and backward inside torch.autocast(device, dtype), as a "
+                             "training loop that wraps its whole step does")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -111,7 +114,7 @@ def spec_from_arguments(args: argparse.Namespace) -> CheckSpec:
         model, config = None, model
     return CheckSpec(model=model, config=config, ac=args.ac, policy=args.policy, device=args.device,
                      seed=args.seed, verify_fix=not args.no_verify_fix,
-                     first_config=args.first_config).validate()
+                     first_config=args.first_config, autocast=args.autocast).validate()
 
 
 def _step_lines(title: str, step: CheckStep) -> list[str]:
@@ -154,7 +157,8 @@ def render(result: CheckResult) -> str:
     else:
         ac = "full AC" if spec.ac == "full" else f"SAC policy {spec.policy_name}"
     kernels = "FLA served by reference_kernels" if spec.device == "cpu" else "FLA's kernels"
-    lines = [f"fla-ac-isolation check: {result.model} ({what}) | {ac} | {spec.device} ({kernels})", ""]
+    amp = f" | autocast {spec.autocast}" if spec.autocast else ""
+    lines = [f"fla-ac-isolation check: {result.model} ({what}) | {ac} | {spec.device} ({kernels}){amp}", ""]
     if result.self_checkpointed:
         lines += ["the model checkpoints itself: audited as it is (its own policy; --ac and --policy not applied)",
                   ""]
@@ -172,7 +176,7 @@ def render(result: CheckResult) -> str:
         lines += ["", *_step_lines(f"with {' then '.join(result.fix_applied)}", result.fixed)]
     harmless = result.harmless_under_full_ac
     if harmless:
-        first = min(r.first_diff for r in result.as_given.regions if r.verdict == "divergent")
+        first = ", ".join(f"#{r.first_diff} in {r.label}" for r in result.as_given.regions if r.verdict == "divergent")
         lines += ["", FULL_AC_NOTE.format(grads="bit-equal to the step without AC (compared)", first=first)]
     elif spec.ac == "full" and not result.self_checkpointed and not result.as_given.aligned \
             and result.as_given.grad_diff is not None:
