@@ -250,3 +250,18 @@ def test_on_cuda_check_autocast_names_the_weight_cast_cache_and_passes_sac_conte
     fixed = run_check(CheckSpec(model=f"{EXAMPLE}:isolated_sac", device="cuda", autocast="bf16", first_config=True))
     assert [r.verdict for r in fixed.as_given.regions] == ["aligned"] * 4
     assert fixed.exit_code == 0 and fixed.fixes == []
+
+
+def test_misspelt_keyword_advice_needs_a_keyword_the_class_reads():
+    """A watched class with no offsets keyword of its own (a leaking class: nothing to name) gets no misspelt
+    advice, where an exposed one is told its keyword (the rule reads the class's first offsets keyword)."""
+    from fla_ac_isolation.harness.check_findings import CheckStep, MixerFinding
+
+    def finding(offsets):
+        return MixerFinding("m.Mixer", "Mixer", "a library", "exposed", ("layers.0.mixer",), offsets)
+
+    step = CheckStep((), offsets_keywords=(("layers.0.mixer", ("cu_seq_lens",)),))
+    assert check_runner._misspelt(step, [finding(())]) is None
+    assert check_runner._misspelt(step, [finding(("cu_seqlens",))]) == (
+        "the model's call of layers.0.mixer (Mixer) passed the offsets as cu_seq_lens=, a keyword Mixer does not "
+        "read: fix the call: pass them as cu_seqlens=")

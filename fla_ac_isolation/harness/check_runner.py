@@ -72,7 +72,7 @@ def _misspelt(step: CheckStep, mixers: list[MixerFinding]) -> str | None:
     ``cu_seq_lens=`` in the model's own call): name the call, the keyword given and the one the class reads."""
     reads = {p: m for m in mixers for p in m.paths}
     wrong = [(path, names, reads[path]) for path, names in step.offsets_keywords
-             if path in reads and not set(names) & set(reads[path].offsets)]
+             if path in reads and reads[path].offsets and not set(names) & set(reads[path].offsets)]
     if not wrong:
         return None
     path, names, m = wrong[0]
