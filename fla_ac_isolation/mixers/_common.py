@@ -1,5 +1,4 @@
-"""Input handling shared by every mixer's ``forward``: checks (raised at the boundary, naming the argument),
-packed-sequence resolution, padding mask."""
+"""Input handling shared by the mixers' ``forward``: argument checks, packed offsets, padding mask."""
 
 from __future__ import annotations
 
@@ -13,12 +12,7 @@ from fla_ac_isolation.seqlens import LayerLocalSeqlens, devices_match
 
 
 def check_hidden_states(hidden_states: Any, hidden_size: int, weight: torch.Tensor) -> tuple[int, int]:
-    """``(B, T)`` of ``hidden_states [B, T, hidden_size]``, whose dtype must be ``weight``'s outside autocast.
-
-    Raises:
-        TypeError: not a floating-point tensor; another dtype than ``weight``'s outside autocast.
-        ValueError: not 3-D, or the last dim is not ``hidden_size``.
-    """
+    """``(B, T)`` of ``hidden_states [B, T, hidden_size]`` of ``weight``'s dtype (outside autocast), else raises."""
     if not isinstance(hidden_states, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
     if not hidden_states.is_floating_point():
@@ -53,17 +47,10 @@ def resolve_seqlens(
     max_length_q: int | torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
 ) -> LocalSeqlens | None:
-    """This layer's own offsets (``seqlens.local()``): call it inside the mixer's forward (its AC region).
+    """This layer's own offsets (``seqlens.local()``) or ``None`` unpacked; call it inside the mixer's forward.
 
-    ``seqlens`` wins over a ``cu_seq_lens_q`` passed alongside (which must count as many documents); a lone
-    ``cu_seq_lens_q`` is validated and wrapped here, per layer call (one host read: pass ``seqlens`` to avoid
-    it). Neither: ``None`` (one document per row), refusing ``seq_idx`` (state would flow across documents)
-    and ``T == 0``.
-
-    Raises:
-        TypeError: ``seqlens`` not a LayerLocalSeqlens; ``cu_seq_lens_q`` not an int32/int64 tensor.
-        ValueError: packed input with batch size > 1; a token count other than ``cu_seqlens[-1]``; offsets
-            on another device; invalid ``cu_seq_lens_q``; ``seq_idx`` or ``T == 0`` without offsets.
+    ``seqlens`` wins over ``cu_seq_lens_q`` (their document counts must agree); a lone ``cu_seq_lens_q`` is wrapped
+    per call (one host read: pass ``seqlens`` to avoid it).
     """
     batch, tokens = hidden_states.shape[0], hidden_states.shape[1]
     if seqlens is None and cu_seq_lens_q is None:
@@ -96,7 +83,7 @@ def resolve_seqlens(
 
 
 def _check_unpacked(hidden_states: torch.Tensor, seq_idx: Any) -> None:
-    """Refuse what an unpacked batch (one document per row) cannot mean: ``seq_idx``, or no tokens."""
+    """Refuse ``seq_idx`` or ``T == 0`` on an unpacked batch."""
     if seq_idx is not None:
         raise ValueError(
             "seq_idx is not supported; describe packed documents with seqlens=LayerLocalSeqlens(...) "
@@ -110,7 +97,7 @@ def _check_unpacked(hidden_states: torch.Tensor, seq_idx: Any) -> None:
 
 
 def _wrap_cu_seq_lens_q(cu_seq_lens_q: Any, max_length_q: Any, hidden_states: torch.Tensor) -> LayerLocalSeqlens:
-    """``cu_seq_lens_q`` validated against ``hidden_states`` (device; token count before the schedule is built)."""
+    """``cu_seq_lens_q`` validated against ``hidden_states`` (device, token count)."""
     if isinstance(max_length_q, torch.Tensor):
         max_length_q = int(max_length_q)
     try:
@@ -122,9 +109,7 @@ def _wrap_cu_seq_lens_q(cu_seq_lens_q: Any, max_length_q: Any, hidden_states: to
 
 
 def varlen_kwargs(local: LocalSeqlens | None, backend: str, hidden_states: torch.Tensor, **extra: Any) -> dict:
-    """The keywords every op of one mixer call takes: this call's ``cu_seqlens``/``cu_seqlens_cpu`` (``None``
-    unpacked) and the backend resolved for ``hidden_states`` (:func:`~fla_ac_isolation.ops.backend.resolve_backend`
-    raises for ``"fla"`` on CPU tensors outside Triton's interpreter), plus ``extra``."""
+    """Every op's keywords for one mixer call: ``cu_seqlens``/``cu_seqlens_cpu``, the resolved backend, ``extra``."""
     return {
         "cu_seqlens": local.cu_seqlens if local is not None else None,
         "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
@@ -134,11 +119,7 @@ def varlen_kwargs(local: LocalSeqlens | None, backend: str, hidden_states: torch
 
 
 def apply_padding_mask(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Zero padded positions of a 2-D ``[B, T]`` mask (1 = token), as transformers does; ``None`` passes.
-
-    Raises:
-        ValueError: a mask of another shape or rank (a 4-D attention bias carries no padding here).
-    """
+    """Zero padded positions of a 2-D ``[B, T]`` mask (1 = token), as transformers does; ``None`` passes."""
     if attention_mask is None:
         return hidden_states
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(hidden_states.shape[:2]):
@@ -163,12 +144,7 @@ def config_field(config: Any, name: str) -> Any:
 
 
 def layer_type(config: Any, layer_idx: int | None) -> str | None:
-    """``config.layer_types[layer_idx]``, or ``None`` without either.
-
-    Raises:
-        TypeError: ``layer_idx`` neither an ``int`` nor ``None``.
-        ValueError: ``layer_idx`` outside ``config.layer_types``.
-    """
+    """``config.layer_types[layer_idx]``, ``None`` without either; raises for a bad ``layer_idx``."""
     if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int)):
         raise TypeError(f"layer_idx must be an int (this layer's index in the decoder) or None, got {layer_idx!r}")
     layer_types = getattr(config, "layer_types", None)

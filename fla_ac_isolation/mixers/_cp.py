@@ -1,6 +1,4 @@
-"""What a Gated DeltaNet mixer checks at its forward's boundary before FLA's CP kernels run, so that what would
-fail deep inside FLA (an assertion, a collective on no group, a conv history read past the previous rank) is an
-error naming the argument."""
+"""Checks at a Gated DeltaNet mixer's boundary before FLA's CP kernels run, raising errors that name the argument."""
 
 from __future__ import annotations
 
@@ -19,10 +17,8 @@ def check_cp_conv(
     """Check that a mixer with a causal conv of width ``conv_kernel_size`` can run under ``cp_context``.
 
     Raises:
-        NotImplementedError: a ``backend`` without CP kernels, or ``saveable=True``
-            (:func:`~fla_ac_isolation.ops.backend.check_cp_backend`).
-        ValueError: the context's ``conv_kernel_size`` is ``None`` or below this conv's width, or it has no
-            process group.
+        NotImplementedError: a ``backend`` without CP kernels, or ``saveable=True``.
+        ValueError: the context's conv width is ``None`` or below ``conv_kernel_size``, or it has no process group.
     """
     check_cp_backend(cp_context, backend, hidden_states, saveable)
     width = cp_context.conv1d_kernel_size

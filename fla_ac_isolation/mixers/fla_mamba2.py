@@ -1,9 +1,5 @@
-"""Drop-in for flash-linear-attention's ``fla.layers.Mamba2``: our packed-correct Mamba2 behind FLA's interface.
-
-FLA 0.6's ``Mamba2`` never reads ``cu_seqlens`` (its mamba_ssm path hard-codes ``seq_idx=None``), so
-``fla.models.Mamba2ForCausalLM`` mixes packed documents. Its parameters are those of transformers' Nemotron-H
-mixer, so :class:`FlaMamba2` is :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` with FLA's config names,
-gated norm and call convention; :func:`~fla_ac_isolation.swap_mixers` puts it in place on the same tensors.
+"""Drop-in for FLA's ``fla.layers.Mamba2``, which ignores ``cu_seqlens`` (``docs/models/fla_mamba2.md``):
+:class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` with FLA's config names, gated norm and call convention.
 """
 
 from __future__ import annotations
@@ -28,10 +24,8 @@ _INIT_FIELDS = {"A_init_range": (1, 16), "dt_min": 0.001, "dt_max": 0.1, "dt_ini
 
 
 class FlaGatedRMSNorm(GroupedGatedRMSNorm):
-    """FLA's ``RMSNormGated`` (``fla.modules.layernorm_gated``, no bias) in torch: grouped RMS norm of
-    ``x [..., I]`` in groups of ``group_size``, with ``silu(z)`` applied before (FLA's default) or, with
-    ``norm_before_gate``, after it; float32 throughout (the weight too), cast to ``x``'s dtype (FLA's
-    ``rms_norm_ref``)."""
+    """FLA's ``RMSNormGated`` (no bias) in torch: grouped RMS norm of ``x [..., I]`` with ``silu(z)`` applied before or,
+    with ``norm_before_gate``, after it; float32 throughout, cast to ``x``'s dtype."""
 
     def __init__(self, hidden_size: int, group_size: int, eps: float, norm_before_gate: bool) -> None:
         super().__init__(hidden_size, group_size, eps)
@@ -60,27 +54,22 @@ class _SiluGate(nn.Module):
 
 
 class FlaMamba2(NemotronHMamba2Mixer):
-    """Our Mamba2 with flash-linear-attention's interface; replaces ``fla.layers.Mamba2`` (FLA 0.6).
+    """Our Mamba2 with flash-linear-attention's interface; replaces ``fla.layers.Mamba2`` (FLA 0.6). ``layer_idx``,
+    ``backend`` and ``saveable`` as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`.
 
     Args:
-        config: with ``fla.models.Mamba2Config``'s field names (the model's config as is; :meth:`config_from`
-            reads them off an FLA layer): ``hidden_size``, ``num_heads`` (``None``/0:
-            ``expand * D // head_dim``), ``head_dim``, ``state_size``, ``expand``, ``n_groups``, ``conv_kernel``,
-            ``use_conv_bias``, ``hidden_act``, ``D_has_hdim``, ``rmsnorm``, ``norm_before_gate``, ``dt_limit``
-            (``(lo, hi)``), ``use_bias``, ``norm_eps``, ``chunk_size``; optionally :meth:`init_fla_weights`'s.
-        layer_idx: as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`.
-        backend: as there.
-        saveable: as there.
+        config: with ``fla.models.Mamba2Config``'s fields (:meth:`config_from` reads them off an FLA layer):
+            ``hidden_size``, ``num_heads`` (``None``/0: ``expand * D // head_dim``), ``head_dim``, ``state_size``,
+            ``expand``, ``n_groups``, ``conv_kernel``, ``use_conv_bias``, ``hidden_act``, ``D_has_hdim``, ``rmsnorm``,
+            ``norm_before_gate``, ``dt_limit`` (``(lo, hi)``), ``use_bias``, ``norm_eps``, ``chunk_size``.
 
-    Parameters: FLA's names, shapes and ``state_dict`` order (``norm.weight`` only if ``rmsnorm``), initialised
-    on a real device as FLA's constructor does. The SSD chunks by 64 tokens (FLA's default 256), so results agree
-    with FLA's torch path up to rounding (``docs/models/fla_mamba2.md``).
+    Parameters: FLA's names, shapes and ``state_dict`` order (``norm.weight`` only if ``rmsnorm``), initialised as
+    FLA's constructor does (:meth:`init_fla_weights`). The SSD chunks by 64 tokens (FLA: 256): equal up to rounding.
 
     Raises:
-        ValueError: a missing field; ``expand * hidden_size`` not a multiple of ``head_dim`` or not
-            ``num_heads * head_dim``; ``num_heads`` not a multiple of ``n_groups``; ``hidden_act`` other than
-            SiLU; ``dt_limit`` not two numbers ``lo <= hi``.
-        NotImplementedError: ``D_has_hdim=True`` (the SSD op takes ``D [H]``).
+        ValueError: a missing field; ``expand * hidden_size`` not ``num_heads * head_dim`` or not a multiple of
+            ``head_dim``; ``num_heads`` not a multiple of ``n_groups``; non-SiLU ``hidden_act``; a bad ``dt_limit``.
+        NotImplementedError: ``D_has_hdim=True``.
     """
 
     def __init__(self, config: Any, layer_idx: int | None = None, *, backend: str = "auto",
@@ -116,7 +105,7 @@ class FlaMamba2(NemotronHMamba2Mixer):
 
     @staticmethod
     def config_from(upstream: nn.Module) -> types.SimpleNamespace:
-        """The configuration of an FLA 0.6 ``Mamba2`` layer, read from its attributes (``AttributeError`` else)."""
+        """The configuration of an FLA 0.6 ``Mamba2`` layer, read from its attributes."""
         return types.SimpleNamespace(
             hidden_size=upstream.hidden_size, num_heads=upstream.num_heads, head_dim=upstream.head_dim,
             state_size=upstream.ssm_state_size, expand=upstream.expand, n_groups=upstream.n_groups,
@@ -129,8 +118,7 @@ class FlaMamba2(NemotronHMamba2Mixer):
 
     @torch.no_grad()
     def init_fla_weights(self) -> None:
-        """FLA's constructor initialisation of ``A_log``, ``D`` and ``dt_bias`` (config's ``A_init_range``,
-        ``dt_min``, ``dt_max``, ``dt_init_floor``; FLA's defaults where absent)."""
+        """FLA's initialisation of ``A_log``, ``D`` and ``dt_bias`` (config's ``A_init_range``, ``dt_min``, ...)."""
         get = {name: getattr(self.config, name, default) for name, default in _INIT_FIELDS.items()}
         device = self.A_log.device
         self.A_log.copy_(torch.empty(self.num_heads, device=device).uniform_(*get["A_init_range"]).log())
@@ -153,11 +141,8 @@ class FlaMamba2(NemotronHMamba2Mixer):
         max_seqlen: int | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None, Any]:
-        """``[B, T, D]`` -> ``(out [B, T, D], None, past_key_values)``, as FLA's layer returns.
-
-        Offsets come from ``seqlens`` (a model-level :class:`~fla_ac_isolation.LayerLocalSeqlens` handed on as
-        a keyword) or FLA's ``cu_seqlens``/``max_seqlen`` keywords (wrapped per call); ``output_attentions`` and
-        other keywords are ignored, as by FLA's layer. Otherwise as :meth:`NemotronHMamba2Mixer.forward`.
+        """``[B, T, D]`` -> ``(out [B, T, D], None, past_key_values)``, as FLA's layer returns; offsets from ``seqlens``
+        or FLA's ``cu_seqlens``/``max_seqlen``, otherwise as :meth:`NemotronHMamba2Mixer.forward`.
 
         Raises:
             NotImplementedError: ``use_cache`` or ``past_key_values`` given.

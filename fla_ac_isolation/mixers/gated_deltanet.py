@@ -1,16 +1,8 @@
-"""The Gated DeltaNet token mixer shared by Qwen3.5(-MoE) and Qwen3.8-Flash-Next.
+"""The Gated DeltaNet token mixer (arXiv:2412.06464) shared by Qwen3.5(-MoE) and Qwen3.8-Flash-Next.
 
-Gated DeltaNet (Yang, Kautz and Hatamizadeh, arXiv:2412.06464) follows transformers'
-``Qwen3_5MoeGatedDeltaNet`` parameter for parameter: projections ``in_proj_qkv``, ``in_proj_z`` (output gate),
-``in_proj_b`` (``beta = sigmoid(b)``), ``in_proj_a`` (``g = -exp(A_log) * softplus(a + dt_bias)``); a depthwise
-causal ``conv1d`` + SiLU over q, k, v; the chunked gated delta rule with in-kernel q/k L2 norm and grouped value
-heads; a gated per-head RMSNorm (``norm``), then ``out_proj``. Unlike transformers, the conv and the recurrence
-restart at every ``cu_seqlens`` offset, taken from :meth:`~fla_ac_isolation.LayerLocalSeqlens.local` inside
-``forward``.
-
-Context parallelism (``seqlens`` built with ``cp=``): ``hidden_states`` is this rank's ``[1, T / W, D]`` and
-FLA's CP-aware conv and gated delta rule run with the fresh ``cp_context``; replicated parameters' gradients
-are this rank's part, to be summed over the CP group (as a data-parallel reduction over the CP ranks does).
+Mirrors transformers' ``Qwen3_5MoeGatedDeltaNet``, except that the conv and the recurrence restart at every
+``cu_seqlens`` offset. Under context parallelism (``seqlens`` built with ``cp=``) ``hidden_states`` is this rank's
+``[1, T / W, D]`` and replicated parameters' gradients are this rank's part, to be summed over the CP group.
 """
 
 from __future__ import annotations
@@ -42,9 +34,8 @@ _GATES = {"silu": F.silu, "swish": F.silu, "sigmoid": torch.sigmoid}
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over the last dim (value head dim) times ``activation(gate)`` (``"silu"``: Qwen3.5, ``"sigmoid"``:
-    Qwen3.8-Flash-Next); numerically transformers' ``Qwen3_5MoeRMSNormGated``: normalised in float32, cast back
-    before the weight, gated in float32. Raises ``ValueError`` for an unknown ``activation``."""
+    """RMSNorm over the last dim times ``activation(gate)`` (``"silu"`` or ``"sigmoid"``), numerically transformers'
+    ``Qwen3_5MoeRMSNormGated``; ``ValueError`` for another ``activation``."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, activation: str = "silu") -> None:
         super().__init__()
@@ -74,10 +65,10 @@ class GatedDeltaNet(nn.Module):
         backend: ``"auto"`` (FLA kernels for CUDA inputs, reference elsewhere), ``"fla"`` or ``"reference"``.
         output_gate: ``"silu"`` or ``"sigmoid"``.
         saveable: run the conv and the gated delta rule as custom operators a SAC policy can save
-            (:func:`fla_ac_isolation.policies.save_fla_ops`); same parameters.
+            (:func:`fla_ac_isolation.policies.save_fla_ops`).
 
     Parameters (as transformers): ``in_proj_qkv [2*H*K + HV*V, D]``, ``in_proj_z [HV*V, D]``,
-    ``in_proj_b``/``in_proj_a [HV, D]``, ``conv1d [2*H*K + HV*V, 1, W]``, ``dt_bias [HV]``, ``A_log [HV]``,
+    ``in_proj_b``/``in_proj_a [HV, D]``, ``conv1d [2*H*K + HV*V, 1, W]``, ``dt_bias``/``A_log [HV]``,
     ``norm [V]``, ``out_proj [D, HV*V]``.
 
     Raises:
@@ -148,10 +139,8 @@ class GatedDeltaNet(nn.Module):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """``[B, T, D]`` -> ``[B, T, D]``: the forward of :mod:`fla_ac_isolation.mixers`.
-
-        Raises (besides those): ``NotImplementedError`` for context parallelism with the reference backend or
-        with ``saveable=True``.
+        """``[B, T, D]`` -> ``[B, T, D]``: the forward of :mod:`fla_ac_isolation.mixers`; also ``NotImplementedError``
+        for context parallelism with the reference backend or ``saveable=True``.
         """
         reject_cache(cache=cache, cache_params=cache_params, past_key_values=past_key_values)
         batch, tokens = check_hidden_states(hidden_states, self.hidden_size, self.in_proj_qkv.weight)

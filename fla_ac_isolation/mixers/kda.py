@@ -1,16 +1,5 @@
-"""The Kimi Delta Attention (KDA) token mixer of Kimi-Linear, GLM-5-next and Bailing hybrid, packed-correct.
-
-KDA (Kimi Team, "Kimi Linear", arXiv:2510.26692) is the gated delta rule with a decay per key channel.
-transformers ships it three times (``transformers/models/{kimi_linear,glm5_next,bailing_hybrid}``) with the
-same maths and parameter names, differing in the forget gate: projections ``q_proj``, ``k_proj``, ``v_proj``;
-one depthwise causal ``conv1d`` + SiLU; the forget gate -> log decay ``g [B, T, H, K]``;
-``beta = sigmoid(b_proj(h))``; KDA with in-kernel q/k L2 norm (:func:`fla_ac_isolation.ops.chunk_kda`); a
-sigmoid-gated RMSNorm ``o_norm`` with the output gate, then ``o_proj``.
-
-Unlike transformers (whose kernel wrapper never passes ``cu_seq_lens_q`` to FLA and whose torch conv ignores
-document bounds), the conv and KDA restart at every ``cu_seqlens`` offset, taken from
-:meth:`~fla_ac_isolation.LayerLocalSeqlens.local` inside ``forward``. Cached generation and context
-parallelism are refused.
+"""The Kimi Delta Attention (KDA, arXiv:2510.26692) mixer of Kimi-Linear, GLM-5-next and Bailing hybrid: transformers'
+three classes (same maths and names, different forget gates) with the conv and KDA restarted at every offset.
 """
 
 from __future__ import annotations
@@ -49,8 +38,7 @@ __all__ = [
 
 
 def _init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, zero_A_log: bool = False) -> None:
-    """transformers' ``_init_weights`` of the forget gates (FLA's): ``A = U(1, 16)`` (GLM-5-next with a lower
-    bound: ``A_log = 0``), ``dt_bias = softplus^-1(exp(U(log 1e-3, log 1e-1)))``."""
+    """transformers' forget-gate initialisation of ``A_log`` (zero for GLM-5-next's bounded gate) and ``dt_bias``."""
     with torch.no_grad():
         A_log.copy_(torch.zeros_like(A_log) if zero_A_log else torch.empty_like(A_log).uniform_(1.0, 16.0).log())
         dt = torch.empty_like(dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
@@ -59,13 +47,10 @@ def _init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, zero_A_log: bool = F
 
 class LowRankForgetGate(nn.Module):
     """Kimi-Linear's and GLM-5-next's forget gate (``KimiLinearForgetGate`` / ``Glm5NextTextForgetGate``):
-    hidden states ``[B, T, D]`` -> log decay ``[B, T, H, K]`` float32.
+    ``[B, T, D]`` -> log decay ``[B, T, H, K]`` float32, bounded by ``lower_bound`` when given (GLM-5-next).
 
-    ``x = f_b_proj(f_a_proj(h)) + dt_bias`` in float32, then ``-exp(A_log) * softplus(x)`` (``x > 20`` kept), or
-    with a ``lower_bound`` (GLM-5-next) ``lower_bound * sigmoid(exp(A_log) * x)``. ``per_head_A_log``:
-    ``A_log [H]`` float32 (GLM-5-next), else ``[1, 1, H, 1]`` in the default dtype (Kimi-Linear).
-
-    Parameters: ``f_a_proj.weight [K, D]``, ``f_b_proj.weight [H*K, K]``, ``dt_bias [H*K]`` float32, ``A_log``.
+    Parameters: ``f_a_proj.weight [K, D]``, ``f_b_proj.weight [H*K, K]``, ``dt_bias [H*K]`` float32, ``A_log``:
+    ``[H]`` float32 with ``per_head_A_log`` (GLM-5-next), else ``[1, 1, H, 1]`` in the default dtype (Kimi-Linear).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, per_head_A_log: bool,
@@ -91,14 +76,9 @@ class LowRankForgetGate(nn.Module):
 
 
 class FullRankForgetGate(nn.Module):
-    """Bailing hybrid's forget gate (``BailingHybridForgetGate``): ``[B, T, D]`` -> log decay ``[B, T, H, K]``
-    in the hidden states' dtype.
-
-    ``x = f_proj(h) + dt_bias`` in float32, then ``lower_bound * sigmoid(exp(A_log) * x)`` when ``safe_gate``
-    (the config's ``kda_safe_gate``, ``kda_lower_bound``), else ``-exp(A_log) * softplus(x)``.
-
-    Parameters: ``A_log [H]`` float32, ``dt_bias [H*K]`` float32, ``f_proj.weight [H*K, D]``.
-    """
+    """Bailing hybrid's forget gate (``BailingHybridForgetGate``): ``[B, T, D]`` -> log decay ``[B, T, H, K]`` in the
+    input dtype, bounded by ``lower_bound`` when ``safe_gate``. Parameters: ``A_log [H]`` float32, ``dt_bias [H*K]``
+    float32, ``f_proj.weight [H*K, D]``."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, safe_gate: bool,
                  lower_bound: float) -> None:
@@ -120,8 +100,7 @@ class FullRankForgetGate(nn.Module):
 
 
 class SigmoidGatedRMSNorm(nn.Module):
-    """RMSNorm over the last dim ``K`` times ``sigmoid(gate)``, weight applied in float32 before the cast back
-    (numerically transformers' ``KimiLinearRMSNormGated``)."""
+    """RMSNorm over the last dim ``K`` times ``sigmoid(gate)``, numerically transformers' ``KimiLinearRMSNormGated``."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -145,21 +124,18 @@ class KimiDeltaAttention(nn.Module):
             and optionally ``layer_types``.
         layer_idx: index of this layer in the decoder.
         backend: ``"auto"`` (FLA kernels for CUDA inputs, reference elsewhere), ``"fla"`` or ``"reference"``.
-        forget_gate: builds from ``(D, H, K)`` a module ``[B, T, D]`` -> log decay ``[B, T, H, K]``; default
-            :class:`LowRankForgetGate` with ``A_log [1, 1, H, 1]`` (Kimi-Linear).
-        low_rank_output_gate: ``g_b_proj(g_a_proj(h))`` registered before ``o_norm`` (Kimi, GLM-5-next);
-            ``False``: ``g_proj(h)`` registered after ``o_proj`` (Bailing), so ``state_dict()`` order matches
-            transformers.
+        forget_gate: ``(D, H, K)`` -> a module ``[B, T, D]`` -> log decay ``[B, T, H, K]``; default Kimi-Linear's.
+        low_rank_output_gate: ``g_b_proj(g_a_proj(h))`` before ``o_norm`` (Kimi, GLM-5-next); ``False``:
+            ``g_proj(h)`` after ``o_proj`` (Bailing); registered so ``state_dict()`` order matches transformers.
         conv_dtype: dtype ``conv1d`` computes in (``None``: the default dtype); returns the input dtype.
-        saveable: must be ``False``: KDA has no custom operator yet.
+        saveable: must be ``False`` (no KDA custom operator yet).
 
     Parameters (as transformers): ``q_proj``, ``k_proj``, ``v_proj`` ``[H*K, D]``, ``conv1d [3*H*K, 1, W]``,
     ``forget_gate.*``, ``b_proj [H, D]``, ``g_a_proj [K, D]`` + ``g_b_proj [H*K, K]`` or ``g_proj [H*K, D]``,
     ``o_norm [K]``, ``o_proj [D, H*K]``.
 
     Raises:
-        ValueError: unknown ``backend``; a missing config field; ``hidden_act`` other than SiLU;
-            ``layer_idx`` outside ``config.layer_types``.
+        ValueError: unknown ``backend``; a missing config field; non-SiLU ``hidden_act``; a bad ``layer_idx``.
         TypeError: ``layer_idx`` not an ``int`` (or ``None``); ``saveable`` not a bool.
         NotImplementedError: ``saveable=True``.
     """
@@ -229,10 +205,8 @@ class KimiDeltaAttention(nn.Module):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """``[B, T, D]`` -> ``[B, T, D]``: the forward of :mod:`fla_ac_isolation.mixers`.
-
-        Raises (besides those): ``ValueError`` for ``backend='fla'`` on CPU tensors outside Triton's interpreter;
-        ``NotImplementedError`` for ``seqlens`` built with ``cp=``.
+        """``[B, T, D]`` -> ``[B, T, D]``: the forward of :mod:`fla_ac_isolation.mixers`; also ``NotImplementedError``
+        for ``seqlens`` built with ``cp=``.
         """
         reject_cache(cache=cache, cache_params=cache_params, past_key_values=past_key_values)
         batch, tokens = check_hidden_states(hidden_states, self.hidden_size, self.q_proj.weight)
@@ -281,9 +255,8 @@ class KimiLinearDeltaAttention(KimiDeltaAttention):
 
 
 class Glm5NextTextLinearAttention(KimiDeltaAttention):
-    """Drop-in for transformers' ``Glm5NextTextLinearAttention`` (``Glm5NextTextConfig``): ``A_log [H]`` float32,
-    a float32 ``conv1d``, and the bounded gate from ``config.linear_lower_bound`` (``ValueError`` when missing);
-    otherwise :class:`KimiDeltaAttention`."""
+    """Drop-in for transformers' ``Glm5NextTextLinearAttention``: ``A_log [H]`` and ``conv1d`` in float32, the gate
+    bounded by ``config.linear_lower_bound`` (``ValueError`` when missing); otherwise :class:`KimiDeltaAttention`."""
 
     def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", saveable: bool = False) -> None:
         bound = config_field(text_config(config), "linear_lower_bound")
@@ -296,9 +269,9 @@ class Glm5NextTextLinearAttention(KimiDeltaAttention):
 
 
 class BailingHybridDeltaAttention(KimiDeltaAttention):
-    """Drop-in for transformers' ``BailingHybridDeltaAttention`` (``BailingHybridConfig``): full-rank gates
-    (``forget_gate.f_proj``, ``g_proj``), ``A_log [H]`` and ``conv1d`` in float32, the bounded gate per
-    ``kda_safe_gate``/``kda_lower_bound`` (``ValueError`` when missing); otherwise :class:`KimiDeltaAttention`."""
+    """Drop-in for transformers' ``BailingHybridDeltaAttention``: full-rank gates (:class:`FullRankForgetGate`,
+    ``g_proj``), ``conv1d`` in float32, ``kda_safe_gate``/``kda_lower_bound`` required (``ValueError`` when missing);
+    otherwise :class:`KimiDeltaAttention`."""
 
     def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", saveable: bool = False) -> None:
         text = text_config(config)

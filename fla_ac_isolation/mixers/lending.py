@@ -1,9 +1,6 @@
 """Tensor lending between a drop-in mixer and the upstream module it replaced: slots pointed at tensors, not copies.
 
-:func:`~fla_ac_isolation.swap_mixers` builds a drop-in on ``meta``, points its slots at the upstream tensors
-(:func:`share_tensors`) and keeps the stripped upstream module on it (:func:`keep_original`);
-:func:`lent_to_original` lends the tensors back for upstream code (OLMo-core's ``init_weights``). Imports
-nothing from this package.
+Used by :func:`~fla_ac_isolation.swap_mixers`; :func:`lent_to_original` lends the tensors back for upstream code.
 """
 
 from __future__ import annotations
@@ -21,10 +18,7 @@ _ORIGINAL_ATTR = "_fla_ac_original"
 
 
 def _slots(module: nn.Module) -> dict[str, tuple[nn.Module, str, str]]:
-    """``{qualified name: (owning module, local name, kind)}`` for every tensor slot of ``module``.
-
-    ``kind`` is ``"param"``, ``"buffer"`` or ``"buffer (non-persistent)"``; slots holding ``None`` count.
-    """
+    """``{qualified name: (owning module, local name, kind)}`` for every tensor slot, ``None`` ones included."""
     slots: dict[str, tuple[nn.Module, str, str]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for local in sub._parameters:
@@ -43,8 +37,7 @@ def share_tensors(src: nn.Module, dst: nn.Module, what: str) -> None:
     """Point every parameter/buffer slot of ``dst`` at the tensor object of the same name in ``src`` (no copy).
 
     Raises:
-        RuntimeError: naming ``what`` (the caller), when the modules do not declare the same parameters and
-            buffers (names, kinds, shapes): the replacement's ``state_dict()`` would differ.
+        RuntimeError: naming ``what``, when the modules' parameters and buffers differ in names, kinds or shapes.
     """
     src_slots, dst_slots = _slots(src), _slots(dst)
     if set(src_slots) != set(dst_slots):
@@ -90,9 +83,8 @@ def release_original(replacement: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def lent_to_original(module: nn.Module) -> Iterator[nn.Module]:
-    """The upstream module a swapped mixer replaced, pointed at the swapped mixer's tensors (the same objects,
-    writes stay) for the block; stripped again on exit. ``RuntimeError`` when ``module`` was not made by
-    :func:`~fla_ac_isolation.swap_mixers`."""
+    """The upstream module a swapped mixer replaced, pointed at the mixer's tensors (writes stay) for the block;
+    ``RuntimeError`` when ``module`` was not made by :func:`~fla_ac_isolation.swap_mixers`."""
     original = original_of(module)
     if original is None:
         raise RuntimeError(

@@ -1,16 +1,8 @@
-"""Drop-in for transformers' ``NemotronHMamba2Mixer``, correct on packed sequences.
+"""Drop-in for transformers' ``NemotronHMamba2Mixer`` (Mamba2, arXiv:2405.21060), correct on packed sequences.
 
-Mamba2 (Dao and Gu, arXiv:2405.21060), parameter for parameter as transformers: ``in_proj`` maps ``D`` to
-``[gate | x B C | dt]`` (sizes ``I``, ``I + 2*G*N``, ``H``; ``I = H * P``); a depthwise causal ``conv1d`` with
-bias + SiLU over ``x B C``; the SSD scan (``dt = clamp(softplus(dt + dt_bias), time_step_min)``,
-``A = -exp(A_log)``, ``B``/``C`` shared by ``H // G`` heads, the ``D`` skip); a grouped gated RMSNorm
-(``norm``, gate before norm), then ``out_proj``.
-
-Without mamba_ssm, transformers' torch path lets state leak across packed documents; here the conv and the
-scan restart at every ``cu_seqlens`` offset. SSD runs on FLA's simple GLA kernels
-(:func:`fla_ac_isolation.ops.ssd`); with the precomputed ``chunk_indices``/``chunk_offsets`` the layer
-makes no host synchronisation, so its checkpointed step can be captured in a CUDA graph (``docs/graphs.md``).
-Under context parallelism it runs head-parallel (:mod:`fla_ac_isolation.mixers.nemotron_h_cp`).
+Same parameters as transformers; the conv and the SSD scan (:func:`fla_ac_isolation.ops.ssd`) restart at every
+``cu_seqlens`` offset, with no host synchronisation (CUDA-graph capturable: ``docs/graphs.md``). Under context
+parallelism it runs head-parallel (:mod:`fla_ac_isolation.mixers.nemotron_h_cp`).
 """
 
 from __future__ import annotations
@@ -40,9 +32,8 @@ __all__ = ["GroupedGatedRMSNorm", "NemotronHMamba2Mixer"]
 
 
 class GroupedGatedRMSNorm(nn.Module):
-    """``y * silu(gate)``, RMS-normalised in groups of ``group_size`` of the ``hidden_size`` channels, scaled by
-    ``weight [hidden_size]``; numerically transformers' ``NemotronHRMSNormGated`` (float32, cast back before the
-    weight). Raises ``ValueError`` when ``hidden_size`` is not a multiple of ``group_size``."""
+    """``y * silu(gate)``, RMS-normalised in groups of ``group_size`` channels, times ``weight [hidden_size]``;
+    numerically transformers' ``NemotronHRMSNormGated``. ``ValueError`` if ``hidden_size % group_size``."""
 
     def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -72,14 +63,13 @@ class NemotronHMamba2Mixer(nn.Module):
             ``use_conv_bias``, ``use_bias``, ``mamba_hidden_act``, ``chunk_size`` (kept; both backends chunk
             by 64 tokens), ``time_step_min``, ``layer_norm_epsilon``, ``layer_types``.
         layer_idx: index of the layer.
-        initialize_mixer_weights: :meth:`init_nemotron_h_weights` (transformers' ``_init_weights`` may
-            overwrite them later).
+        initialize_mixer_weights: run :meth:`init_nemotron_h_weights`.
         backend: ``"auto"`` | ``"fla"`` | ``"reference"``.
         saveable: run the conv and the SSD scan as custom operators a SAC policy can save
-            (:func:`fla_ac_isolation.policies.save_fla_ops`); same parameters.
+            (:func:`fla_ac_isolation.policies.save_fla_ops`).
 
-    Parameters (as transformers; ``E = I + 2*G*N``): ``in_proj [I + E + H, D]``, ``conv1d [E, 1, W]`` (+ bias),
-    ``dt_bias``/``A_log``/``D [H]``, ``norm [I]``, ``out_proj [D, I]`` (biases if ``use_bias``).
+    Parameters (as transformers; ``I = H * P``, ``E = I + 2*G*N``): ``in_proj [I + E + H, D]``, ``conv1d [E, 1, W]``
+    (+ bias), ``dt_bias``/``A_log``/``D [H]``, ``norm [I]``, ``out_proj [D, I]`` (biases if ``use_bias``).
 
     Raises:
         TypeError: ``saveable`` not a bool; ``layer_idx`` not an ``int`` (or ``None``).
@@ -167,11 +157,8 @@ class NemotronHMamba2Mixer(nn.Module):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """``[B, T, D]`` -> ``[B, T, D]``: the forward of :mod:`fla_ac_isolation.mixers`; the padding mask also
-        zeroes the conv output, and ``seq_idx`` is refused without offsets.
-
-        Raises (besides those): under context parallelism, ``ValueError`` for ``mamba_num_heads`` not divisible
-        by the CP degree (:func:`~fla_ac_isolation.mixers.nemotron_h_cp.head_shard`) or a padding mask.
+        """``[B, T, D]`` -> ``[B, T, D]``: the forward of :mod:`fla_ac_isolation.mixers` (the mask also zeroes the conv
+        output). Under context parallelism also ``ValueError`` for ``H`` not divisible by the CP degree or a mask.
         """
         reject_cache(cache=cache, cache_params=cache_params, past_key_values=past_key_values)
         batch, tokens = check_hidden_states(hidden_states, self.hidden_size, self.in_proj.weight)

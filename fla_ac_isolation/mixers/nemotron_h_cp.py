@@ -1,11 +1,6 @@
-"""Nemotron-H's Mamba2 mixer under context parallelism: head-parallel, with the existing conv and SSD ops.
-
-FLA 0.6 has no CP for simple GLA (behind our SSD), so instead (Ulysses, as OLMo-core does for attention):
-``in_proj`` on this rank's ``T / W`` tokens; an all-to-all (:func:`~fla_ac_isolation.parallel.sequence_to_heads`)
-to every token of this rank's heads (their x, the B/C groups they read, their dt); the varlen conv and SSD on
-whole documents with the GLOBAL offsets (``seqlens.local(whole_batch=True)``) and this rank's parameter slices;
-an all-to-all back (:func:`~fla_ac_isolation.parallel.heads_to_sequence`); norm and ``out_proj`` on the shard.
-Same parameters as without CP; every gradient is this rank's part, to be summed over the CP group.
+"""Nemotron-H's Mamba2 mixer under context parallelism, head-parallel (Ulysses): an all-to-all to every token of this
+rank's heads, the conv and SSD on whole documents with the GLOBAL offsets, an all-to-all back. Same parameters as
+without CP; every gradient is this rank's part, to be summed over the CP group.
 """
 
 from __future__ import annotations
@@ -23,13 +18,11 @@ __all__ = ["head_parallel_forward", "head_shard"]
 
 
 def head_shard(mixer: Any, cp: CPConfig) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    """``(channels, heads, groups)``: ``channels[d]``, the int64 indices into ``in_proj``'s ``x B C | dt`` output
-    rank ``d`` computes (x of its heads, B then C of their groups, their dt); this rank's head indices; and the
-    number of B/C groups it receives.
+    """``(channels, heads, groups)``: per rank ``d``, the int64 indices into ``in_proj``'s ``x B C | dt`` output it
+    computes; this rank's head indices; the number of B/C groups it receives.
 
     Raises:
-        ValueError: ``mamba_num_heads`` not divisible by ``cp.world_size``, or ranks that would split a B/C
-            group unevenly.
+        ValueError: ``mamba_num_heads`` not divisible by ``cp.world_size``, or a B/C group split unevenly.
     """
     H, P, G, N, W = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size, cp.world_size
     if H % W:
@@ -84,11 +77,11 @@ def head_parallel_forward(
     mixer: Any, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, *, attention_mask: Any = None
 ) -> torch.Tensor:
     """:class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`'s forward under ``seqlens.cp``: this rank's
-    ``[1, T / W, D]`` shard (FLA's layout) -> ``[1, T / W, D]``.
+    ``[1, T / W, D]`` shard -> ``[1, T / W, D]``.
 
     Raises:
-        ValueError: see :func:`head_shard`; batch size > 1; a token count other than ``T / W``; offsets on
-            another device; a CP config without a group; an ``attention_mask``.
+        ValueError: see :func:`head_shard`; batch size > 1; a token count other than ``T / W``; offsets on another
+            device; a CP config without a group; an ``attention_mask``.
     """
     _check(mixer, hidden_states, seqlens, attention_mask)
     cp = seqlens.cp

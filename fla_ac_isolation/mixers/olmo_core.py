@@ -1,10 +1,6 @@
-"""Drop-in for OLMo-core's ``NemotronMamba2Mixer``: our packed-correct Mamba2 behind OLMo-core's interface.
-
-OLMo-core 3.0's ``olmo_core.nn.attention.recurrent.NemotronMamba2Mixer`` has transformers' Nemotron-H parameters
-and a pure-torch SSD that drops ``cu_doc_lens`` (``del kwargs``) and is not causal across its own chunks: the
-inter-chunk state sum runs over the *target* chunk axis (``recurrent.py:779``), so any output before the last
-``chunk_size``-token chunk depends on later tokens. :class:`OlmoNemotronMamba2Mixer` is
-:class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` with OLMo-core's ``SequenceMixer`` interface.
+"""Drop-in for OLMo-core 3.0's ``NemotronMamba2Mixer``, whose torch SSD drops ``cu_doc_lens`` and is not causal
+across its chunks (``docs/olmo-core.md``): :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` behind
+OLMo-core's ``SequenceMixer`` interface.
 """
 
 from __future__ import annotations
@@ -24,18 +20,12 @@ _OLMO_ORDER = ("in_proj", "conv1d", "norm", "out_proj")  # OLMo-core's registrat
 
 
 class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
-    """Our Mamba2 with OLMo-core's ``SequenceMixer`` interface; replaces OLMo-core's ``NemotronMamba2Mixer``.
-
-    Args:
-        config: fields as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` reads them (:meth:`config_from`
-            builds them from an OLMo-core module).
-        layer_idx: as there.
-        backend: as there.
+    """Our Mamba2 with OLMo-core's ``SequenceMixer`` interface; replaces OLMo-core's ``NemotronMamba2Mixer``. Arguments
+    as :class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer` (:meth:`config_from` builds ``config``).
 
     Parameters: OLMo-core's names, shapes and ``state_dict`` order, built empty: initialise with
-    :meth:`init_weights` or share an OLMo-core module's tensors (:func:`~fla_ac_isolation.swap_mixers`).
-    Numbers equal OLMo-core's up to rounding on inputs of at most one of its chunks; on longer ones it is not
-    causal and this one is. ``softplus(dt + dt_bias)`` runs in float32 (OLMo-core: the parameter dtype).
+    :meth:`init_weights` or share an OLMo-core module's tensors (:func:`~fla_ac_isolation.swap_mixers`). Equal to
+    OLMo-core's up to rounding on inputs of at most one of its chunks (``softplus(dt + dt_bias)`` in float32 here).
     """
 
     def __init__(self, config: Any, layer_idx: int | None = None, *, backend: str = "auto") -> None:
@@ -46,8 +36,7 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
 
     @staticmethod
     def config_from(upstream: nn.Module) -> types.SimpleNamespace:
-        """The configuration of an OLMo-core 3.0 ``NemotronMamba2Mixer``, read from its attributes
-        (``AttributeError`` else)."""
+        """The configuration of an OLMo-core 3.0 ``NemotronMamba2Mixer``, read from its attributes."""
         return types.SimpleNamespace(
             hidden_size=upstream.d_model, mamba_num_heads=upstream.num_heads, mamba_head_dim=upstream.head_dim,
             n_groups=upstream.n_groups, ssm_state_size=upstream.ssm_state_size,
@@ -68,16 +57,14 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
         """``x [B, T, D]`` -> ``[B, T, D]``, documents kept apart.
 
         Args:
-            x: ``[B, T, D]``; with ``cu_doc_lens`` the rows are one packed sequence, flattened to
-                ``[1, B * T, D]`` here and restored after.
+            x: ``[B, T, D]``; with ``cu_doc_lens`` the rows are one packed sequence (flattened here, restored after).
             cu_doc_lens: OLMo-core's ``[N + 1]`` int32 offsets over the flattened batch (0 to ``B * T``).
             max_doc_len: the longest document.
             attention_mask: ``None`` or a ``[B, T]`` padding mask.
-            **kwargs: OLMo-core's other block keywords (rotary tables, ...), ignored as OLMo-core does.
+            **kwargs: OLMo-core's other block keywords, ignored.
 
         Raises:
-            ValueError: invalid ``cu_doc_lens`` (as :class:`~fla_ac_isolation.LayerLocalSeqlens`), a token count
-                other than ``cu_doc_lens[-1]``, a bad ``attention_mask``.
+            ValueError: invalid ``cu_doc_lens`` or one whose last offset is not the token count; a bad mask.
         """
         flatten = cu_doc_lens is not None and x.dim() == 3 and x.shape[0] > 1
         if flatten:
@@ -89,8 +76,8 @@ class OlmoNemotronMamba2Mixer(NemotronHMamba2Mixer):
 
     @torch.no_grad()
     def init_weights(self, **kwargs: Any) -> None:
-        """OLMo-core's own ``init_weights`` (same keywords), run by the replaced module on this one's tensors;
-        ``RuntimeError`` when this module was not made by :func:`~fla_ac_isolation.swap_mixers`."""
+        """OLMo-core's own ``init_weights`` run on this module's tensors; ``RuntimeError`` unless made by
+        :func:`~fla_ac_isolation.swap_mixers`."""
         with lent_to_original(self) as olmo:
             olmo.init_weights(**kwargs)
 

@@ -1,13 +1,4 @@
-"""Drop-in for transformers' ``Qwen3_5MoeGatedDeltaNet`` (``Qwen3_5MoeTextConfig``) and the dense
-``Qwen3_5GatedDeltaNet`` (``Qwen3_5TextConfig``), the same layer with a SiLU output gate.
-
-Example::
-
-    mixer = Qwen3_5MoeGatedDeltaNet(config, layer_idx=0)
-    mixer.load_state_dict(hf_model.model.layers[0].linear_attn.state_dict())
-    seqlens = LayerLocalSeqlens.from_seq_lens([5, 17, 41], device="cuda")
-    out = mixer(hidden_states, seqlens)            # hidden_states [1, 63, hidden_size]
-"""
+"""Drop-in for transformers' ``Qwen3_5MoeGatedDeltaNet`` and the dense ``Qwen3_5GatedDeltaNet`` (SiLU output gate)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Drop-in for transformers' ``Qwen4ExpTextGatedDeltaNet`` (``Qwen4ExpTextConfig``), the linear-attention layer of
-Qwen3.8-Flash-Next: the Qwen3.5 layer whose output gate is ``config.output_gate_type`` (``"sigmoid"``), falling
-back to ``config.hidden_act``.
-"""
+"""Drop-in for transformers' ``Qwen4ExpTextGatedDeltaNet``, the linear-attention layer of Qwen3.8-Flash-Next."""
 
 from __future__ import annotations
 
@@ -14,12 +11,11 @@ __all__ = ["Qwen3_8FlashNextGatedDeltaNet"]
 
 
 class Qwen3_8FlashNextGatedDeltaNet(GatedDeltaNet):
-    """Gated DeltaNet of Qwen3.8-Flash-Next, packed-sequence safe; otherwise as
-    :class:`~fla_ac_isolation.mixers.gated_deltanet.GatedDeltaNet`.
+    """Gated DeltaNet of Qwen3.8-Flash-Next: the output gate is ``config.output_gate_type`` (else ``hidden_act``);
+    otherwise as :class:`~fla_ac_isolation.mixers.gated_deltanet.GatedDeltaNet`.
 
     Raises:
-        ValueError: as :class:`GatedDeltaNet`; ``output_gate_type`` (or ``hidden_act``) missing or not
-            ``"silu"``/``"sigmoid"``.
+        ValueError: as :class:`GatedDeltaNet`; that gate missing or not ``"silu"``/``"sigmoid"``.
     """
 
     def __init__(self, config: Any, layer_idx: int, *, backend: str = "auto", saveable: bool = False) -> None:

@@ -1,8 +1,7 @@
 """Context and pipeline parallelism (CP, PP): packed batches cut for them, isolated per layer under AC.
 
-Collectives are ``torch.distributed``'s, CP kernels and metadata FLA's (:mod:`fla_ac_isolation.fla_seam.cp`),
-pipeline stages and schedules ``torch.distributed.pipelining``'s. See ``docs/context-parallel.md`` and
-``docs/pipeline-parallel.md``; ``docs/design.md`` lists what each module holds.
+Collectives are ``torch.distributed``'s, CP kernels FLA's, pipelining ``torch.distributed.pipelining``'s
+(``docs/context-parallel.md``, ``docs/pipeline-parallel.md``).
 """
 
 from fla_ac_isolation.parallel.config import LAYOUTS, CPConfig

@@ -1,9 +1,7 @@
-"""What FLA's context parallelism needs besides the offsets: :class:`CPConfig` (group, layout, conv width).
+""":class:`CPConfig`: what FLA's context parallelism needs besides the offsets (group, layout, conv width).
 
-FLA 0.6 (``fla/ops/cp/context.py``) cuts the ``T`` packed tokens into equal intervals, with no padding:
-``contiguous``: rank ``r`` holds interval ``r`` of ``W``; ``zigzag``: rank ``r`` holds parts ``r`` and
-``2W - 1 - r`` of ``2W`` (local buffer ``[front; back]``). Documents may cross intervals; FLA's CP kernels pass
-state and conv history along the chain.
+FLA cuts the ``T`` packed tokens into equal intervals, no padding: ``contiguous``: rank ``r`` holds interval ``r``
+of ``W``; ``zigzag``: parts ``r`` and ``2W - 1 - r`` of ``2W`` (local order ``[front; back]``).
 """
 
 from __future__ import annotations
@@ -34,25 +32,18 @@ class CPConfig(CPSplit):
     """One context-parallel (CP) group as FLA's CP kernels see it; ``LayerLocalSeqlens(..., cp=)`` takes it.
 
     Args:
-        group: the CP process group; ``None``: metadata only (tests, sharding off-rank), with ``world_size``
-            and ``rank`` given, as FLA's ``get_cp_cu_seqlens`` allows.
+        group: the CP process group; ``None``: metadata only (tests, sharding off-rank), with ``world_size``/``rank``.
         layout: ``"contiguous"`` or ``"zigzag"``.
-        conv_kernel_size: the model's widest CP causal conv (FLA's ``conv1d_kernel_size``): every interval must
-            hold ``conv_kernel_size - 1`` tokens, since FLA's CP conv takes history from the previous interval
-            only (FLA does not check this for contiguous). ``None``: no CP conv (head-parallel Mamba2).
-        world_size: CP degree ``W``; from ``group`` when ``None`` (must equal it).
-        rank: this process's index in the group; from ``group`` when ``None``.
+        conv_kernel_size: the model's widest CP causal conv: every interval must hold ``conv_kernel_size - 1``
+            tokens (FLA's CP conv reads history from the previous interval only). ``None``: no CP conv.
+        world_size: CP degree ``W``; ``None``: the group's (else it must equal it).
+        rank: this process's index in the group; ``None``: the group's.
 
     Raises:
-        ValueError: unknown ``layout``; neither ``group`` nor ``world_size``/``rank``; ``world_size``/``rank``
-            out of range or not the group's; ``conv_kernel_size < 1``; ``group`` without an initialised
-            ``torch.distributed``, or this process not in it.
+        ValueError: unknown ``layout``; neither ``group`` nor ``world_size``/``rank``; ``world_size``/``rank`` out
+            of range or not the group's; ``conv_kernel_size < 1``; a ``group`` this process is not in (or no
+            ``torch.distributed``).
         TypeError: a non-int ``world_size``, ``rank`` or ``conv_kernel_size``.
-
-    Example::
-
-        cp = CPConfig(group=cp_group, layout="zigzag", conv_kernel_size=4)
-        seqlens = LayerLocalSeqlens(cu_seqlens, cu_seqlens_cpu=host_offsets, cp=cp)   # GLOBAL offsets
     """
 
     group: Any = None
@@ -114,8 +105,8 @@ class CPConfig(CPSplit):
 
         Raises:
             TypeError: ``num_tokens`` is not an integer.
-            ValueError: not a positive multiple of :attr:`num_parts` (the message says what to pad to), or an
-                interval shorter than ``conv_kernel_size - 1``.
+            ValueError: not a positive multiple of :attr:`num_parts`, or an interval shorter than
+                ``conv_kernel_size - 1``.
         """
         try:  # ints, numpy integers and 0-d integer tensors; not floats or bools
             num_tokens = operator.index(num_tokens if not isinstance(num_tokens, bool) else None)
@@ -144,12 +135,8 @@ class CPConfig(CPSplit):
         return num_tokens // self.world_size
 
     def batch_seqlens(self, host: torch.Tensor, device: torch.device, *, chunk_indices: bool) -> CPSeqlens:
-        """:class:`~fla_ac_isolation.parallel.seqlens_cp.CPSeqlens` (see :meth:`CPSplit.batch_seqlens
-        <fla_ac_isolation.cp_interface.CPSplit.batch_seqlens>`).
-
-        Raises:
-            FlaFeatureError: the installed FLA predates the CP context this builds (fla-core < 0.6).
-        """
+        """:class:`~fla_ac_isolation.parallel.seqlens_cp.CPSeqlens` (see
+        :meth:`~fla_ac_isolation.cp_interface.CPSplit.batch_seqlens`); ``FlaFeatureError`` for fla-core < 0.6."""
         from fla_ac_isolation.fla_seam.features import require
         from fla_ac_isolation.parallel.seqlens_cp import CPSeqlens
 

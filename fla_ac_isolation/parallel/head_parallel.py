@@ -1,9 +1,5 @@
-"""Head-parallel context parallelism: trade a sequence shard for a head shard and back (torch's all-to-all).
-
-For mixers without an FLA CP kernel (Mamba2's SSD on simple GLA, FLA 0.6), each rank runs the WHOLE sequence
-for a subset of the heads with the GLOBAL offsets (the Ulysses scheme). Each function is one differentiable
-``all_to_all_single_autograd`` plus a reorder between FLA's layout and packed order; traffic is
-activation-sized, unlike FLA's GDN CP, which exchanges only states.
+"""Head-parallel context parallelism (Ulysses): trade a sequence shard for a head shard and back, for mixers without
+an FLA CP kernel. Each function is one differentiable all-to-all plus a reorder between FLA's layout and packed order.
 """
 
 from __future__ import annotations
@@ -32,9 +28,8 @@ def _check(local: torch.Tensor, cp: CPConfig, name: str) -> None:
 
 
 def sequence_to_heads(local: torch.Tensor, channels: Sequence[torch.Tensor], cp: CPConfig) -> torch.Tensor:
-    """``[1, T / W, C]`` (this rank's tokens, in ``cp.layout`` order) -> ``[1, T, len(channels[cp.rank])]`` (every
-    token in packed order, this rank's channels); ``channels[d]``: the int64 channel indices rank ``d`` computes
-    (sizes may differ, e.g. B/C groups shared by ranks).
+    """``[1, T / W, C]`` (this rank's tokens, ``cp.layout`` order) -> ``[1, T, len(channels[cp.rank])]`` (every token in
+    packed order, this rank's channels); ``channels[d]``: the int64 channel indices rank ``d`` computes.
 
     Raises:
         ValueError: ``len(channels) != W``; ``cp`` without a group; input not ``[1, T / W, C]``.
@@ -53,11 +48,8 @@ def sequence_to_heads(local: torch.Tensor, channels: Sequence[torch.Tensor], cp:
 
 
 def heads_to_sequence(full: torch.Tensor, cp: CPConfig) -> torch.Tensor:
-    """``[1, T, H_r, ...]`` -> ``[1, T / W, W * H_r, ...]``: this rank's tokens, rank ``s``'s heads in block ``s``.
-
-    Raises:
-        ValueError: ``cp`` without a group; input not ``[1, T, ...]`` with a head dimension.
-    """
+    """``[1, T, H_r, ...]`` -> ``[1, T / W, W * H_r, ...]``: this rank's tokens, rank ``s``'s heads in block ``s``;
+    ``ValueError`` for ``cp`` without a group or input not ``[1, T, ...]``."""
     _check(full, cp, "heads_to_sequence")
     world, tokens = cp.world_size, full.shape[1]
     local = tokens // world

@@ -1,31 +1,9 @@
 """The parallel layout of a run: :class:`ParallelMesh`, every parallel degree as one field, validated once.
 
-What follows from the degrees comes from here and nowhere else: the number of processes
-(:attr:`ParallelMesh.world`) and where a rank sits (:meth:`ParallelMesh.coordinates`). The process groups are
-torchtitan 0.3's ``ParallelDims`` (``torchtitan/distributed/parallel_dims.py``) of these degrees
-(``dp_shard = dp``, no FSDP, no TP), which the regression builds; :meth:`ParallelMesh.build` (torch's
-``DeviceMesh`` directly) is deprecated. The layout is ``ParallelDims``'s:
-
-* the ranks form a ``(pp, dp, cp)`` grid (torchtitan's dense order, without ``tp``), rank
-  ``r = (pp_index * dp + dp_index) * cp + cp_index``;
-* expert parallelism borrows its ranks from the data- and context-parallel ranks of a stage (torchtitan's
-  sparse mesh ``(dp_replicate, efsdp, ep)`` with ``efsdp = dp_shard * cp / ep``); this package shards
-  experts over all of them or none, so ``ep`` is 1 or ``dp * cp`` (``efsdp = 1``: no expert FSDP);
-* the gradients of replicated parameters are summed over the ``dp * cp`` ranks of a stage (torchtitan's
-  ``loss`` mesh).
-
-``dp`` left out (``None``) is derived so that a run of ``ep`` expert-parallel ranks keeps its meaning: the
-``ep`` ranks are data-parallel ranks (``dp = ep``) without context parallelism, and borrowed from the
-``cp`` ranks (``dp = 1``) with it. ``pp`` multiplies the world: each data-parallel rank's stages sit on ``pp``
-ranks (the mesh's ``"pp"`` dimension is their pipeline group), and expert parallelism stays inside a stage's
-ranks (``ParallelMesh(ep=2, pp=2)``: 4 ranks, EP over the 2 data-parallel ranks of each stage).
-
-Example::
-
-    ParallelMesh(ep=2).world               # 2: two data-parallel ranks, experts sharded over both
-    ParallelMesh(cp=2, ep=2).world         # 2: EP borrows the two CP ranks
-    ParallelMesh(ep=2, pp=2).world         # 4: two pipeline stages, EP over the two data-parallel ranks of each
-    ParallelMesh(cp=2, ep=4)               # ValueError: ep (4) must be 1 or equal cp (2) ...
+The ranks form a ``(pp, dp, cp)`` grid as torchtitan 0.3's ``ParallelDims`` lays them out (no FSDP, no TP):
+rank ``r = (pp_index * dp + dp_index) * cp + cp_index``. Expert parallelism borrows the ``dp * cp`` ranks of a
+stage, over which replicated parameters' gradients are summed. ``ParallelMesh(ep=2).world`` is 2 (two
+data-parallel ranks), ``ParallelMesh(cp=2, ep=2).world`` 2 (EP on the CP ranks), ``ParallelMesh(ep=2, pp=2).world`` 4.
 """
 
 from __future__ import annotations
@@ -46,20 +24,16 @@ def _check_degree(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class ParallelMesh:
-    """The parallel degrees of a run (see the module docstring for the layout and the rules).
+    """The parallel degrees of a run (layout: the module docstring).
 
     Attributes:
-        dp: data-parallel degree; ``None`` (the default) derives it: ``ep`` without context parallelism
-            (the EP ranks are data-parallel ranks), else 1.
-        ep: expert-parallel degree: 1 (experts replicated) or ``dp * cp`` (experts sharded over every
-            data- and context-parallel rank of a stage).
+        dp: data-parallel degree; ``None`` (the default): ``ep`` without context parallelism, else 1.
+        ep: expert-parallel degree: 1 (experts replicated) or ``dp * cp``.
         cp: context-parallel degree (FLA's CP; 1 = none).
-        pp: pipeline-parallel degree (ranks a data-parallel rank's stages are spread over); multiplies
-            :attr:`world`.
+        pp: pipeline-parallel degree; multiplies :attr:`world`.
 
     Raises:
-        ValueError: a degree that is not an int >= 1 (naming the field), or ``ep`` that is neither 1 nor
-            ``dp * cp`` (naming both and where the EP ranks come from).
+        ValueError: a degree that is not an int >= 1, or ``ep`` neither 1 nor ``dp * cp``.
     """
 
     dp: int | None = None
@@ -99,12 +73,8 @@ class ParallelMesh:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """``{"pp": .., "dp": .., "cp": ..}`` of ``rank`` in the ``(pp, dp, cp)`` grid (row-major, as
-        ``DeviceMesh`` lays out ``range(world)``).
-
-        Raises:
-            ValueError: ``rank`` is not an int in ``[0, world)``.
-        """
+        """``{"pp": .., "dp": .., "cp": ..}`` of ``rank`` in the row-major ``(pp, dp, cp)`` grid; ``ValueError`` unless
+        ``rank`` is an int in ``[0, world)``."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world:
             raise ValueError(f"rank must be an int in [0, {self.world}) (the mesh's world), got {rank!r}")
         coords = {}
@@ -113,19 +83,9 @@ class ParallelMesh:
         return {name: coords[name] for name in MESH_DIMS}
 
     def build(self, device_type: str) -> dict[str, Any]:
-        """Deprecated: torch's ``DeviceMesh`` of this layout over the default process group, as its one-dimensional
-        meshes by name: :data:`MESH_DIMS` and ``"dp_cp"`` (``dp`` and ``cp`` flattened: a stage's gradient group,
-        torchtitan's ``loss`` mesh). Use torchtitan's ``ParallelDims(dp_replicate=1, dp_shard=dp, cp=cp, tp=1,
-        pp=pp, ep=ep, world_size=world)`` (what the regression builds) or ``init_device_mesh`` instead.
-
-        Every rank of the default group must call it (it creates process groups).
-
-        Args:
-            device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL), as ``init_device_mesh`` takes it.
-
-        Raises:
-            RuntimeError: no default process group, or one whose size is not :attr:`world`.
-        """
+        """Deprecated (use torchtitan's ``ParallelDims`` or ``init_device_mesh``): torch's ``DeviceMesh`` of this
+        layout as one-dimensional meshes by name (:data:`MESH_DIMS`, the flattened ``"dp_cp"``), ``device_type``
+        ``"cpu"`` or ``"cuda"``. Every rank must call it; ``RuntimeError`` unless the default group has world ranks."""
         import warnings
 
         warnings.warn(

@@ -1,10 +1,7 @@
 """Cut a packed batch into microbatches for pipeline parallelism (or gradient accumulation), each with its own offsets.
 
-Why one token count: ``torch.distributed.pipelining`` allocates its receive buffers from the first microbatch
-of its first step; a shorter one is received silently into the longer buffer, a longer one aborts the receiver
-inside gloo. Why whole documents: a document cut in two is two documents to the model. Why ``[M, W]`` offsets:
-``schedule.step(..., cu_seqlens=offsets)`` chunks a tensor keyword on dim 0, so each stage call receives its
-microbatch's ``[1, W]`` row as a new tensor, with no extra send/recv (``docs/pipeline-parallel.md``).
+Microbatches hold whole documents and one token count (pipelining sizes its receive buffers from the first); their
+``[M, W]`` offsets are chunked on dim 0 by ``schedule.step(..., cu_seqlens=offsets)`` (``docs/pipeline-parallel.md``).
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ from fla_ac_isolation.seqlens import LayerLocalSeqlens
 __all__ = ["IGNORE_INDEX", "PackedMicrobatches", "split_packed_microbatches"]
 
 IGNORE_INDEX = -100
-"""The label of a token without a target (``torch.nn.functional.cross_entropy``'s default ``ignore_index``):
-what ``labels`` are padded with unless ``pad_values`` says otherwise."""
+"""The label of a token without a target (``cross_entropy``'s ``ignore_index``): the default pad of ``labels``."""
 
 
 @dataclass(frozen=True)
@@ -32,15 +28,12 @@ class PackedMicrobatches:
     """A packed batch cut into ``M`` microbatches of ``tokens`` tokens each (:func:`split_packed_microbatches`).
 
     Attributes:
-        tensors: every given tensor as ``[M, tokens, ...]``, padded with ``pad_values``, tokens in the order
-            of :attr:`documents`.
-        cu_seqlens: ``[M, W]`` int32 offsets on the tensors' device (or ``device``): row ``i`` is microbatch
-            ``i``'s documents, ONE padding document (maybe empty), then repeats of ``tokens`` up to width ``W``;
-            every row is a valid ``cu_seqlens`` of ``tokens`` tokens.
+        tensors: every given tensor as ``[M, tokens, ...]``, padded with ``pad_values``, in :attr:`documents` order.
+        cu_seqlens: ``[M, W]`` int32 offsets on the tensors' device (or ``device``): row ``i`` is microbatch ``i``'s
+            documents, one padding document (maybe empty), then repeats of ``tokens``; a valid ``cu_seqlens`` each.
         cu_seqlens_cpu: the same offsets on the host.
         seq_lens: real document lengths per microbatch (padding excluded).
-        documents: batch index of every document per microbatch (a document cut by ``split_documents``
-            appears twice).
+        documents: batch index of every document per microbatch (a document cut by ``split_documents`` appears twice).
         num_tokens: real tokens per microbatch.
         tokens: the common padded length ``T_mb``.
         chunk_indices: with ``chunk_indices=True``, FLA's ``[NT_i, 2]`` int64 host chunk schedule per row.
@@ -67,8 +60,8 @@ class PackedMicrobatches:
 
     def seqlens(self, index: int, seqlens_class: type[LayerLocalSeqlens] = LayerLocalSeqlens,
                 **kwargs: Any) -> LayerLocalSeqlens:
-        """Microbatch ``index``'s own ``seqlens`` (``num_tokens=tokens``), for gradient accumulation in one process
-        (under a schedule: :func:`~fla_ac_isolation.parallel.microbatch_seqlens`). ``IndexError`` outside ``[0, M)``.
+        """Microbatch ``index``'s own ``seqlens`` for gradient accumulation in one process (under a schedule:
+        :func:`~fla_ac_isolation.parallel.microbatch_seqlens`). ``IndexError`` outside ``[0, M)``.
         """
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_microbatches:
             raise IndexError(f"index must be an int in [0, {self.num_microbatches}), got {index!r}")
@@ -82,8 +75,7 @@ def _check_int(name: str, value: object) -> None:
 
 
 def _balanced(lens: list[int], m: int) -> list[list[int]]:
-    """Longest-processing-time bin packing: documents by decreasing length (ties: batch order), each to the
-    microbatch holding the fewest tokens (ties: the lowest index); each microbatch keeps batch order."""
+    """Longest-processing-time bin packing of documents into ``m`` microbatches, each kept in batch order."""
     bins: list[list[int]] = [[] for _ in range(m)]
     load = [0] * m
     for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
@@ -94,9 +86,7 @@ def _balanced(lens: list[int], m: int) -> list[list[int]]:
 
 
 def _cut(offsets: list[int], m: int) -> list[list[tuple[int, int, int]]]:
-    """``split_documents=True``: ``m`` contiguous pieces, cut at ``p * T // m`` (every piece holds a token when
-    ``m <= T``); per piece, the ``(document, start, end)`` token intervals it holds (a document crossing a cut
-    appears in both pieces; a zero-length document goes to the piece holding its position)."""
+    """``m`` contiguous pieces cut at ``p * T // m``: per piece, its ``(document, start, end)`` intervals."""
     total = offsets[-1]
     pieces: list[list[tuple[int, int, int]]] = []
     for p in range(m):
@@ -120,10 +110,9 @@ def split_packed_microbatches(
 ) -> PackedMicrobatches:
     """Cut a packed ``[1, T, ...]`` batch into ``num_microbatches`` microbatches of ``tokens`` tokens each.
 
-    Documents stay whole, assigned by longest-processing-time bin packing (longest first, to the lightest
-    microbatch); each microbatch is padded with one trailing padding document. Pass the same ``tokens`` at every
-    step (pipelining fixes its shapes at the first). Shift labels *before* splitting and normalise the loss by
-    the whole batch's target count.
+    Documents stay whole (longest first, to the lightest microbatch), then one padding document. Pass the same
+    ``tokens`` at every step (pipelining fixes its shapes at the first); shift labels *before* splitting and
+    normalise the loss by the whole batch's target count.
 
     Args:
         tensors: packed ``[1, T, ...]`` tensors (``input_ids``, shifted ``labels``, ``hidden [1, T, D]``, ...).
@@ -131,17 +120,14 @@ def split_packed_microbatches(
         num_microbatches: ``M``, from 1 to the number of non-empty documents (to ``T`` with ``split_documents``).
         tokens: tokens per microbatch; ``None``: the largest microbatch.
         pad_values: pad value per tensor name; default ``labels``: :data:`IGNORE_INDEX`, others 0.
-        split_documents: cut the stream into ``M`` contiguous pieces at ``p * T // M`` instead; a crossing
-            document becomes two (which changes what the model computes).
+        split_documents: cut at ``p * T // M`` instead; a crossing document becomes two (changing the model's output).
         chunk_indices: also compute FLA's chunk schedule per microbatch (host).
         device: where :attr:`PackedMicrobatches.cu_seqlens` lives; ``None``: the first tensor's device (else CPU).
 
     Raises:
-        TypeError: ``tensors`` not a mapping of tensors; ``num_microbatches``/``tokens`` not ints;
-            ``split_documents``/``chunk_indices`` not bools; non-integer offsets.
-        ValueError: malformed offsets (:func:`~fla_ac_isolation.parallel.sharding.check_host_offsets`); a tensor
-            not ``[1, T, ...]``; ``num_microbatches`` out of range; ``tokens`` below the largest microbatch or
-            beyond int32.
+        TypeError: non-tensor or non-mapping ``tensors``, non-int counts, non-bool flags, non-integer offsets.
+        ValueError: malformed offsets; a tensor not ``[1, T, ...]``; ``num_microbatches`` out of range; ``tokens``
+            below the largest microbatch or beyond int32.
     """
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of names to packed tensors, e.g. {{'input_ids': ids}}, got "

@@ -1,12 +1,5 @@
-"""Pipeline parallelism (PP) with ``torch.distributed.pipelining``: the schedules this package runs, where a rank's
-stages sit, and the per-microbatch ``seqlens`` a stage builds from its offsets row.
-
-Stages, schedules and all communication are torch's. A stage gets its microbatch's offsets as a keyword:
-``schedule.step(..., cu_seqlens=offsets)`` with the ``[M, W]`` offsets of
-:func:`~fla_ac_isolation.parallel.split_packed_microbatches` is chunked on dim 0, so each stage call (the
-shape-inference pass too) receives its ``[1, W]`` row as a new tensor, builds ONE
-:class:`~fla_ac_isolation.LayerLocalSeqlens` from it (:func:`microbatch_seqlens`) and its layers call
-``.local()``. ``docs/pipeline-parallel.md`` says why not the alternatives.
+"""Pipeline parallelism (PP) with ``torch.distributed.pipelining``: schedules, stage placement and the
+per-microbatch ``seqlens`` of a stage call (``docs/pipeline-parallel.md``).
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ class PipelineSchedule:
         name: the name the regression and ``--schedule`` take.
         torch_class: the class in ``torch.distributed.pipelining``.
         stages_per_rank: local stages per PP rank.
-        style: torchtitan's ``"loop"`` (rank ``r`` holds ``r, r + pp, ...``) or ``"v"`` (``r`` and ``2 pp - 1 - r``).
+        style: ``"loop"`` (rank ``r`` holds ``r, r + pp, ...``) or ``"v"`` (``r`` and ``2 pp - 1 - r``).
         zero_bubble: splits backward into input and weight passes (runs only under full AC).
     """
 
@@ -64,7 +57,7 @@ SCHEDULES: dict[str, PipelineSchedule] = {
         PipelineSchedule("dualpipev", "ScheduleDualPipeV", 2, "v", True),
     )
 }
-"""The schedules by name (GPipe, 1F1B and interleaved 1F1B run under any AC; the zero-bubble ones under full AC)."""
+"""The schedules by name (the zero-bubble ones run under full AC only)."""
 
 ZERO_BUBBLE_SAC = (
     "zero-bubble schedules split each backward into an input pass and a weight pass, and torch's selective AC "
@@ -72,8 +65,7 @@ ZERO_BUBBLE_SAC = (
     "backward once on any region computed under selective activation checkpoint.'), with or without FLA and "
     "with isolated offsets too; they run under full AC, which recomputes each region in each pass"
 )
-"""Why :func:`check_schedule` refuses a zero-bubble schedule under selective AC (torch 2.13's rule; the recompute
-counts under full AC: ``docs/pipeline-parallel.md``)."""
+"""Why :func:`check_schedule` refuses a zero-bubble schedule under selective AC."""
 
 
 def _check_int(name: str, value: object, least: int = 1) -> None:
@@ -90,13 +82,10 @@ def _schedule(schedule: str) -> PipelineSchedule:
 def check_schedule(schedule: str, *, pp: int, microbatches: int, selective_ac: bool) -> PipelineSchedule:
     """The :class:`PipelineSchedule` called ``schedule``, after checking that torch runs it as asked.
 
-    torch's microbatch rules (``torch.distributed.pipelining.schedules``): 1F1B and DualPipeV need a microbatch
-    per stage; interleaved schedules a multiple of their rounds, ``max(1, microbatches // pp)``. Zero-bubble
-    schedules are refused under ``selective_ac`` (:data:`ZERO_BUBBLE_SAC`).
-
     Raises:
-        ValueError: naming the argument: an unknown ``schedule``; ``pp`` or ``microbatches`` not an int >= 1; a
-            microbatch count the schedule refuses; a zero-bubble schedule under selective AC.
+        ValueError: an unknown ``schedule``; ``pp`` or ``microbatches`` not an int >= 1; fewer microbatches than
+            stages (1F1B, DualPipeV) or not a multiple of ``max(1, microbatches // pp)`` (interleaved); a
+            zero-bubble schedule under ``selective_ac`` (:data:`ZERO_BUBBLE_SAC`).
     """
     info = _schedule(schedule)
     _check_int("pp", pp)
@@ -116,12 +105,8 @@ def check_schedule(schedule: str, *, pp: int, microbatches: int, selective_ac: b
 
 
 def stage_indices(schedule: str, pp_rank: int, pp: int) -> tuple[int, ...]:
-    """The stage indices PP rank ``pp_rank`` of ``pp`` holds under ``schedule``, in torch's order for it
-    (``loop``: ``r, r + pp, ...``; ``v``: ``r, 2 pp - 1 - r``), as torchtitan 0.3's ``pipeline_module_split``.
-
-    Raises:
-        ValueError: unknown ``schedule``; ``pp_rank`` not in ``[0, pp)``.
-    """
+    """The stage indices PP rank ``pp_rank`` of ``pp`` holds under ``schedule``, in torch's order (as torchtitan 0.3's
+    ``pipeline_module_split``); ``ValueError`` for an unknown ``schedule`` or ``pp_rank`` not in ``[0, pp)``."""
     info = _schedule(schedule)
     _check_int("pp", pp)
     if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
@@ -148,8 +133,7 @@ def build_schedule(
         microbatches: microbatches per step.
         loss_fn: ``loss_fn(output, target)`` of one microbatch (the last stage).
         offsets_keywords: keywords of ``step`` chunked on dim 0 (``TensorChunkSpec(0)``): per-microbatch offsets.
-        scale_grads: torch's division of gradients by ``microbatches``; ``False`` when ``loss_fn`` already
-            normalises by the whole batch.
+        scale_grads: torch's division of gradients by ``microbatches``; ``False`` when ``loss_fn`` normalises.
 
     Raises:
         ValueError: unknown ``schedule``; a single-stage schedule given other than one stage.
@@ -174,20 +158,18 @@ def microbatch_seqlens(
     seqlens_class: type[LayerLocalSeqlens] = LayerLocalSeqlens,
     **kwargs: Any,
 ) -> LayerLocalSeqlens:
-    """One microbatch's ``seqlens``, built once per stage call from the offsets row the schedule handed it and
-    given to every layer of the stage; its token-count check catches a microbatch received into a buffer of
-    another size (gloo does not).
+    """One microbatch's ``seqlens`` from the offsets row a schedule hands a stage call (build it once per call); its
+    token-count check catches a microbatch received into a buffer of another size (gloo does not).
 
     Args:
-        cu_seqlens: one microbatch's ``[1, W]`` (or ``[W]``) int32/int64 row, on the activations' device.
+        cu_seqlens: one microbatch's ``[1, W]`` or ``[W]`` int32/int64 row, on the activations' device.
         num_tokens: the stage input's ``hidden_states.shape[1]``; must equal the row's last offset.
         cu_seqlens_cpu: the same row on the host (saves a device-to-host copy).
         seqlens_class: :class:`~fla_ac_isolation.LayerLocalSeqlens` or a mode's class; ``kwargs`` go to it.
 
     Raises:
-        ValueError: a row that is not ``[1, W]`` or ``[W]`` (e.g. unchunked ``[M, W]`` offsets), and whatever
-            :class:`~fla_ac_isolation.LayerLocalSeqlens` raises.
         TypeError: ``cu_seqlens`` is not a tensor.
+        ValueError: a row not ``[1, W]`` or ``[W]`` (e.g. unchunked ``[M, W]`` offsets), or as the class raises.
     """
     rows = {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu}
     for name, row in rows.items():

@@ -1,11 +1,6 @@
-"""The context-parallel half of :class:`~fla_ac_isolation.LayerLocalSeqlens`: FLA's CP context, once per batch.
-
-:class:`CPSeqlens` builds this rank's ``FLACPContext`` from the GLOBAL host offsets
-(:func:`fla_ac_isolation.fla_seam.cp.build_cp_context`; nothing read from a device) and the rank-local chunk
-schedule, once per batch. :meth:`CPSeqlens.local` hands each layer fresh offsets and a fresh context holding
-THOSE objects, since FLA's kernels look up ``prepare_chunk_offsets(ctx.cu_seqlens)`` on every call: one
-context shared by the layers misses in a forward and hits in its recompute (:meth:`CPSeqlens.shared`, the
-unsafe mode).
+"""The context-parallel half of :class:`~fla_ac_isolation.LayerLocalSeqlens`: FLA's CP context, built once per batch
+from the GLOBAL host offsets. Each layer needs a fresh context holding its own offsets (FLA caches per
+``cu_seqlens`` object), so :meth:`CPSeqlens.local` makes one per call; :meth:`CPSeqlens.shared` is the unsafe mode.
 """
 
 from __future__ import annotations
@@ -25,12 +20,8 @@ __all__ = ["CPSeqlens"]
 
 
 class CPSeqlens:
-    """This rank's CP metadata for one batch (a :class:`~fla_ac_isolation.cp_interface.CPBatchSeqlens`), from
-    the validated ``[N + 1]`` GLOBAL ``host`` offsets; rank-local tensors go to ``device``.
-
-    Raises:
-        ValueError: the batch does not split (:meth:`CPConfig.check_num_tokens`).
-    """
+    """This rank's CP metadata for one batch, from the validated ``[N + 1]`` GLOBAL ``host`` offsets; rank-local tensors
+    go to ``device``. ``ValueError`` when the batch does not split (:meth:`CPConfig.check_num_tokens`)."""
 
     __slots__ = ("_chunk_indices", "_context", "config", "max_seqlen", "num_tokens")
 
@@ -57,7 +48,7 @@ class CPSeqlens:
         return LocalSeqlens(cu_seqlens, cu_seqlens_cpu, self.max_seqlen, chunk_indices, context)
 
     def check_tokens(self, num_tokens: int, name: str, total: int) -> None:
-        """``ValueError`` naming ``name``, this rank and its share unless ``num_tokens`` is ``T / W`` of ``total``."""
+        """``ValueError`` naming ``name`` and this rank's share unless ``num_tokens`` is ``T / W`` of ``total``."""
         if num_tokens != self.num_tokens:
             cp = self.config
             raise ValueError(

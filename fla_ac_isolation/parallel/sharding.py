@@ -1,7 +1,6 @@
-"""Cut a packed batch across context-parallel ranks exactly as FLA's layouts expect, and put it back together.
-
-Shift labels to next-token targets *before* sharding (a rank's last target is the next rank's first token)
-and normalise the loss by the GLOBAL target count; then the per-rank losses and gradients sum to the batch's.
+"""Cut a packed batch across context-parallel ranks as FLA's layouts expect, and put it back together. Shift labels
+*before* sharding (a rank's last target is the next rank's first token) and normalise the loss by the GLOBAL
+target count.
 """
 
 from __future__ import annotations
@@ -43,10 +42,8 @@ def rank_token_index(num_tokens: int, world_size: int, rank: int, layout: str) -
 
 
 def cp_token_index(num_tokens: int, cp: CPConfig) -> torch.Tensor:
-    """Global positions of the tokens rank ``cp.rank`` holds, in its local order: host int64 ``[T / W]``.
-
-    Contiguous: ``[r T/W, (r+1) T/W)``; zigzag with ``p = T / 2W``: ``[r p, (r+1) p)`` then
-    ``[(2W-1-r) p, (2W-r) p)`` (``fla.ops.cp.context.get_cp_cu_seqlens``).
+    """Global positions of the tokens rank ``cp.rank`` holds, in its local order: host int64 ``[T / W]``
+    (``fla.ops.cp.context.get_cp_cu_seqlens``'s layout).
 
     Raises:
         ValueError: ``num_tokens`` does not split (:meth:`CPConfig.check_num_tokens`).
@@ -90,12 +87,8 @@ def _check_dim(dim: object) -> None:
 
 
 def check_host_offsets(cu_seqlens_cpu: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """Host int64 ``[N + 1]`` offsets from a list or host tensor of integers: 1-D, from 0, non-decreasing.
-
-    Raises:
-        TypeError: not a list or tensor of integers.
-        ValueError: a tensor off the host; not 1-D with at least 2 entries; not starting at 0; decreasing.
-    """
+    """Host int64 ``[N + 1]`` offsets from a list or host tensor of integers; ``TypeError`` for non-integers,
+    ``ValueError`` unless 1-D, on the host, from 0, non-decreasing, with at least 2 entries."""
     if isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.device.type != "cpu":
         raise ValueError(f"cu_seqlens_cpu must be host offsets, got a tensor on {cu_seqlens_cpu.device}")
     if not isinstance(cu_seqlens_cpu, (torch.Tensor, Sequence)) or isinstance(cu_seqlens_cpu, (str, bytes)):
@@ -118,17 +111,15 @@ def shard_packed_batch(
     """Rank ``cp.rank``'s share of a packed batch, cut as FLA's ``cp.layout`` expects.
 
     Args:
-        tensors: packed tensors with ``T`` entries along ``dim`` (``input_ids [1, T]``, shifted ``labels``,
-            ``hidden [1, T, D]``, ...).
+        tensors: packed tensors with ``T`` entries along ``dim`` (``input_ids [1, T]``, shifted ``labels``, ...).
         cu_seqlens_cpu: the GLOBAL ``[N + 1]`` host offsets (``T = cu_seqlens_cpu[-1]``).
         cp: the CP group, layout and conv width.
         dim: the token dimension of every tensor.
 
     Raises:
-        ValueError: ``T`` does not split (:meth:`CPConfig.check_num_tokens`); a tensor without ``T`` entries
-            along ``dim``; malformed offsets.
-        TypeError: ``cp`` not a :class:`CPConfig`; ``tensors`` not a mapping of tensors; non-integer offsets;
-            ``dim`` not an int.
+        ValueError: ``T`` does not split; a tensor without ``T`` entries along ``dim``; malformed offsets.
+        TypeError: ``cp`` not a :class:`CPConfig`; non-tensor or non-mapping ``tensors``; non-integer offsets
+            or ``dim``.
     """
     cp = _check_cp(cp)
     if not isinstance(tensors, Mapping):
@@ -162,8 +153,8 @@ def _inverse_order(num_tokens: int, world_size: int, layout: str) -> torch.Tenso
 
 
 def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous", *, dim: int = 1) -> torch.Tensor:
-    """The global tensor (``T`` entries along ``dim``, packed order) from ``shards[r]``, rank ``r``'s local
-    tensor: the inverse of :func:`shard_packed_batch`, differentiable (``cat`` + ``index_select``).
+    """The global tensor (packed order along ``dim``) from ``shards[r]``, rank ``r``'s local tensor: the inverse of
+    :func:`shard_packed_batch`, differentiable.
 
     Raises:
         ValueError: unknown ``layout``; no shards; a shard without ``dim``; unequal shards; an odd zigzag shard.
@@ -193,11 +184,8 @@ def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous", *, dim: 
 
 
 def gather_unshard(local: torch.Tensor, cp: CPConfig, *, dim: int = 1) -> torch.Tensor:
-    """Every rank's ``local`` tensor (``T / W`` along ``dim``) gathered over ``cp.group`` and put in packed order.
-
-    Differentiable: torch's functional all-gather (backward: a reduce-scatter), then :func:`unshard`. For full
-    attention under CP. Raises ``ValueError`` when ``cp.group`` is ``None``.
-    """
+    """Every rank's ``local`` tensor gathered over ``cp.group`` (differentiable) and put in packed order, e.g. for full
+    attention under CP; ``ValueError`` when ``cp.group`` is ``None``."""
     import torch.distributed._functional_collectives as funcol
 
     cp = _check_cp(cp)

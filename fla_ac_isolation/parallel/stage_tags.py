@@ -1,17 +1,11 @@
-"""Name the pipeline stage, microbatch and pass of every region :class:`~fla_ac_isolation.ReplayAudit` records.
-
-Under a schedule a layer's region runs once per microbatch, plus once in ``PipelineStage``'s shape-inference
-pass, so the module path alone (``layers.2``) repeats; :class:`StageRegionTags` makes it
-``stage 1 / mb 0: layers.2``::
+"""Name the pipeline stage, microbatch and pass of every region :class:`~fla_ac_isolation.ReplayAudit` records
+(``stage 1 / mb 0: layers.2``), since a layer's region runs once per microbatch and in shape inference::
 
     tags = StageRegionTags()
     for stage in stages:
         tags.attach(stage)
     with ReplayAudit(region_tag=tags, on_divergence="record") as audit:
         schedule.step(...)
-
-``attach`` wraps the stage's public ``forward_one_chunk`` (which knows the microbatch) and hooks its module
-(which also runs in the shape-inference pass); nothing private is read.
 """
 
 from __future__ import annotations
@@ -38,8 +32,7 @@ class _Handle:
 
 class StageRegionTags:
     """``ReplayAudit(region_tag=...)`` for pipeline stages: ``"stage S / mb I"`` inside stage ``S``'s forward of
-    microbatch ``I``, ``"stage S / shape inference"`` inside its module outside a microbatch, ``None`` elsewhere.
-    One object per process serves every local stage."""
+    microbatch ``I``, ``"stage S / shape inference"`` outside a microbatch, ``None`` elsewhere; one per process."""
 
     def __init__(self) -> None:
         self._microbatch: dict[int, int] = {}  # stage index -> microbatch running now (forward_one_chunk)
@@ -49,8 +42,8 @@ class StageRegionTags:
         return self._tag
 
     def attach(self, stage: Any) -> _Handle:
-        """Tag the regions ``stage`` (a ``PipelineStage``) runs; the handle's ``remove()`` undoes it.
-        ``TypeError`` when ``stage`` lacks ``forward_one_chunk``, ``stage_index`` or ``submod``."""
+        """Tag the regions ``stage`` (a ``PipelineStage``) runs, via its public ``forward_one_chunk`` and module hooks;
+        the handle's ``remove()`` undoes it. ``TypeError`` for an object that is not a stage."""
         if not all(hasattr(stage, name) for name in ("forward_one_chunk", "stage_index", "submod")):
             raise TypeError(f"stage must be a torch.distributed.pipelining PipelineStage, got {type(stage).__name__}")
         index = stage.stage_index
