@@ -1,23 +1,8 @@
 """fla_ac_isolation: make flash-linear-attention (FLA) layers safe under activation checkpointing.
 
-Public names:
-
-* :class:`LayerLocalSeqlens` (``seqlens``) / :class:`LocalSeqlens` (``local_seqlens``) - per-layer
-  ``cu_seqlens`` isolation; :class:`StaticSeqlens` (``static_seqlens``) - the same metadata in static,
-  padded buffers, for CUDA graphs replayed across packings.
-* :func:`tensor_cache_disabled`, :func:`probe_tensor_cache` - FLA's cache seam (``fla_cache``).
-* :mod:`fla_ac_isolation.policies` - SAC policies from the field and :func:`checkpoint_layers`.
-
-Every name is imported on first access, so that ``import fla_ac_isolation`` imports nothing else (not even torch:
-pytest imports this package's pytest plugin, and so this package, in every run once it is installed);
-they are listed by ``dir(fla_ac_isolation)`` and ``__all__``: the names above and ``ReplayAudit`` and
-``ReplayDivergenceError`` (``audit``), ``CPConfig`` (``parallel``), ``swap_mixers`` / ``restore_mixers`` (``swap``),
-``isolate_seqlens`` / ``IsolationHandle`` / ``LeakingMixerWarning`` (``isolate``). The drop-in mixers live in
-:mod:`fla_ac_isolation.mixers` only; 0.3's three top-level mixer names still resolve, with a ``DeprecationWarning``.
-
-The harness (regression, command, runners, tiny models, CPU serving, test support) lives in ``harness/``; its
-0.3 import paths (``fla_ac_isolation.modes``, ``fla_ac_isolation.regression``, ...) still import, as deprecated
-aliases that warn (``_moved``).
+Every public name (``__all__``) is imported on first access, so ``import fla_ac_isolation`` imports nothing else,
+not even torch (pytest imports this package through its plugin in every run). The drop-in mixers live in
+:mod:`fla_ac_isolation.mixers`; 0.3's top-level mixer names and harness paths still resolve, with a warning.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""The 0.3 import paths of modules that moved (into the harness, or merged into another module), kept working as
-deprecated aliases.
-
-:data:`MOVED` is the one table: a 0.3 module path -> where that module lives now, both relative to the package
-(a moved package's submodules follow it: ``regression.spec`` -> ``harness.regression.spec``). The package's
-``__init__`` calls :func:`install_aliases`, which puts :class:`MovedModuleFinder` first on ``sys.meta_path``.
-Importing an old path then imports the module at its new path, registers that same module object under the old
-name too (``import fla_ac_isolation.modes`` and the new path give one module, one ``SharedSeqlens`` class),
-and warns with a ``DeprecationWarning`` naming the new path (:func:`deprecation_message`). ``python -m`` with
-an old path runs the new module (the finder's loader hands ``runpy`` the new module's code). Three modules of 0.3
-were merged: ``fla_seam.kernels`` into ``ops`` (its functions are ``ops``' entry points with ``backend="fla"``),
-``fla_seam.custom_ops`` and ``ops.reference_ops`` into ``ops.saveable`` (the operators of both backends).
-
-This is the only library module that names harness modules; it imports one only when its old path is imported,
-so ``import fla_ac_isolation`` and every library module stay free of the harness.
+"""The 0.3 import paths of moved modules (:data:`MOVED`), kept as deprecated aliases: importing an old path warns
+and gives the very module at its new path (submodules follow; ``python -m`` works too). The only library module
+that names harness modules, imported only when an old path is.
 """
 
 from __future__ import annotations
@@ -87,7 +75,7 @@ class _AliasLoader(importlib.abc.Loader):
         module.__spec__ = self._spec  # the import system set the alias's spec on the shared module: put it back
 
     def get_code(self, fullname: str) -> types.CodeType | None:
-        """The new module's code (what ``runpy`` runs for ``python -m <old path>``)."""
+        """The new module's code (for ``python -m <old path>``)."""
         spec = importlib.util.find_spec(self.new)
         return spec.loader.get_code(self.new)
 

@@ -1,7 +1,5 @@
-"""Applying a SAC policy: :func:`sac_context_fn` (the ``context_fn`` torch's checkpoint takes) and
-:func:`checkpoint_layers` (torch's checkpoint wrapper around every ``freq``-th layer of a model), for users
-without a trainer framework. The policies themselves are :mod:`fla_ac_isolation.policies`' (which re-exports
-both names).
+"""Applying a SAC policy: :func:`sac_context_fn` (a checkpoint ``context_fn``) and :func:`checkpoint_layers`
+(checkpoint every ``freq``-th layer); both re-exported by :mod:`fla_ac_isolation.policies`.
 """
 
 from __future__ import annotations
@@ -42,18 +40,15 @@ def check_policy(policy: Any) -> None:
 
 
 def sac_context_fn(policy: Policy) -> Callable[[], tuple]:
-    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (or transformers'
+    ``gradient_checkpointing_kwargs``).
+
+    A policy with ``fresh()`` is renewed per checkpointed call. Inside each eager region ``torch.autocast``'s
+    weight-cast cache is off, so a backward inside an autocast block recomputes the casts its forward ran (with
+    torch's contexts alone SAC misaligns the saved ``_to_copy`` ops).
 
     Raises:
         TypeError: ``policy`` does not take ``(ctx, op, ...)``, e.g. ``save_all_copies`` given uncalled.
-
-    Works with transformers too:
-    ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-    "context_fn": sac_context_fn(save_all_copies())})``. A stateful policy (one with a ``fresh()``
-    method, e.g. :class:`torchtitan_selective`) is renewed for every checkpointed call. Inside each region
-    (forward and recompute, eager) ``torch.autocast``'s weight-cast cache is off, so a backward run inside an
-    autocast block recomputes the casts its forward ran (with torch's contexts alone it skips them, and SAC
-    misaligns every saved ``_to_copy`` after the first).
     """
 
     check_policy(policy)
@@ -69,11 +64,7 @@ def sac_context_fn(policy: Policy) -> Callable[[], tuple]:
 
 
 class _without_autocast_cache:  # noqa: N801 - used like a function
-    """``mode`` entered with ``torch.autocast``'s weight-cast cache off (re-enterable: a region may recompute
-    more than once). That cache is process-wide: a weight cast in a region's forward is a cache hit in its
-    recompute when the backward runs inside the same autocast block (or a second region uses the weight), so the
-    recompute skips an ``aten._to_copy`` the forward ran and SAC hands every later saved ``_to_copy`` the wrong
-    tensor (torch issue #193338). Off inside the region, both passes cast."""
+    """``mode`` entered with ``torch.autocast``'s weight-cast cache off (re-enterable; torch issue #193338)."""
 
     def __init__(self, mode: Any) -> None:
         self.mode = mode
@@ -132,18 +123,16 @@ def checkpoint_layers(
 ) -> nn.Module:
     """Wrap every ``freq``-th layer (indices 0, freq, 2*freq, ...) in a non-reentrant checkpoint.
 
-    Uses ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (as torchtitan does), so
-    ``state_dict()`` keys are unchanged. Layers already wrapped are left alone.
+    Uses torch's ``checkpoint_wrapper`` (``state_dict()`` keys unchanged); layers already wrapped are left alone.
 
     Args:
-        layers_or_model: an ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` of layers (torchtitan
-            keeps its blocks in a ModuleDict; its insertion order counts), or a model holding one
-            (``model.layers``, ``model.model.layers``, ``backbone.layers``, OLMo-core's ``blocks`` or the first
+        layers_or_model: an ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` of layers (in insertion order),
+            or a model holding one (``layers``, ``model.layers``, ``backbone.layers``, ``blocks``, or the first
             ModuleList).
         mode: ``"full"`` recomputes everything; ``"selective"`` saves what ``policy`` says.
         policy: SAC policy (required for ``"selective"``, forbidden for ``"full"``).
-        freq: checkpoint one layer in ``freq`` (1 = all; torchtitan's ``selective_ac_option`` ints).
-        early_stop: torch's ``early_stop`` (stop a recompute once every needed tensor exists).
+        freq: checkpoint one layer in ``freq`` (1 = all).
+        early_stop: torch's ``early_stop``.
 
     Returns:
         The layer container (modified in place).

@@ -1,7 +1,5 @@
-"""The interface ``LayerLocalSeqlens(..., cp=)`` talks to, so the core never imports ``parallel/``.
-
-``parallel/`` implements it: :class:`~fla_ac_isolation.parallel.CPConfig` is a :class:`CPSplit`, its per-batch
-part :class:`~fla_ac_isolation.parallel.seqlens_cp.CPSeqlens` a :class:`CPBatchSeqlens`.
+"""The interface ``LayerLocalSeqlens(..., cp=)`` talks to, so the core never imports ``parallel/`` (which
+implements it: ``CPConfig`` is a :class:`CPSplit`).
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ class CPSplit(abc.ABC):
 
     @abc.abstractmethod
     def batch_seqlens(self, host: torch.Tensor, device: torch.device, *, chunk_indices: bool) -> CPBatchSeqlens:
-        """This rank's part of one batch, built once outside every checkpointed region, from the validated
-        ``[N + 1]`` GLOBAL host offsets ``host``; rank-local tensors go to ``device``.
+        """This rank's part of one batch, from the validated ``[N + 1]`` GLOBAL host offsets; tensors on ``device``.
 
         Raises:
             ValueError: the batch does not split as this CP layout needs.

@@ -1,15 +1,6 @@
-"""The model families this package covers, once: our drop-in mixer, the upstream classes it replaces, their
-configs, the regression's tiny decoder, CP capability and layer widths.
-
-Every part that lists families or the classes a drop-in replaces reads this registry:
-:func:`~fla_ac_isolation.swap_mixers`, :func:`~fla_ac_isolation.isolate_seqlens` (which classes have a drop-in:
-:func:`remedy`), ``fla-ac-isolation check`` and ``doctor``, the audit's fix line, the regression and the audit
-(``--model`` choices; each family's tiny decoder is built from :attr:`Family.tiny`), the benchmarks
-(:func:`layer_fields`) and the tests. The FLA-backed classes of other libraries (those hooked in place, those
-that leak) are :mod:`fla_ac_isolation.foreign_classes`; the table of both is ``docs/foreign-classes.md``.
-
-Nothing here imports transformers, OLMo-core or the mixers; :meth:`Family.mixer_class` and
-:meth:`Family.config_class` import on demand.
+"""The registry of model families: our drop-in mixer, the upstream classes it replaces, their configs, the
+regression's tiny decoder, CP capability and layer widths. Other libraries' FLA-backed classes are
+:mod:`fla_ac_isolation.foreign_classes`. Imports neither transformers, OLMo-core nor the mixers.
 """
 
 from __future__ import annotations
@@ -41,16 +32,13 @@ LAYERS: tuple[str, ...] = ("gdn", "mamba2")
 
 
 def layer_fields(layer: str, hidden: int) -> dict[str, int]:
-    """Config fields of a ``layer`` mixer (``gdn`` | ``mamba2``) at model width ``hidden`` (``D``): the shapes
-    the benchmarks run (transformers' field names, read by our mixers).
+    """transformers config fields of a ``layer`` mixer at model width ``hidden`` (``D``), as the benchmarks run it.
 
-    GDN: head dims ``K = V = min(128, D // 4)``, ``D // K`` key and value heads (hidden 2048: 16 heads of 128).
-    Mamba2: head dim ``P = min(64, D // 4)``, ``H = 2 * D // P`` heads (expand 2), ``G = min(8, H)`` groups, state
-    ``N = min(128, D)`` (hidden 2048: 64 heads of 64, 8 groups, state 128). Hidden 64: GDN 4x16, Mamba2 8x16.
+    GDN: ``K = V = min(128, D // 4)``, ``D // K`` heads. Mamba2: ``P = min(64, D // 4)``, ``H = 2 * D // P`` heads,
+    ``G = min(8, H)`` groups, state ``N = min(128, D)``.
 
     Raises:
-        ValueError: ``hidden`` does not split into whole heads (the message names ``--hidden``, the
-            benchmarks' flag), or ``layer`` is not one of :data:`LAYERS`.
+        ValueError: ``hidden`` does not split into whole heads, or ``layer`` is not one of :data:`LAYERS`.
     """
     if layer not in LAYERS:
         raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
@@ -80,16 +68,12 @@ def layer_fields(layer: str, hidden: int) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class TinyRecipe:
-    """What the regression's tiny decoder of a family is (the harness's ``regression/model.py`` builds it
-    from the family's config class, :meth:`Family.config_class`, at the regression's sizes).
+    """How the regression builds a family's tiny decoder (from :meth:`Family.config_class`).
 
     Attributes:
-        layout: the decoder's blocks and its config's field names. ``"qwen"``: per 4 layers, three mixer blocks
-            then one gated attention block (output gate, qk-norm, partial RoPE), each followed by a routed MoE
-            with a shared expert (softmax router), listed in ``layer_types``. ``"nemotron_h"``: one mixer per
-            block, Mamba2 / MoE / attention (no RoPE) / MoE (sigmoid router), listed in ``layers_block_type``.
-        attention_type: the config's name of the attention layers (``"full_attention"``; Qwen3.8's
-            ``"indexed_attention"``, which the tiny decoder runs as plain gated attention).
+        layout: ``"qwen"`` (three mixer blocks then a gated attention block, each with an MoE; ``layer_types``)
+            or ``"nemotron_h"`` (Mamba2 / MoE / attention / MoE blocks; ``layers_block_type``).
+        attention_type: the config's name of the attention layers.
         config: further config fields the family sets, as ``(name, value)`` pairs.
     """
 
@@ -106,11 +90,9 @@ class Family:
         name: registry key, also the ``--model`` name of the regression and the audit.
         title: the model's name in prose (``"Qwen3.5-MoE"``).
         mixer: our drop-in's class name in :mod:`fla_ac_isolation.mixers`.
-        upstream: the classes our mixer replaces, first the family's own (whose ``config`` class configures
-            our mixer too).
-        layer: the kind of FLA-backed mixer, one of :data:`LAYERS` (its widths: :func:`layer_fields`).
-        fla_cp: under context parallelism its mixers run FLA's CP kernels (the Gated DeltaNet families); ``False``
-            for Nemotron-H (head-parallel Mamba2: FLA 0.6 has no CP for simple GLA) and Kimi-Linear.
+        upstream: the classes our mixer replaces, first the family's own (whose config class configures ours).
+        layer: the kind of FLA-backed mixer, one of :data:`LAYERS`.
+        fla_cp: under context parallelism its mixers run FLA's CP kernels (else head-parallel or no CP).
         tiny: how the regression builds its tiny decoder.
     """
 
@@ -144,8 +126,7 @@ _HF = "transformers.models"
 
 
 def _hf(folder: str, name: str) -> UpstreamMixer:
-    """transformers' class ``name`` of ``models/<folder>``, as :data:`~fla_ac_isolation.foreign_classes.
-    FLA_BACKED_MIXERS` names it (offsets, FLA keywords, the package it leaks without)."""
+    """transformers' class ``name`` of ``models/<folder>``, as ``FLA_BACKED_MIXERS`` names it."""
     found = named(f"{_HF}.{folder}.modeling_{folder}.{name}")
     if not isinstance(found, UpstreamMixer):
         raise TypeError(f"{found.qualified} is named as leaking, not as handing FLA its offsets")
@@ -208,8 +189,8 @@ FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
 
 
 def drop_in_for(entry: ForeignClass) -> tuple[UpstreamMixer, Family] | None:
-    """The family whose drop-in :func:`~fla_ac_isolation.swap_mixers` puts in place of ``entry``'s class
-    (with the registry's :class:`UpstreamMixer` for it), or ``None``."""
+    """``(upstream, family)`` whose drop-in :func:`~fla_ac_isolation.swap_mixers` puts in place of ``entry``'s class,
+    or ``None``."""
     return next(((u, f) for u, f in upstream_mixers() if u.qualified == entry.qualified), None)
 
 
@@ -219,7 +200,7 @@ def upstream_mixers() -> list[tuple[UpstreamMixer, Family]]:
 
 
 def family_for_layer(layer: str) -> Family:
-    """The first family (registry order) whose mixer is a ``layer`` (:data:`LAYERS`): the benchmarks' layer.
+    """The first family (registry order) whose mixer is a ``layer`` (:data:`LAYERS`).
 
     Raises:
         ValueError: ``layer`` is not one of :data:`LAYERS`.
@@ -230,14 +211,13 @@ def family_for_layer(layer: str) -> Family:
 
 
 def remedy(entry: LeakingMixer) -> str:
-    """What to do about a class that drops its offsets: ``swap_mixers(model)`` naming the drop-in where
-    :func:`drop_in_for` has one, else the entry's :attr:`~fla_ac_isolation.foreign_classes.LeakingMixer.otherwise`."""
+    """What to do about a class that drops its offsets: ``swap_mixers`` where a drop-in exists, else
+    ``entry.otherwise``."""
     return _remedy(entry, entry.otherwise)
 
 
 def leak_remedy(entry: UpstreamMixer) -> str | None:
-    """What to do about :meth:`~fla_ac_isolation.foreign_classes.UpstreamMixer.leak` (as :func:`remedy`);
-    ``None`` for a class without :attr:`~fla_ac_isolation.foreign_classes.UpstreamMixer.leaks_without`."""
+    """What to do about ``entry.leak()`` (as :func:`remedy`); ``None`` without ``leaks_without``."""
     return None if entry.leaks_without is None else _remedy(entry, entry.leaks_without.otherwise)
 
 
@@ -250,7 +230,7 @@ def _remedy(entry: ForeignClass, otherwise: str) -> str:
 
 
 def _deprecated_method(old: str, function: Any) -> Any:
-    """0.3's method ``old`` (``"LeakingMixer.remedy"``), now ``function``: warns naming the function, then calls it."""
+    """A deprecated method ``old`` (``"LeakingMixer.remedy"``) that warns, then calls ``function``."""
 
     def method(self: ForeignClass) -> Any:
         import warnings

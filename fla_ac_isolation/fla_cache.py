@@ -1,8 +1,4 @@
-"""Public name of FLA's cache seam: :func:`tensor_cache_disabled`, :func:`probe_tensor_cache`, sizes.
-
-The implementation lives with the rest of what this package knows about FLA, in
-:mod:`fla_ac_isolation.fla_seam.cache`; this module re-exports its public names, unchanged.
-"""
+"""Public name of FLA's cache seam: re-exports :mod:`fla_ac_isolation.fla_seam.cache`'s public names."""
 
 from fla_ac_isolation.fla_seam.cache import (
     CacheEvent,

@@ -1,19 +1,6 @@
-"""The FLA-backed classes of other libraries, once: which hand packed offsets to FLA (and through which
-arguments), which drop them, and the rule for flash-linear-attention's own layers. Data, matched by module and
-class name: nothing here imports transformers, OLMo-core, torchtitan or FLA (:meth:`ForeignClass.resolve`,
-:meth:`UpstreamMixer.config_class` and :meth:`PackageLeak.applies` import on demand).
-
-* :data:`FLA_BACKED_MIXERS`: the classes named one by one that hand packed offsets to FLA (what
-  :func:`~fla_ac_isolation.isolate_seqlens` hooks besides FLA's own); some of them also leak without a package
-  (:attr:`UpstreamMixer.leaks_without`, :class:`PackageLeak`);
-* flash-linear-attention's own layers and models (``fla.layers``, ``fla.models``), by a rule over the class
-  (:func:`fla_layer_mixer`);
-* :data:`LEAKING_MIXERS`: classes named one by one that drop the offsets (isolation cannot fix that).
-
-:func:`foreign_mixer` answers for any module. Which of these classes a drop-in replaces is the families'
-registry (:mod:`fla_ac_isolation.families`); how a model's modules are classified, once, is
-:func:`fla_ac_isolation.mixer_plan.classify`. The registry table of ``docs/foreign-classes.md`` is rendered from
-here, and a test holds the page to it.
+"""Other libraries' FLA-backed classes: which hand packed offsets to FLA (:data:`FLA_BACKED_MIXERS`), which drop
+them (:data:`LEAKING_MIXERS`), and the rule for FLA's own layers (:func:`fla_layer_mixer`). Matched by module and
+class name; nothing here imports those libraries. ``docs/foreign-classes.md``'s table is rendered from here.
 """
 
 from __future__ import annotations
@@ -70,8 +57,7 @@ class ForeignClass:
         return cls.__module__ == self.module and cls.__qualname__ == self.name
 
     def in_hierarchy(self, module: nn.Module) -> type | None:
-        """The class of ``module``'s MRO that is this class, or ``None`` (FSDP2's ``fully_shard`` swaps a module's
-        class for a dynamic subclass, ``FSDPGatedDeltaNet``; both run this class's code unless forward changes)."""
+        """The class of ``module``'s MRO that is this class (FSDP2 subclasses it), or ``None``."""
         mro = type(module).__mro__
         return next((cls for cls in mro if cls.__module__ == self.module and cls.__qualname__ == self.name), None)
 
@@ -86,8 +72,8 @@ class ForeignClass:
 
 @dataclass(frozen=True)
 class PackageLeak:
-    """A class handing FLA its offsets still mixes packed documents unless ``package`` imports: without it, part
-    of its forward runs a fallback blind to document bounds (isolation keeps offsets fresh, cannot change that).
+    """A class handing FLA its offsets still mixes packed documents unless ``package`` imports (its fallback is
+    blind to document bounds; isolation cannot change that).
 
     Attributes:
         package: the import name (``"causal_conv1d"``); why: what runs instead, in a clause;
@@ -99,7 +85,7 @@ class PackageLeak:
     otherwise: str
 
     def applies(self) -> bool:
-        """``package`` cannot be imported here (tried as the class's library tries it: not installed or broken)."""
+        """``package`` cannot be imported here (not installed or broken)."""
         try:
             importlib.import_module(self.package)
         except Exception:
@@ -112,15 +98,11 @@ class UpstreamMixer(ForeignClass):
     """A mixer class of another library: one of our mixers replaces it, or it is isolated in place.
 
     Attributes:
-        config: the config class its model is built from, ``"module.Class"``; ``None`` when the module
-            carries its own configuration as attributes (OLMo-core), which the replacement reads.
-        offsets: the arguments of its ``forward`` (keyword or positional) carrying packed offsets to FLA: integer
-            ``[N + 1]`` tensors or NamedTuples holding them (torchtitan's ``VarlenMetadata``); empty: no FLA call
-            with offsets (nothing for ``isolate_seqlens`` to do).
-        fla_keywords: FLA keywords (``cu_seqlens_cpu``, ``chunk_indices``) its ``forward`` hands on to FLA's
-            kernel, so ``isolate_seqlens`` may add them.
-        replacement: our class replacing it (in :mod:`fla_ac_isolation.mixers`) when not the family's own
-            mixer (another interface around the same maths).
+        config: its model's config class, ``"module.Class"``; ``None`` when configured by its attributes (OLMo-core).
+        offsets: the ``forward`` arguments carrying packed offsets to FLA (``[N + 1]`` integer tensors or
+            NamedTuples holding them); empty: no FLA call with offsets.
+        fla_keywords: FLA keywords (``cu_seqlens_cpu``, ``chunk_indices``) its ``forward`` hands on to FLA.
+        replacement: our class replacing it (:mod:`fla_ac_isolation.mixers`) when not the family's own mixer.
         leaks_without: the package whose absence makes it mix packed documents (:class:`PackageLeak`), or ``None``.
     """
 
@@ -148,9 +130,8 @@ class UpstreamMixer(ForeignClass):
 
 @dataclass(frozen=True)
 class LeakingMixer(ForeignClass):
-    """A mixer class of another library that drops packed offsets: its packed documents leak into each other. No
-    isolation fixes that; :func:`~fla_ac_isolation.swap_mixers` does where a drop-in exists
-    (:func:`fla_ac_isolation.families.remedy` says which).
+    """A mixer class of another library that drops packed offsets, so its documents mix (no isolation fixes that;
+    :func:`~fla_ac_isolation.swap_mixers` does where a drop-in exists).
 
     Attributes:
         why: how the offsets are lost, in a clause (``"runs its Mamba2 over the packed row ..."``).
@@ -179,8 +160,7 @@ _HF_CONV_LEAK = PackageLeak(
 
 
 def _hf_gdn(folder: str, name: str, config: str) -> UpstreamMixer:
-    """A transformers 5.24 Gated DeltaNet: ``cu_seqlens=kwargs.pop("cu_seq_lens_q")`` to FLA, the rest of its
-    ``**kwargs`` through transformers' kernel wrapper (host offsets, chunk schedule); its conv needs causal_conv1d."""
+    """A transformers Gated DeltaNet (offsets ``cu_seq_lens_q``, FLA keywords passed on, conv needs causal_conv1d)."""
     return UpstreamMixer(f"{_HF}.{folder}.modeling_{folder}", name, f"{_HF}.{folder}.configuration_{folder}.{config}",
                          _HF_OFFSETS, _HF_FLA_KEYWORDS, leaks_without=_HF_CONV_LEAK)
 
@@ -198,7 +178,7 @@ FLA_BACKED_MIXERS: tuple[UpstreamMixer, ...] = (
     UpstreamMixer("olmo_core.nn.attention.recurrent", "GatedDeltaNet", None, ("cu_doc_lens",)),
     UpstreamMixer("olmo_core.nn.attention.kda", "KimiDeltaAttention", None, ("cu_doc_lens",)),
 )
-"""Classes named one by one that hand packed offsets to FLA: what ``isolate_seqlens`` hooks besides FLA's own."""
+"""Named classes that hand packed offsets to FLA: what ``isolate_seqlens`` hooks besides FLA's own."""
 
 _HF_KDA_WHY = ("calls FLA's chunk_kda through transformers' kernel wrapper, which keeps only chunk_kda's own "
                "parameter names, so cu_seq_lens_q never reaches the kernel; its conv (transformers' torch "
@@ -213,7 +193,7 @@ LEAKING_MIXERS: tuple[LeakingMixer, ...] = (
     LeakingMixer("olmo_core.nn.attention.recurrent", "NemotronMamba2Mixer",
                  "deletes its **kwargs, cu_doc_lens included, and runs a pure-torch SSD over the packed row"),
 )
-"""Upstream classes, named one by one, known to drop packed offsets (FLA's own: :func:`fla_layer_mixer`)."""
+"""Named upstream classes known to drop packed offsets (FLA's own: :func:`fla_layer_mixer`)."""
 
 FLA_LAYER_MODULES: tuple[str, ...] = ("fla.layers.", "fla.models.")
 """Where flash-linear-attention 0.6 defines its layers and models: the modules the FLA rule reads."""
@@ -226,16 +206,10 @@ _FLA_DROPS_OTHERWISE = "train it on unpacked batches (one document per row), or 
 def fla_layer_mixer(cls: type, sources: dict | None = None) -> UpstreamMixer | LeakingMixer | None:
     """The FLA rule: what a class of flash-linear-attention's ``fla.layers`` / ``fla.models`` does with offsets.
 
-    FLA's models hand one ``cu_seqlens`` (``[N + 1]`` int32/int64) through ``**kwargs`` to every block and
-    layer. The rule, over the first class of ``cls``'s hierarchy defined under :data:`FLA_LAYER_MODULES` (so
-    FSDP2's renamed classes and subclasses are judged by FLA's class), skipping ``PreTrainedModel`` classes:
-
-    * its ``forward`` names a ``cu_seqlens`` parameter, or takes ``**kwargs`` and its source reads ``cu_seqlens``
-      out of them: an :class:`UpstreamMixer` with offsets ``("cu_seqlens",)``;
-    * a class of ``fla.layers`` whose ``forward`` takes ``**kwargs`` and never reads ``cu_seqlens``: a
-      :class:`LeakingMixer` (e.g. ``Mamba2``); anything else: ``None``.
-
-    Which classes of each FLA release fall on which side, and how many: ``docs/foreign-classes.md``.
+    Judged on the first class of ``cls``'s MRO under :data:`FLA_LAYER_MODULES` (``PreTrainedModel`` skipped): its
+    ``forward`` names ``cu_seqlens`` or reads it from ``**kwargs``: an :class:`UpstreamMixer` with offsets
+    ``("cu_seqlens",)``; an ``fla.layers`` class taking ``**kwargs`` that never reads it: a :class:`LeakingMixer`;
+    else ``None``.
 
     Args:
         cls: the class to judge (``type(module)``).
@@ -269,12 +243,8 @@ def fla_layer_mixer(cls: type, sources: dict | None = None) -> UpstreamMixer | L
 
 
 def foreign_mixer(module: nn.Module, sources: dict | None = None) -> tuple[UpstreamMixer | LeakingMixer, type] | None:
-    """What this registry knows of ``module``'s class, and the class of its hierarchy that matched.
-
-    Named classes first (:data:`FLA_BACKED_MIXERS`, then :data:`LEAKING_MIXERS`, matched along the class
-    hierarchy), then the FLA rule (:func:`fla_layer_mixer`; ``sources`` as there). ``None``: not an
-    FLA-backed mixer this package knows (our own drop-ins included: they isolate themselves).
-    """
+    """``(entry, matched class of its MRO)`` for ``module``: named classes first, then the FLA rule; ``None`` when
+    not a known FLA-backed mixer (our own drop-ins included)."""
     for entry in (*FLA_BACKED_MIXERS, *LEAKING_MIXERS):
         cls = entry.in_hierarchy(module)
         if cls is not None:

@@ -1,17 +1,7 @@
-"""``isolate_seqlens(model)``: fresh packed offsets inside every call of the FLA-backed mixers of a model
-we do not own (OLMo-core, transformers, torchtitan, or a fork of one of them).
+"""``isolate_seqlens(model)``: fresh packed offsets inside every call of the FLA-backed mixers of a model we do not
+own (OLMo-core, transformers, torchtitan, forks), by a forward pre-hook per mixer; modules and weights are kept.
 
-Those models hand one ``cu_seqlens`` object to every FLA-backed layer, so a checkpointed layer can miss FLA's
-identity-keyed index cache in its forward and hit it in its recompute (docs: "The fault in one picture"). A
-forward pre-hook on each such mixer (:class:`~fla_ac_isolation.offsets_hook.OffsetsHook`) replaces its offsets
-arguments by fresh copies inside the mixer's call, in the forward and again in the recompute; which mixers, which
-arguments and what is refused or warned about: :func:`isolate_seqlens`. The model keeps its modules, weights and
-kernels.
-
-Cost per hooked call: one copy of the ``[N + 1]`` offsets (plus, with host offsets, of the host offsets and
-the ``[NT, 2]`` schedule), and one graph break per mixer call under ``torch.compile``. With host offsets, one
-device-to-host copy of the offsets per batch (per new offsets object), where the kernel would otherwise make
-one per cache miss.
+Cost per hooked call: a copy of the ``[N + 1]`` offsets, and one graph break under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -39,16 +29,12 @@ class PartialIsolationWarning(UserWarning):
 
 
 class LeakingMixerWarning(UserWarning):
-    """The model holds mixers whose packed documents are not kept apart: classes known to drop the offsets, or
-    classes that leak without a package missing here (transformers' Gated DeltaNets without ``causal_conv1d``:
-    their conv). A correctness bug of the upstream class that no isolation fixes; the message names the class,
-    how it leaks and what to do."""
+    """The model holds mixers whose packed documents are not kept apart (an upstream bug no isolation fixes); the
+    message names the class, how it leaks and what to do."""
 
 
 class IsolationHandle:
-    """What :func:`isolate_seqlens` returns: the hooked module paths, the calls rewritten, and :meth:`remove`.
-
-    Also a context manager: ``with isolate_seqlens(model): ...`` removes the hooks on exit.
+    """What :func:`isolate_seqlens` returns; a context manager that removes the hooks on exit.
 
     Attributes:
         paths: module paths (in ``model``) hooked by this call, in ``named_modules()`` order.
@@ -63,12 +49,11 @@ class IsolationHandle:
 
     @property
     def rewritten(self) -> int:
-        """Mixer calls whose offsets this handle's hooks replaced by fresh copies (a checkpointed mixer counts
-        once in its forward and once in its recompute; an unpacked call, without offsets, does not count)."""
+        """Mixer calls whose offsets the hooks replaced (forward and recompute count once each; unpacked calls not)."""
         return self._counter.rewritten
 
     def remove(self) -> None:
-        """Remove this call's hooks (the modules receive the model's shared offsets again). Idempotent."""
+        """Remove this call's hooks (idempotent)."""
         for ref, hook in self._hooks:
             hook.remove()
             module = ref()
@@ -168,9 +153,7 @@ def _targets(model: nn.Module, plan: tuple[PlannedMixer, ...], chosen: list | No
 
 
 def _warn_leaking(plan: tuple[PlannedMixer, ...]) -> list[str]:
-    """One :class:`LeakingMixerWarning` per class of the plan whose packed documents leak: those known to drop
-    the offsets (their paths are returned) and those that leak without a package missing here
-    (:meth:`~fla_ac_isolation.foreign_classes.UpstreamMixer.leak`, asked once per class)."""
+    """One :class:`LeakingMixerWarning` per leaking class of the plan; returns the paths of those that drop offsets."""
     by_class: dict[str, tuple[UpstreamMixer | LeakingMixer, list[str]]] = {}
     for p in plan:
         if isinstance(p.entry, LeakingMixer) or (isinstance(p.entry, UpstreamMixer) and p.entry.leaks_without):
@@ -192,10 +175,7 @@ def _warn_leaking(plan: tuple[PlannedMixer, ...]) -> list[str]:
 
 
 def _check_accepted(path: str, module: nn.Module, arg_names: tuple[str, ...]) -> None:
-    """Refuse an ``arg_names`` entry that ``module.forward`` cannot receive (the hook would never see it).
-
-    A forward taking ``**kwargs``, or without a signature, may receive any name: nothing is checked.
-    """
+    """Refuse an ``arg_names`` entry that ``module.forward`` cannot receive (unchecked with ``**kwargs``)."""
     try:
         params = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
@@ -254,59 +234,29 @@ def isolate_seqlens(
 ) -> IsolationHandle:
     """Make every call of each FLA-backed mixer of ``model`` take fresh packed offsets, inside its own call.
 
-    Hooks (``register_forward_pre_hook(..., with_kwargs=True)``) go on the mixer modules themselves, so the
-    order relative to activation checkpointing (any wrapper: torch's ``checkpoint_wrapper``, OLMo-core's
-    ``apply_activation_checkpointing``, transformers' ``gradient_checkpointing_enable``, torchtitan's AC),
-    ``torch.compile`` (``module.compile()``, ``torch.compile(model)``) and FSDP2 (``fully_shard``) does not
-    matter. The offsets arguments are replaced per call by copies with equal values that no dispatch mode
-    sees (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`), so a layer's forward and its recompute both
-    start with an FLA cache miss.
-
-    Which classes are hooked, through which arguments, and which are only warned about: the table of
-    ``docs/foreign-classes.md``, rendered from :mod:`fla_ac_isolation.foreign_classes` (classes named one by
-    one, and a rule over flash-linear-attention's own layers). The model is classified once
-    (:func:`~fla_ac_isolation.mixer_plan.classify`); the handle keeps that plan (:attr:`IsolationHandle.plan`).
-    Host offsets (``cu_seqlens_cpu``) and FLA's chunk schedule (``chunk_indices``) are added only where the
-    foreign forward passes FLA's own keywords through to the kernel (transformers); elsewhere FLA computes them
-    itself on each (fresh) call.
-
-    Mixers known to drop the offsets are not hooked: a :class:`LeakingMixerWarning` per class names them, why,
-    and what to do (``swap_mixers`` where this package has a drop-in). Hooked classes that leak without a
-    package missing here (transformers' Gated DeltaNets without ``causal_conv1d``: their short conv runs across
-    document boundaries; :attr:`~fla_ac_isolation.foreign_classes.UpstreamMixer.leaks_without`) are hooked and
-    warned about too.
-
-    A hook never passes a packed call silently: when none of its arguments arrives but the call carries
-    offsets-like keywords (a 1-D integer tensor under a name starting with ``cu_``, e.g. ``cu_seq_lens_q``),
-    the shared offsets would reach FLA untouched, so the call raises. A call without any (an unpacked batch)
-    passes untouched.
+    The hooks sit on the mixers, so their order relative to AC wrappers, ``torch.compile`` and FSDP2 does not
+    matter. Which classes are hooked: ``docs/foreign-classes.md``. Classes that leak documents (not hooked if they
+    drop the offsets) get a :class:`LeakingMixerWarning`. A hooked call carrying offsets-like keywords (``cu_*``)
+    but none of the hook's arguments raises; a call without any (unpacked) passes untouched.
 
     Args:
-        model: the model (any ``nn.Module``); it is changed in place (hooks only).
-        modules: hook these modules instead of the known classes: module objects inside ``model`` or paths
-            (``"blocks.0.attention"``). A module of a known class keeps its registry arguments unless
-            ``arg_names`` is given. When known FLA-backed mixers of ``model`` stay unhooked, a
-            :class:`PartialIsolationWarning` is emitted: their shared offsets move the fault to them.
-        arg_names: the forward arguments (keyword or positional) that carry the offsets: 1-D integer
-            tensors (``[N + 1]`` ``cu_seqlens``, int32/int64) or NamedTuples holding them. Needed for
-            modules of unknown classes; overrides the registry's names (and adds no FLA keywords) otherwise.
+        model: the model, changed in place (hooks only).
+        modules: hook these modules (objects inside ``model`` or paths such as ``"blocks.0.attention"``) instead of
+            the known classes; known FLA-backed mixers left unhooked give a :class:`PartialIsolationWarning`.
+        arg_names: the forward arguments (keyword or positional) that carry the offsets: ``[N + 1]`` int32/int64
+            tensors or NamedTuples holding them. Needed for unknown classes; overrides the registry's names.
 
     Returns:
-        An :class:`IsolationHandle` (``.paths``, ``.rewritten``: calls whose offsets were replaced, ``.remove()``,
-        a context manager). A module hooked by an earlier call is skipped (idempotent): a second call returns an
-        empty handle and warns.
+        An :class:`IsolationHandle`. Modules hooked by an earlier call are skipped: a second call warns and returns
+        an empty handle.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``; ``modules`` is not a list of modules/paths;
-            ``arg_names`` is not a list of strings. At call time (from the mixer's forward): a named argument
-            holds neither an integer offsets tensor nor a NamedTuple holding one.
-        ValueError: nothing to isolate (the message lists the classes and arguments looked for, and the
-            leaking mixers found); a path of ``modules`` is not in ``model``, a module of it is not a submodule,
-            is of an unknown class without ``arg_names``, or is known to drop offsets (isolating it changes
-            nothing); empty ``modules`` or ``arg_names``; a name of ``arg_names`` is not an argument of a
-            chosen module's forward (one without ``**kwargs``). At call time: none of the hook's arguments
-            arrived but offsets-like keywords did (the message names both, and the fix); transformers' offsets
-            are not valid (not starting at 0, decreasing; the checks of :class:`~fla_ac_isolation.LayerLocalSeqlens`).
+        TypeError: ``model`` not an ``nn.Module``, ``modules``/``arg_names`` of the wrong type; at call time, a
+            named argument holding no integer offsets tensor.
+        ValueError: nothing to isolate; a ``modules`` entry not in ``model``, of an unknown class without
+            ``arg_names``, or known to drop offsets; empty ``modules``/``arg_names``; an ``arg_names`` entry the
+            forward does not take. At call time: offsets-like keywords but none of the hook's arguments; invalid
+            transformers offsets.
 
     Example::
 

@@ -17,13 +17,11 @@ class LocalSeqlens(NamedTuple):
         cu_seqlens: ``[N + 1]`` int32/int64 offsets on the activations' device.
         cu_seqlens_cpu: ``[N + 1]`` host offsets (``None`` only from the harness's shared mode without them).
         max_seqlen: longest document, in tokens.
-        chunk_indices: ``[NT, 2]`` rows ``(document, chunk)`` of FLA's
-            :data:`~fla_ac_isolation.fla_seam.layout.CHUNK_SIZE`-token chunks (FLA's ``chunk_indices``), dtype
-            and device of ``cu_seqlens``; ``None`` when not precomputed.
-        cp_context: under CP, FLA's ``FLACPContext`` holding the very tensors above (then RANK-LOCAL int32
-            offsets and schedule); ``None`` without CP.
-        chunk_offsets: ``[N + 1]`` first ``chunk_indices`` row of each document (FLA's
-            ``prepare_chunk_offsets``), for the Mamba2 state kernels; ``None`` with ``chunk_indices`` and under CP.
+        chunk_indices: ``[NT, 2]`` rows ``(document, chunk)`` of FLA's 64-token chunks, dtype and device of
+            ``cu_seqlens``; ``None`` when not precomputed.
+        cp_context: under CP, FLA's ``FLACPContext`` holding the tensors above (then RANK-LOCAL int32); else ``None``.
+        chunk_offsets: ``[N + 1]`` first ``chunk_indices`` row of each document (FLA's ``prepare_chunk_offsets``);
+            ``None`` with ``chunk_indices`` and under CP.
     """
 
     cu_seqlens: torch.Tensor
@@ -36,11 +34,7 @@ class LocalSeqlens(NamedTuple):
 
 @torch.compiler.disable
 def fresh_copy(t: torch.Tensor) -> torch.Tensor:
-    """A clone of ``t`` that no dispatch mode and no ``torch.compile`` graph sees, made under ``no_grad``.
-
-    A SAC policy that saves ``aten.clone`` would otherwise hand the recompute the forward's very object, and
-    FLA's identity cache would hit in the recompute after missing in the forward.
-    """
+    """A no-grad clone of ``t`` that no dispatch mode (a SAC policy saving ``aten.clone``) or compiled graph sees."""
     with _disable_current_modes(), torch.no_grad():
         return t.clone()
 

@@ -1,19 +1,5 @@
-"""What each FLA-backed module of a model is, decided once: the plan :func:`~fla_ac_isolation.isolate_seqlens`
-hooks from and warns from, and ``fla-ac-isolation check`` reports (its ``survey``).
-
-:func:`classify` walks ``model.named_modules()`` once and asks the registry
-(:func:`~fla_ac_isolation.foreign_classes.foreign_mixer`) once per module. Each module it knows becomes one
-:class:`PlannedMixer` with a status:
-
-* ``"exposed"``: hands the model's shared offsets to FLA through :attr:`~fla_ac_isolation.foreign_classes.
-  UpstreamMixer.offsets` (the fault): what ``isolate_seqlens`` hooks;
-* ``"hooked"``: the same, already carrying ``isolate_seqlens``'s hook (covered);
-* ``"drop-in"``: one of this package's mixers (:mod:`fla_ac_isolation.mixers`), which take fresh offsets
-  themselves (covered);
-* ``"leaking"``: drops the offsets (:class:`~fla_ac_isolation.foreign_classes.LeakingMixer`): its packed documents
-  leak into each other, which no isolation fixes.
-
-Modules of no known FLA-backed class are not in the plan.
+"""What each FLA-backed module of a model is (:func:`classify`): the plan
+:func:`~fla_ac_isolation.isolate_seqlens` hooks and warns from, and ``fla-ac-isolation check`` reports.
 """
 
 from __future__ import annotations
@@ -31,7 +17,9 @@ __all__ = ["DROP_IN", "EXPOSED", "HOOKED", "LEAKING", "STATUSES", "PlannedMixer"
 
 EXPOSED, HOOKED, DROP_IN, LEAKING = "exposed", "hooked", "drop-in", "leaking"
 STATUSES: tuple[str, ...] = (EXPOSED, HOOKED, DROP_IN, LEAKING)
-"""Every status a :class:`PlannedMixer` can have."""
+"""Every status a :class:`PlannedMixer` can have: ``"exposed"`` (hands FLA the shared offsets: to hook),
+``"hooked"`` (carries ``isolate_seqlens``'s hook), ``"drop-in"`` (one of our mixers), ``"leaking"`` (drops the
+offsets, which no isolation fixes)."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +28,7 @@ class PlannedMixer:
 
     Attributes:
         path: its path in the model (``"model.layers.0.linear_attn"``; ``""``: the model itself).
-        cls: its class, ``"module.Class"`` (the registry's name for a foreign class; for FSDP2's renamed or a
-            subclass, the registry's class it matched).
+        cls: its class, ``"module.Class"`` (for a foreign class, the registry's class it matched).
         status: one of :data:`STATUSES`.
         entry: the registry's entry for the class; ``None`` for a drop-in.
         matched: the class of the module's hierarchy the entry matched (the drop-in's class for a drop-in).
@@ -62,22 +49,20 @@ class PlannedMixer:
 
     @property
     def swappable(self) -> bool:
-        """:func:`~fla_ac_isolation.swap_mixers` has a drop-in for its class (:func:`~fla_ac_isolation.families.
-        drop_in_for`)."""
+        """:func:`~fla_ac_isolation.swap_mixers` has a drop-in for its class."""
         return self.entry is not None and drop_in_for(self.entry) is not None
 
 
 def _is_drop_in(cls: type) -> bool:
-    """``cls`` is one of this package's mixers (a public class of :mod:`fla_ac_isolation.mixers`), not one of
-    their sub-modules (gates, norms)."""
+    """``cls`` is a public class of :mod:`fla_ac_isolation.mixers` (not a sub-module such as a gate or norm)."""
     if not cls.__module__.startswith("fla_ac_isolation.mixers"):
         return False
     return getattr(importlib.import_module("fla_ac_isolation.mixers"), cls.__qualname__, None) is cls
 
 
 def classify(model: nn.Module) -> tuple[PlannedMixer, ...]:
-    """The plan of ``model``: every module of a known FLA-backed class or of this package's drop-ins, in
-    ``named_modules()`` order, each classified once (FLA's ``forward`` sources read once per call).
+    """The plan of ``model``: every module of a known FLA-backed class or of our drop-ins, in ``named_modules()``
+    order (modules of no known class are left out).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.

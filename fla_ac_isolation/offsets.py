@@ -122,8 +122,7 @@ def checked_host_copy(cu_seqlens_cpu: torch.Tensor, own: torch.Tensor) -> torch.
 
 
 def check_offsets(offsets: list[int], num_tokens: int | None) -> list[int]:
-    """Document lengths of the values of ``cu_seqlens``, after every check on them: a start other than 0, a
-    decrease, or (before the chunk schedule is sized by it) a last offset other than ``num_tokens``."""
+    """Document lengths of the ``cu_seqlens`` values, checked: from 0, non-decreasing, ending at ``num_tokens``."""
     if offsets[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
     lens = [b - a for a, b in itertools.pairwise(offsets)]

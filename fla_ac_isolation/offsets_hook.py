@@ -1,18 +1,7 @@
-"""The forward pre-hook :func:`~fla_ac_isolation.isolate_seqlens` puts on a foreign mixer, and what it hands on.
+"""The forward pre-hook :func:`~fla_ac_isolation.isolate_seqlens` puts on a foreign mixer (:class:`OffsetsHook`).
 
-* :class:`OffsetsHook` - per mixer call: every offsets argument replaced by a fresh copy (same values, a new
-  object no dispatch mode sees), FLA's extra keywords added where the foreign forward hands them on, and the
-  call refused when none of its offsets arguments arrived although offsets-like keywords did (the names
-  given to the hook are wrong: the shared offsets would reach FLA untouched).
-* :class:`HostOffsets` - per handle: a validated :class:`~fla_ac_isolation.LayerLocalSeqlens` per
-  model-level offsets object (host offsets and FLA's chunk schedule, built once per batch).
-* :class:`CallCounter` - how many calls the hooks of one handle rewrote.
-* :func:`offsets_like_keywords` - the keywords of a call that look like packed offsets.
-* :func:`is_isolated` - a module carries the hook (:data:`HOOK_ATTRIBUTE` in its ``__dict__``).
-
-Offsets are 1-D integer tensors (``[N + 1]`` ``cu_seqlens``, int32/int64) or NamedTuples holding them
-(torchtitan's ``VarlenMetadata``); "offsets-like" keywords are those whose name starts with ``cu_``
-(``cu_seqlens``, transformers' ``cu_seq_lens_q``, OLMo-core's ``cu_doc_lens``) holding such a value.
+Offsets are 1-D integer tensors (``[N + 1]`` ``cu_seqlens``) or NamedTuples holding them (torchtitan's
+``VarlenMetadata``); "offsets-like" keywords are those named ``cu_*`` that hold such a value.
 """
 
 from __future__ import annotations
@@ -56,8 +45,7 @@ def _holds_offsets(value: Any) -> bool:
 
 
 def offsets_like_keywords(kwargs: dict) -> list[str]:
-    """Sorted names of ``kwargs`` that start with ``cu_`` and hold offsets (or a NamedTuple with ``cu_*``
-    offsets fields): what a packed call of a transformers, FLA or OLMo-core mixer carries."""
+    """Sorted names of ``kwargs`` that start with ``cu_`` and hold offsets (or a NamedTuple of ``cu_*`` offsets)."""
     return sorted(k for k, v in kwargs.items() if k.startswith("cu_") and _holds_offsets(v))
 
 
@@ -71,10 +59,9 @@ def _fresh_offsets(t: torch.Tensor) -> torch.Tensor:
 
 
 def refresh(value: Any, name: str, where: str, memo: dict[int, torch.Tensor]) -> Any:
-    """A fresh object for an offsets tensor, or a NamedTuple whose offsets tensors are fresh.
+    """A fresh object for an offsets tensor, or a NamedTuple whose offsets tensors are fresh; ``None`` passes.
 
-    ``memo`` keeps aliasing inside one call: an object passed twice (``cu_seq_q`` is ``cu_seq_k``) gets one
-    copy. ``None`` passes through (an unpacked batch).
+    ``memo`` keeps aliasing inside one call: an object passed twice gets one copy.
 
     Raises:
         TypeError: ``value`` is neither (e.g. a float tensor named by ``arg_names``).
@@ -102,11 +89,8 @@ def refresh(value: Any, name: str, where: str, memo: dict[int, torch.Tensor]) ->
 
 
 class HostOffsets:
-    """Per handle: a validated :class:`LayerLocalSeqlens` per offsets object, built once (one host read).
-
-    Keyed by the identity of the model-level offsets object (weakly, so a finished batch's entry goes
-    away), so a layer's recompute, which receives the same object, finds the entry its forward built.
-    """
+    """Per handle: a validated :class:`LayerLocalSeqlens` per model-level offsets object (weakly keyed by
+    identity, so a recompute finds what its forward built)."""
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[weakref.ref, LayerLocalSeqlens]] = {}
@@ -116,8 +100,7 @@ class HostOffsets:
         """Fresh offsets, host offsets and chunk schedule for ``offsets`` (``name`` of ``where``, for errors).
 
         Raises:
-            TypeError, ValueError: ``offsets`` are not valid (:class:`LayerLocalSeqlens`'s checks), naming
-                ``name`` and ``where``.
+            TypeError, ValueError: ``offsets`` fail :class:`LayerLocalSeqlens`'s checks.
         """
         entry = self._by_id.get(id(offsets))
         if entry is None or entry[0]() is not offsets:
@@ -135,8 +118,7 @@ class HostOffsets:
 
 
 class CallCounter:
-    """Calls whose offsets the hooks of one :class:`~fla_ac_isolation.isolate.IsolationHandle` rewrote
-    (a checkpointed mixer counts twice per step: its forward and its recompute)."""
+    """Calls whose offsets the hooks of one :class:`~fla_ac_isolation.isolate.IsolationHandle` rewrote."""
 
     def __init__(self) -> None:
         self.rewritten = 0
@@ -152,8 +134,7 @@ class OffsetsHook:
         fla_keywords: FLA keywords (``cu_seqlens_cpu``, ``chunk_indices``) to add next to ``names[0]``.
         host: the handle's :class:`HostOffsets`.
         counter: the handle's :class:`CallCounter`.
-        registry_names: the registry's offsets names for the mixer's class, when it knows the class (for the
-            message of a call that passed none of ``names``: the keyword FLA reads, or the registry's names).
+        registry_names: the registry's offsets names for the mixer's class, if known (for error messages).
     """
 
     def __init__(self, where: str, module: nn.Module, names: tuple[str, ...], fla_keywords: tuple[str, ...],

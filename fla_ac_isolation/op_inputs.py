@@ -1,12 +1,6 @@
 """What both backends of :mod:`fla_ac_isolation.ops` do to their inputs first: checks, compute dtype, Mamba2's ``dt``.
 
-A leaf (torch only, nothing from this package), so that the entry points of :mod:`fla_ac_isolation.ops` (the
-``fla`` backend) and the reference (:mod:`fla_ac_isolation.ops.reference`, ``reference_kda``) share one copy.
-
-* :func:`compute_dtype` - float32 for half/bfloat16/float32, float64 kept.
-* :func:`check_packed`, :func:`check_activation`, :func:`check_conv`, :func:`check_heads`, :func:`check_groups`,
-  :func:`check_kda_gates` - the shape and argument checks, each raising ``ValueError`` naming what it got.
-* :func:`discretize_dt` - Mamba2's time step ``clamp(softplus(dt + dt_bias), *dt_limit)``.
+A leaf module (imports torch only).
 """
 
 from __future__ import annotations
@@ -41,8 +35,7 @@ def check_packed(name: str, t: torch.Tensor, cu_seqlens: torch.Tensor | None) ->
 
 
 def _autocast_replay_hint() -> str:
-    """The likely cause when a shape check fails in a backward under ``torch.autocast`` with its weight-cast
-    cache on: a SAC recompute handed this op another op's saved cast (torch issue #193338)."""
+    """The likely cause of a shape error in a backward under ``torch.autocast`` with its cache on (torch #193338)."""
     in_backward = getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
     autocast = any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
     if not (in_backward and autocast and torch.is_autocast_cache_enabled()):
@@ -65,8 +58,8 @@ def check_activation(activation: str | None) -> None:
 
 
 def check_conv(x: torch.Tensor, weight: torch.Tensor, activation: str | None, cu_seqlens: torch.Tensor | None) -> None:
-    """The reference conv's inputs: :func:`check_activation`, :func:`check_packed` and ``weight [D, W]`` with the
-    ``D`` of ``x [B, T, D]``.
+    """The reference conv's inputs: :func:`check_activation`, :func:`check_packed`, ``weight [D, W]`` for
+    ``x [B, T, D]``.
 
     Raises:
         ValueError: naming the argument and what was expected.
@@ -91,8 +84,7 @@ def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_kda_gates(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
-    """Kimi Delta Attention's gates: ``g [B, T, HV, K]`` (a decay per key channel) and ``beta [B, T, HV]``,
-    with ``B, T, K`` of ``q [B, T, H, K]`` and ``HV`` of ``v [B, T, HV, V]``.
+    """KDA's gates: ``g [B, T, HV, K]`` and ``beta [B, T, HV]`` for ``q [B, T, H, K]``, ``v [B, T, HV, V]``.
 
     Raises:
         ValueError: naming the expected and the given shapes.
@@ -122,8 +114,7 @@ def discretize_dt(
     dt_bias: torch.Tensor | None,
     dt_limit: tuple[float, float] = (0.0, math.inf),
 ) -> torch.Tensor:
-    """``clamp(softplus(dt + dt_bias), *dt_limit)``, the Mamba2 time step ``[B, T, H]``, in float32 (float64
-    stays float64)."""
+    """``clamp(softplus(dt + dt_bias), *dt_limit)``, the Mamba2 time step ``[B, T, H]``, in :func:`compute_dtype`."""
     dt = dt.to(compute_dtype(dt))
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)

@@ -1,9 +1,5 @@
-"""The names of the saveable operations: the one list every part of the package reads.
-
-``saveable=True`` (:mod:`fla_ac_isolation.ops`) runs these operations as torch custom operators, one per
-backend (:data:`fla_ac_isolation.ops.saveable.TABLE`, keyed by these names and built with :func:`by_operation`);
-:data:`fla_ac_isolation.ops.SAVEABLE_OPS` pairs them, and :func:`fla_ac_isolation.policies.save_fla_ops` takes
-these names. A leaf: it imports nothing.
+"""The names of the saveable operations (``saveable=True`` in :mod:`fla_ac_isolation.ops`), the one list every
+part of the package reads; a leaf module.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ def by_operation(**per_operation: _T) -> dict[str, _T]:
     """``per_operation`` (one entry per name of :data:`SAVEABLE_OP_NAMES`) as a dict in that order.
 
     Raises:
-        ValueError: the keywords are not exactly :data:`SAVEABLE_OP_NAMES` (naming the missing and extra ones).
+        ValueError: the keywords are not exactly :data:`SAVEABLE_OP_NAMES`.
     """
     missing = [name for name in SAVEABLE_OP_NAMES if name not in per_operation]
     extra = sorted(set(per_operation) - set(SAVEABLE_OP_NAMES))

@@ -1,21 +1,5 @@
-"""Selective activation checkpointing (SAC) policies found in the field, and a layer checkpointer.
-
-A policy is a function ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy`` as
-``torch.utils.checkpoint.create_selective_checkpoint_contexts`` expects. These are the rules that real
-trainers use and that expose the FLA cache fault (docs: "The fault in one picture"):
-
-* :func:`save_device_to_host_copies` - torchtitan's and prime-rl's rule: save every ``aten._to_copy``
-  from an accelerator to the CPU (MoE split sizes read on the host), so the recompute does not sync.
-* :func:`save_all_copies` - save every ``aten._to_copy`` (dtype casts included).
-* :func:`save_ops` - save a given list of ops, optionally only when the output has given dtypes.
-* :func:`torchtitan_selective` - torchtitan 0.3's op-level SAC: the D2H rule, its compute/communication
-  save list (``torchtitan.distributed.activation_checkpoint``), every second matmul recomputed.
-* :func:`save_fla_ops` - save the outputs of FLA's calls made saveable (``saveable=True`` in
-  :mod:`fla_ac_isolation.ops` and the mixers): per op, memory instead of recompute time.
-* :func:`any_of` - combine policies; the first one that says "save" wins.
-
-:func:`checkpoint_layers` and :func:`sac_context_fn` apply a policy (:mod:`fla_ac_isolation.checkpointing`,
-re-exported here).
+"""Selective activation checkpointing (SAC) policies used by real trainers (``policy(ctx, op, *args, **kwargs) ->
+CheckpointPolicy``), and :func:`checkpoint_layers` / :func:`sac_context_fn` to apply one.
 """
 
 from __future__ import annotations
@@ -59,8 +43,7 @@ def _is_device_to_host(args: tuple, kwargs: dict) -> bool:
 def save_device_to_host_copies() -> Policy:
     """MUST_SAVE every ``aten._to_copy`` from an accelerator to the CPU; recompute everything else.
 
-    The rule torchtitan (``SelectiveAC``) and prime-rl apply so that an MoE dispatcher's host copy of
-    split sizes is not repeated (and does not sync) in the recompute. On a CPU-only run it saves nothing.
+    torchtitan's and prime-rl's rule (an MoE dispatcher's host copy of split sizes); saves nothing on a CPU run.
     """
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -73,23 +56,12 @@ def save_device_to_host_copies() -> Policy:
 
 
 def save_all_copies() -> Policy:
-    """MUST_SAVE every ``aten._to_copy`` (device moves and dtype casts); recompute everything else.
-
-    FLA's index helpers cast int32 ``cu_seqlens`` with ``_to_copy`` on a cache miss, so once one layer
-    misses in forward and hits in recompute this policy replays saved casts into the wrong ops. Whether
-    that raises depends on the ops after the helpers: a stack whose layers make no ``_to_copy`` after
-    them (e.g. GDN-only in float32) still computes the same numbers, and only the audit sees it.
-    """
+    """MUST_SAVE every ``aten._to_copy`` (device moves and dtype casts); recompute everything else."""
     return save_ops([_TO_COPY], name="save_all_copies")
 
 
 def policy_sees_op_output() -> bool:
-    """Whether this torch calls a SAC policy after the op ran, with its output (``ctx.op_output``).
-
-    A feature probe of ``torch.utils.checkpoint.SelectiveCheckpointContext``: torch 2.13 and later pass
-    ``op_output``; torch 2.11 asks the policy before the op runs, so a rule on the output's dtype cannot be
-    decided there (:func:`save_ops` with ``dtypes=`` refuses).
-    """
+    """Whether this torch calls a SAC policy after the op ran, with its output (``ctx.op_output``, torch >= 2.13)."""
     import inspect
 
     return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
@@ -105,14 +77,12 @@ def save_ops(
 
     Args:
         ops: e.g. ``[torch.ops.aten.mm.default, torch.ops.aten.sub]``; a packet matches all overloads.
-        dtypes: when given, save only when the op's (first) output has one of these dtypes, e.g.
-            ``[torch.int64]`` for integer ``sub`` only or ``[torch.float32]`` for float-only ``sub``.
+        dtypes: when given, save only when the op's (first) output has one of these dtypes.
         name: ``__name__`` given to the returned policy (shown in reports).
 
     Raises:
         TypeError: an entry of ``ops`` is not a torch op.
-        RuntimeError: ``dtypes`` given on a torch whose SAC policy does not see the op's output
-            (:func:`policy_sees_op_output`; torch 2.11).
+        RuntimeError: ``dtypes`` given, but :func:`policy_sees_op_output` is false.
     """
     overloads: set = set()
     packets: set = set()
@@ -148,13 +118,11 @@ def save_ops(
 def any_of(*policies: Policy, name: str | None = None) -> Policy:
     """Combine policies: MUST_SAVE if any of them says MUST_SAVE or PREFER_SAVE, else PREFER_RECOMPUTE.
 
-    The result has a ``fresh()`` method that renews every stateful member (one with ``fresh()``, e.g.
-    :class:`torchtitan_selective`), so :func:`sac_context_fn` gives each checkpointed call fresh members,
-    as it does for a stateful policy used alone.
+    The result's ``fresh()`` renews every stateful member (one with ``fresh()``), as :func:`sac_context_fn` needs.
 
     Raises:
         TypeError: a member is not a policy function (``(ctx, op, *args, **kwargs)``); ``name`` is not a str.
-        ValueError: no policies (the result would save nothing, i.e. full recompute).
+        ValueError: no policies.
     """
     if not policies:
         raise ValueError("any_of needs at least one policy, e.g. any_of(save_fla_ops(), save_device_to_host_copies())")
@@ -166,14 +134,14 @@ def any_of(*policies: Policy, name: str | None = None) -> Policy:
 
 
 class _AnyOf:
-    """The policy :func:`any_of` returns: callable like a policy function, renewed by :meth:`fresh`."""
+    """The policy :func:`any_of` returns."""
 
     def __init__(self, policies: tuple[Policy, ...], name: str) -> None:
         self.policies = policies
         self.__name__ = name
 
     def fresh(self) -> _AnyOf:
-        """The same combination with every stateful member renewed (``member.fresh()``)."""
+        """The same combination with every stateful member renewed."""
         return _AnyOf(tuple(p.fresh() if hasattr(p, "fresh") else p for p in self.policies), self.__name__)
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -189,27 +157,15 @@ class _AnyOf:
 def save_fla_ops(ops: Sequence[str] = SAVEABLE_OP_NAMES) -> Policy:
     """MUST_SAVE the outputs of the named FLA operations, on both backends; recompute everything else.
 
-    Only calls made with ``saveable=True`` (:mod:`fla_ac_isolation.ops`, the mixers' ``saveable``) are
-    custom operators a policy can see; the default path is not affected. A saved operation is not rerun in
-    the recompute (nor does it look anything up in FLA's cache there); its outputs stay in memory from the
-    forward to the backward of the checkpointed region. Per call (``fla`` backend, the operators of
-    :data:`fla_ac_isolation.ops.SAVEABLE_OPS`):
-
-    * ``"gated_delta_rule"`` (GDN core): ``o [B, T, HV, V]``, ``A [B, T, HV, 64]`` (bf16 with bf16 inputs),
-      ``g_cumsum [B, T, HV]`` and ``q_rstd``/``k_rstd`` ``[B, T, H]`` in float32;
-    * ``"causal_conv1d"``: ``y [B, T, D]`` (the conv output, ``D`` its channels);
-    * ``"ssd"`` (Mamba2 core, FLA's simple GLA): ``o [B, T, H, P]`` and ``g_cumsum [B, T, H]`` float32.
-
-    Compose it with the policy you use for everything else, e.g.
-    ``any_of(save_fla_ops(("gated_delta_rule", "ssd")), torchtitan_selective())``; docs/benchmarks.md gives
-    the sizes per layer and the trade per operation.
+    Only calls made with ``saveable=True`` (:mod:`fla_ac_isolation.ops`, the mixers) are visible to a policy;
+    what each saves: :mod:`fla_ac_isolation.ops`. Compose it, e.g. ``any_of(save_fla_ops(), torchtitan_selective())``.
 
     Args:
         ops: names among :data:`~fla_ac_isolation.op_names.SAVEABLE_OP_NAMES`; default all of them.
 
     Raises:
-        TypeError: ``ops`` is a single string, not iterable (``None``), or holds non-strings.
-        ValueError: ``ops`` is empty or names an unknown operation (the message lists the valid names).
+        TypeError: ``ops`` is a single string, not iterable, or holds non-strings.
+        ValueError: ``ops`` is empty or names an unknown operation.
     """
     if isinstance(ops, (str, bytes)) or not isinstance(ops, Iterable):
         raise TypeError(f"ops must be a sequence of operation names such as {SAVEABLE_OP_NAMES}, got {ops!r}")
@@ -231,12 +187,10 @@ def save_fla_ops(ops: Sequence[str] = SAVEABLE_OP_NAMES) -> Policy:
 
 
 class torchtitan_selective:  # noqa: N801 - used like the other policy constructors
-    """torchtitan 0.3's op-level selective AC policy (``SelectiveAC``), rebuilt per checkpointed call.
+    """torchtitan's op-level selective AC policy: saves accelerator-to-CPU copies, torchtitan's default save list
+    (``torchtitan.distributed.activation_checkpoint._get_default_save_ops``) and every other matmul.
 
-    Saves accelerator-to-CPU copies, torchtitan's default compute and communication save list
-    (``torchtitan.distributed.activation_checkpoint._get_default_save_ops``: SDPA, ``linear``, ``topk``,
-    ``max``, all-to-all, reduce-scatter, ...) and every other matmul. The matmul counter is per region,
-    so :func:`sac_context_fn` calls :meth:`fresh` for every checkpointed call, as torchtitan does.
+    Stateful (a per-region matmul counter): :func:`sac_context_fn` calls ``fresh()`` per checkpointed call.
 
     Raises:
         ImportError: torchtitan is not installed (``pip install 'fla-ac-isolation[ep]'``).

@@ -1,25 +1,5 @@
-"""The saveable wrapping, written once: an operation's forward and backward as a pair of torch custom operators.
-
-:func:`register_saveable_op` registers, in the ``fla_ac_isolation`` namespace, a forward operator
-``<name>``, its fake (meta) kernel, a backward operator ``<name>_backward`` with its fake kernel, and the
-autograd formula joining them. Both backends of :mod:`fla_ac_isolation.ops` build their ``saveable=True``
-operators with it, in one loop over one table (:mod:`fla_ac_isolation.ops.saveable`: FLA's forward/backward
-functions from :mod:`fla_ac_isolation.fla_seam.saveable_kernels`, the reference functions themselves), so that
-
-* a SAC policy can save the forward operator's outputs (:func:`fla_ac_isolation.policies.save_fla_ops`),
-  and a saved operator is not rerun in the recompute;
-* ``torch.compile`` traces through the call without a graph break (the kernels are opaque to it).
-
-What the backward operator receives is named by its parameters: after the first (the gradient of the
-forward's first output, the only differentiable one), each parameter is a forward input or output of that
-name, or ``<input>_dtype`` (that input's dtype). Tensors (and absent optional tensors) among them are kept
-with ``ctx.save_for_backward``, everything else on ``ctx``. It returns one gradient per name of
-``grads_of``; an input given as ``None`` gets no gradient (its placeholder is dropped). Without a backward
-function, the backward operator reruns ``forward`` under autograd on detached copies of the saved inputs
-(:func:`torch.autograd.grad`): the reference backend's way.
-
-Custom ops may not return an input or alias one output to another (torch checks): forward functions return
-fresh tensors, and gradients are returned contiguous and owning their memory.
+"""An operation's forward and backward as a pair of torch custom operators (:func:`register_saveable_op`), so a
+SAC policy can save the forward's outputs and ``torch.compile`` traces the call without a graph break.
 """
 
 from __future__ import annotations
@@ -41,12 +21,7 @@ _AUTOGRAD_KEYS = ("AutogradFunctionality", "AutogradOther", "AutogradNestedTenso
 
 @contextlib.contextmanager
 def _autograd_inside_kernel() -> Iterator[None]:
-    """Let autograd record inside a custom op's kernel (torch runs kernels with the autograd keys excluded).
-
-    Lifts the exclusion of the autograd dispatch keys for the block and restores each key's prior state on
-    exit. This is torch's private dispatch TLS API (``torch._C._dispatch_tls_*``); nothing else in the
-    package touches it.
-    """
+    """Let autograd record inside a custom op's kernel (lifts the autograd keys' exclusion; private torch TLS API)."""
     keys = [getattr(torch._C.DispatchKey, name) for name in _AUTOGRAD_KEYS]
     prior = [torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in keys]
     for key in keys:
@@ -61,7 +36,7 @@ def _autograd_inside_kernel() -> Iterator[None]:
 
 def _autograd_grads(forward: Callable[..., Tensor], args: list, wanted: list[int], grad_out: Tensor) -> list[Tensor]:
     """Gradients of ``forward(*args)`` for the positions ``wanted`` (a ``None`` input: ``empty(0)``), contiguous
-    and owning their memory (a custom op's output may not alias its inputs, e.g. ``grad_out``)."""
+    and not aliasing ``grad_out`` (a custom op's output may not alias its inputs)."""
     with _autograd_inside_kernel():
         args = list(args)
         for i in wanted:
@@ -100,15 +75,20 @@ def register_saveable_op(
 ) -> torch._library.custom_ops.CustomOpDef:
     """Register ``fla_ac_isolation::<name>`` (``forward``) and ``<name>_backward``, joined by autograd.
 
+    Custom ops may not return an input or alias outputs (torch checks): return fresh tensors, and gradients
+    contiguous and owning their memory.
+
     Args:
         name: the operator name in the ``fla_ac_isolation`` namespace.
-        forward: the kernel, with type annotations (torch derives the schema from them); returns a tensor or
-            a tuple of tensors, of which only the first is differentiable.
+        forward: the kernel, type-annotated (torch derives the schema); returns a tensor or a tuple of tensors,
+            of which only the first is differentiable.
         fake: the forward's fake kernel (shapes and dtypes of the outputs, contiguous).
-        grads_of: the forward inputs that get a gradient, in the order the backward returns them.
+        grads_of: the forward inputs that get a gradient, in the order the backward returns them (an input given
+            as ``None`` gets none).
         outputs: names of the forward's outputs, which the backward's parameters may name.
-        backward: the backward kernel ``(grad, *needed)`` -> one gradient per ``grads_of``, annotated;
-            ``None``: autograd through ``forward`` (then ``backward_fake`` is derived too).
+        backward: the annotated backward kernel ``(grad, *needed)`` -> one gradient per ``grads_of``; each
+            parameter after ``grad`` names a forward input, an output, or ``<input>_dtype``. ``None``: autograd
+            through ``forward`` on the saved inputs (``backward_fake`` derived too).
         backward_fake: the backward's fake kernel (required with ``backward``).
 
     Returns:

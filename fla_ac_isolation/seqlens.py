@@ -1,9 +1,7 @@
-"""Per-layer ``cu_seqlens``: the isolation that makes FLA layers safe under activation checkpointing.
+"""Per-layer ``cu_seqlens`` (:class:`LayerLocalSeqlens`): fresh offset objects for every layer call.
 
-FLA caches metadata derived from ``cu_seqlens`` by argument identity (``fla.utils.tensor_cache``). With one
-shared object, a checkpointed layer can miss that cache in its forward and hit it in its recompute, so the
-recompute runs other aten ops and SAC replays saved tensors into the wrong ops. :class:`LayerLocalSeqlens`
-hands each layer call fresh objects with the same values: forward and recompute both miss.
+FLA caches ``cu_seqlens``-derived metadata by identity (``fla.utils.tensor_cache``); a shared object can miss in a
+checkpointed layer's forward and hit in its recompute, which then runs other ops than SAC saved.
 """
 
 from __future__ import annotations
@@ -50,40 +48,29 @@ def devices_match(actual: torch.device, expected: torch.device) -> bool:
 class LayerLocalSeqlens:
     """Packed-sequence boundaries that hand each layer its own ``cu_seqlens`` object.
 
-    Build one per model forward (inputs are validated once, here, on a snapshot clone: later changes to the
-    caller's tensors change nothing) and pass it to every layer; each layer calls :meth:`local` inside its
-    forward. Validation reads the offsets on the host once (one device-to-host copy when ``cu_seqlens`` is on
-    a GPU); :meth:`local` never synchronises.
+    Build one per model forward (validated once, on a snapshot clone; one device-to-host copy unless
+    ``cu_seqlens_cpu`` is given) and pass it to every layer, which calls :meth:`local` inside its forward.
 
     Args:
-        cu_seqlens: ``[N + 1]`` int32/int64 offsets on the activations' device: starts at 0,
-            non-decreasing (empty documents are legal), last value = packed token count ``T``.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets on the activations' device: from 0, non-decreasing (empty
+            documents are legal), ending at the packed token count ``T``.
         max_seqlen: longest document in tokens (an upper bound is accepted); computed when ``None``.
-        cu_seqlens_cpu: optional ``[N + 1]`` host copy of ``cu_seqlens`` (int32 or int64, equal values);
-            it spares FLA device-to-host syncs.
-        device: optional device the activations live on; ``cu_seqlens`` must be on it.
-        num_tokens: optional ``T`` (``hidden_states.shape[1]``); checked against ``cu_seqlens[-1]``
-            before the chunk schedule (sized by the offsets) is allocated.
-        chunk_indices: precompute FLA's chunk schedule
-            (:func:`~fla_ac_isolation.fla_seam.layout.chunk_indices_for`) once and hand each layer a fresh
-            copy, so FLA skips ``prepare_chunk_indices`` and its blocking copy; ``False``: FLA computes it.
-        cp: :class:`~fla_ac_isolation.parallel.CPConfig`; ``cu_seqlens``/``num_tokens`` then describe the
-            WHOLE batch of all CP ranks, and this rank's FLA CP context is built here from the host offsets
-            (``docs/context-parallel.md``).
-        static: :class:`~fla_ac_isolation.static_seqlens.StaticSeqlens` whose buffers receive this batch,
-            padded, in place (``docs/graphs.md``); ``cu_seqlens`` may then be host offsets, and the object is
-            valid until the next batch is written into the same buffers.
+        cu_seqlens_cpu: optional ``[N + 1]`` host copy (equal values); spares FLA device-to-host syncs.
+        device: optional activations' device; ``cu_seqlens`` must be on it.
+        num_tokens: optional ``T`` (``hidden_states.shape[1]``), checked against ``cu_seqlens[-1]``.
+        chunk_indices: precompute FLA's chunk schedule once (so FLA skips ``prepare_chunk_indices`` and its
+            blocking copy); ``False``: FLA computes it.
+        cp: :class:`~fla_ac_isolation.parallel.CPConfig`; ``cu_seqlens``/``num_tokens`` then describe the WHOLE
+            batch of all CP ranks (``docs/context-parallel.md``).
+        static: :class:`~fla_ac_isolation.static_seqlens.StaticSeqlens` whose buffers receive this batch in place
+            (``docs/graphs.md``); ``cu_seqlens`` may be host offsets; valid until the next batch is filled in.
 
     Raises:
-        TypeError: an argument of the wrong kind (``cu_seqlens``/``cu_seqlens_cpu`` not an int32/int64
-            tensor; ``max_seqlen``/``num_tokens`` not an ``int``; ``chunk_indices`` not a bool; ``cp``,
-            ``static`` of the wrong class).
-        ValueError: offsets that are not 1-D ``[N + 1]``, do not start at 0, decrease, sit on a meta or other
-            device, or end at another count than ``num_tokens``; a ``cu_seqlens_cpu`` off the CPU or with
-            other values (compared as int64); ``max_seqlen`` below the longest document; with ``cp``: device
-            offsets without ``cu_seqlens_cpu`` or a batch that does not split
-            (:meth:`~fla_ac_isolation.parallel.CPConfig.check_num_tokens`); with ``static``: ``cp`` or
-            ``chunk_indices=False`` too, another device, too many documents or tokens.
+        TypeError: an argument of the wrong type or dtype.
+        ValueError: malformed offsets (not 1-D, not from 0, decreasing, meta or wrong device, last value !=
+            ``num_tokens``); ``cu_seqlens_cpu`` off the CPU or with other values; ``max_seqlen`` below the longest
+            document; with ``cp``: device offsets without ``cu_seqlens_cpu``, or a batch that does not split; with
+            ``static``: ``cp`` or ``chunk_indices=False`` too, another device, too many documents or tokens.
         RuntimeError: with ``static``, construction during CUDA graph capture.
 
     Example::
@@ -203,8 +190,7 @@ class LayerLocalSeqlens:
     def from_position_ids(
         cls, position_ids: torch.Tensor, dtype: torch.dtype = torch.int32, *, chunk_indices: bool | None = None
     ) -> LayerLocalSeqlens:
-        """Build from packed ``position_ids``: a document starts wherever the position is 0 (transformers'
-        ``DataCollatorWithFlattening``); empty documents cannot be expressed.
+        """Build from packed ``position_ids`` (a document starts at each 0); empty documents cannot be expressed.
 
         Args:
             position_ids: ``[T]`` or ``[1, T]`` integer tensor, ``0, 1, 2, ...`` per document.
@@ -213,8 +199,8 @@ class LayerLocalSeqlens:
 
         Raises:
             TypeError: ``position_ids`` is not an integer tensor.
-            ValueError: batch size > 1, empty, meta, positions that do not restart at 0 and count up by one
-                (the message names the first bad index), or more tokens than ``dtype`` holds.
+            ValueError: batch size > 1, empty, meta, positions that do not count up by one from each 0, or more
+                tokens than ``dtype`` holds.
         """
         if not isinstance(position_ids, torch.Tensor):
             raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
@@ -239,16 +225,15 @@ class LayerLocalSeqlens:
         return cls(offsets.to(position_ids.device), cu_seqlens_cpu=offsets, **_given(chunk_indices=chunk_indices))
 
     def local(self, *, whole_batch: bool = False) -> LocalSeqlens:
-        """Fresh offsets for the calling layer: call it inside the layer's forward (its checkpointed region).
-
-        Every call returns new tensor objects with the same values, made invisibly to dispatch modes and
-        ``torch.compile`` (:func:`~fla_ac_isolation.local_seqlens.fresh_copy`); no device-to-host sync.
+        """Fresh offsets (new objects, same values, no sync) for the calling layer; call it inside its forward.
 
         Returns:
-            :class:`LocalSeqlens`; ``cu_seqlens_cpu`` is always set. With ``static=``: copies of the padded
-            static buffers. With ``cp=``: this rank's offsets, schedule and a fresh ``cp_context``, or with
-            ``whole_batch=True`` the GLOBAL offsets and ``cp_context=None`` (for layers that run whole
-            sequences: head-parallel Mamba2, gathered attention); without ``cp``, ``whole_batch`` is ignored.
+            :class:`LocalSeqlens` with ``cu_seqlens_cpu`` set; with ``static=``: copies of the padded buffers. With
+            ``cp=``: this rank's offsets and a fresh ``cp_context``, or with ``whole_batch=True`` the GLOBAL
+            offsets and no ``cp_context`` (head-parallel Mamba2, gathered attention); ignored without ``cp``.
+
+        Raises:
+            RuntimeError: with ``static=``, another batch has been filled into the buffers since this one.
         """
         if self._cp is not None and not whole_batch:
             return self._cp.local()
@@ -309,7 +294,7 @@ class LayerLocalSeqlens:
 
 
 def _check_static(static: object, cu_seqlens: torch.Tensor, device: object, cp: object, chunk_indices: bool) -> None:
-    """The checks ``static=`` adds at construction (see :class:`LayerLocalSeqlens`)."""
+    """The checks ``static=`` adds at construction."""
     from fla_ac_isolation.static_seqlens import StaticSeqlens
 
     if not isinstance(static, StaticSeqlens):
@@ -328,5 +313,5 @@ def _check_static(static: object, cu_seqlens: torch.Tensor, device: object, cp: 
 
 
 def _given(**kwargs: object) -> dict[str, object]:
-    """The keyword arguments that are not ``None`` (so the class's own default applies to the others)."""
+    """The keyword arguments that are not ``None``."""
     return {k: v for k, v in kwargs.items() if v is not None}

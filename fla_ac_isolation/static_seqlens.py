@@ -1,18 +1,5 @@
-"""Graph-safe varlen metadata: the offsets and FLA's chunk schedule in static buffers, padded to a bound.
-
-A CUDA graph replays the tensor addresses and host values (grid sizes) it captured, and FLA's varlen kernels
-take both from the batch's packing. :class:`StaticSeqlens` fixes both (``docs/graphs.md``):
-
-* sizes: ``cu_seqlens`` is padded to ``max_docs + 1`` documents with zero-length ones (the last offset
-  repeated), the schedule to ``max_chunks`` rows ``(max_docs, 0)`` that point at the last, empty document.
-  FLA's GDN, simple GLA and conv kernels mask every load and store of an empty document, so those rows write
-  nothing (FLA 0.6's ``-1`` sentinel rows, FLA #1212, are for KDA only);
-* addresses: the buffers are refilled in place by ``LayerLocalSeqlens(..., static=)``.
-
-:meth:`StaticSeqlens.local` still hands each layer call fresh clones (captured too, so each replay re-reads
-the buffers); handing FLA the buffers themselves would let its identity cache return an earlier batch's
-metadata in eager steps. ``max_seqlen`` is the bound ``num_tokens``; ``cu_seqlens_cpu`` holds the current
-batch's padded host offsets (a graph would freeze any host read).
+"""Graph-safe varlen metadata (``docs/graphs.md``): offsets and FLA's chunk schedule in static buffers, padded to
+a bound and refilled in place, so a captured CUDA graph replays for any packing of the same token count.
 """
 
 from __future__ import annotations
@@ -38,7 +25,8 @@ def padded_metadata(
     offsets: list[int], num_tokens: int, max_docs: int, chunk_size: int = CHUNK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(cu_seqlens [max_docs + 2], chunk_indices [max_chunks, 2], chunk_offsets [max_docs + 2])``, int64 on the
-    host, for ``N + 1`` validated ``offsets`` from 0 to ``num_tokens``, padded as the module docstring says.
+    host, for validated ``offsets`` from 0 to ``num_tokens``: padded with empty documents, and with schedule rows
+    ``(max_docs, 0)`` on the last, empty document (FLA's GDN, simple GLA and conv kernels write nothing there).
 
     Raises:
         ValueError: more than ``max_docs`` documents; ``offsets[-1] != num_tokens``.
@@ -62,9 +50,8 @@ def padded_metadata(
 class StaticSeqlens:
     """Device buffers for a batch's offsets and chunk schedule, padded to a bound, refilled in place per batch.
 
-    Build one per packed-batch shape and keep it; a CUDA graph captured with it replays correctly for every
-    batch of ``num_tokens`` tokens in at most ``max_docs`` documents (empty ones count). Fill it with
-    ``LayerLocalSeqlens(cu_seqlens, static=static)``.
+    One per packed-batch shape: a graph captured with it replays for every batch of ``num_tokens`` tokens in at
+    most ``max_docs`` documents (empty ones count). Fill it with ``LayerLocalSeqlens(cu_seqlens, static=static)``.
 
     Attributes:
         cu_seqlens: ``[max_docs + 2]`` device buffer; ``chunk_indices`` ``[max_chunks, 2]``;
@@ -75,8 +62,7 @@ class StaticSeqlens:
 
     Raises:
         TypeError: ``num_tokens``/``max_docs`` not ints; ``dtype`` not int32/int64.
-        ValueError: ``num_tokens`` or ``max_docs`` below 1; offsets ``dtype`` cannot hold; a bad or unusable
-            ``device``.
+        ValueError: ``num_tokens`` or ``max_docs`` below 1; a count ``dtype`` cannot hold; an unusable ``device``.
 
     Example::
 
@@ -113,9 +99,8 @@ class StaticSeqlens:
         self.generation = 0
 
     def fill(self, offsets: list[int]) -> int:
-        """Write the padded metadata of validated ``offsets`` into the buffers; returns the new generation.
-
-        On CUDA: pinned host-to-device copies on the current stream (fill on the stream that replays).
+        """Write the padded metadata of validated ``offsets`` into the buffers (on CUDA: on the current stream,
+        so fill on the stream that replays); returns the new generation.
 
         Raises:
             ValueError: see :func:`padded_metadata`.
@@ -137,8 +122,7 @@ class StaticSeqlens:
         return self.generation
 
     def local(self) -> LocalSeqlens:
-        """Fresh copies of the buffers for one layer call (see the module docstring): ``max_seqlen`` is
-        ``num_tokens``, ``cp_context`` is ``None``."""
+        """Fresh copies of the buffers for one layer call: ``max_seqlen`` is ``num_tokens``, no ``cp_context``."""
         return LocalSeqlens(fresh_copy(self.cu_seqlens), fresh_copy(self.cu_seqlens_cpu), self.num_tokens,
                             fresh_copy(self.chunk_indices), None, fresh_copy(self.chunk_offsets))
 

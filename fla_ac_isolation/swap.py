@@ -1,26 +1,8 @@
-"""``swap_mixers``: make an existing transformers (or OLMo-core) model safe under activation checkpointing, in place.
+"""``swap_mixers``: replace a transformers (or OLMo-core) model's mixers, in place, by this package's drop-ins
+(:mod:`fla_ac_isolation.mixers`), which isolate the offsets in their own forward (``docs/swap.md``).
 
-transformers hands the same ``cu_seq_lens_q`` object to every linear-attention layer of a packed batch,
-so FLA's identity-keyed index cache makes a checkpointed layer's recompute run other ops than its forward
-(docs: "The fault in one picture"), its Nemotron-H torch path lets state flow across packed documents, and
-its Kimi Delta Attention mixers (Kimi-Linear, GLM-5-next, Bailing) never hand FLA the offsets at all.
-:func:`swap_mixers` replaces each supported transformers mixer with this package's drop-in
-(:mod:`fla_ac_isolation.mixers`), which isolates ``cu_seq_lens_q`` inside its own forward.
-
-Supported: the upstream classes of :data:`~fla_ac_isolation.families.FAMILIES` (:data:`SUPPORTED_MIXERS`),
-exact classes (a subclass is not swapped, since it may change ``forward``); which drop-in replaces which class is
-the table of ``docs/foreign-classes.md``, rendered from the registry.
-
-OLMo-core's Mamba2 has no config object: the replacement reads its configuration from the module's
-attributes (``OlmoNemotronMamba2Mixer.config_from``), and its ``init_weights`` runs OLMo-core's own
-initialisation on the shared tensors (:func:`~fla_ac_isolation.mixers.lending.lent_to_original`).
-OLMo-core's ``GatedDeltaNet`` and ``KimiDeltaAttention`` are not swapped: their own code already keeps
-documents apart, and
-:func:`~fla_ac_isolation.isolate_seqlens` removes their only fault (shared offsets) in place.
-
-How a swap works (the replacement built on ``meta``, pointed at the existing tensors, the original kept
-outside the module tree) and when to swap (after init, before FSDP/TP/PEFT/accelerate dispatch):
-``docs/swap.md``; the rules enforced are :func:`swap_mixers`' errors.
+Only exact classes of :data:`SUPPORTED_MIXERS` are swapped (a subclass may change ``forward``). OLMo-core's
+``GatedDeltaNet`` and ``KimiDeltaAttention`` are not: :func:`~fla_ac_isolation.isolate_seqlens` fixes them in place.
 """
 
 from __future__ import annotations
@@ -44,9 +26,7 @@ from fla_ac_isolation.ops.backend import check_backend
 __all__ = ["SUPPORTED_MIXERS", "restore_mixers", "swap_mixers"]
 
 SUPPORTED_MIXERS: tuple[UpstreamMixer, ...] = tuple(upstream for upstream, _ in upstream_mixers())
-"""Upstream mixer classes :func:`swap_mixers` replaces (matched by module and class name).
-
-Read from :mod:`fla_ac_isolation.families`, the one registry of families."""
+"""Upstream mixer classes :func:`swap_mixers` replaces (matched by module and class name), from the families."""
 
 
 def _family_of(module: nn.Module) -> tuple[UpstreamMixer, Family] | None:
@@ -78,11 +58,7 @@ def _config_for(model: nn.Module, path: str, mixer: nn.Module, config: Any) -> A
 
 
 def _check_swappable(path: str, mixer: nn.Module) -> None:
-    """Refuse mixers that something else already holds by reference (hooks) or has sharded (DTensor).
-
-    FSDP2, tensor parallelism and accelerate's dispatch keep references to the mixer and its submodules
-    and swap tensors into them; a replacement would not see those tensors.
-    """
+    """Refuse mixers that FSDP2, TP or accelerate already hold by reference (hooks) or have sharded (DTensor)."""
     for name, sub in mixer.named_modules():
         hooked = [
             attr
@@ -132,39 +108,27 @@ def _build(family: Family, upstream: UpstreamMixer, original: nn.Module, config:
 def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) -> list[str]:
     """Replace, in place, every supported transformers mixer of ``model`` with this package's drop-in.
 
-    The replacement shares the existing ``nn.Parameter`` (and buffer) objects: nothing is copied or
-    re-initialised, ``state_dict()`` keys are unchanged and an optimizer built before the swap keeps
-    training the same tensors. Either every supported mixer is swapped or, on an error, none is.
+    The replacement shares the existing parameter and buffer objects (nothing copied or re-initialised, same
+    ``state_dict()`` keys, an existing optimizer still works). All mixers are swapped, or on an error none.
+    Swap after init and before FSDP/TP/PEFT/accelerate dispatch.
 
     Args:
-        model: a transformers model (``Qwen3_5MoeForCausalLM``, ``Qwen3_5ForCausalLM``,
-            ``Qwen4ExpForCausalLM``/``Qwen4ExpForConditionalGeneration``, ``NemotronHForCausalLM``,
-            ``KimiLinearForCausalLM``, ``Glm5NextTextModel``, ``BailingHybridForCausalLM``, their
-            base models, or any module containing their mixers), an OLMo-core ``Transformer`` with
-            ``NemotronMamba2Mixer`` blocks, or flash-linear-attention's ``Mamba2ForCausalLM`` (any model holding
-            ``fla.layers.Mamba2``), on any device including ``meta``.
-        backend: the mixers' kernels: ``"auto"`` (FLA on CUDA tensors, the pure-torch reference elsewhere),
-            ``"fla"`` or ``"reference"``.
-        config: the text config the mixers were built from; found on the mixer or the nearest module
-            above it when ``None`` (OLMo-core's and FLA's Mamba2 carry their configuration: ``config`` is not used).
+        model: a module holding supported mixers (transformers models, an OLMo-core ``Transformer`` with
+            ``NemotronMamba2Mixer`` blocks, FLA's ``Mamba2ForCausalLM``), on any device including ``meta``.
+        backend: ``"auto"`` (FLA on CUDA tensors, the pure-torch reference elsewhere), ``"fla"`` or ``"reference"``.
+        config: the text config the mixers were built from; when ``None``, found on the mixer or the nearest module
+            above it (unused for OLMo-core's and FLA's Mamba2).
 
     Returns:
-        The module paths swapped (e.g. ``["model.layers.0.linear_attn", ...]``). A second call finds only
-        this package's mixers, swaps nothing, warns (``UserWarning``) and returns ``[]``.
+        The module paths swapped; ``[]`` with a ``UserWarning`` when only this package's mixers are found.
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
-        ValueError: ``backend`` is not ``"auto"``, ``"fla"`` or ``"reference"``; ``model`` is itself a
-            supported mixer (pass the module containing it); ``model`` holds neither a supported mixer nor a
-            swapped one (the message names the classes looked for); a mixer of ``model`` carries module
-            hooks or DTensor parameters (swap before FSDP/TP/accelerate dispatch); ``config`` is ``None``
-            and neither a mixer nor a module above it has a ``config``; the replacement's constructor
-            refuses the text config (``config`` or the one found): a field it needs is missing, or a value
-            is unsupported (value heads not a multiple of key heads, ``mamba_num_heads`` not a multiple of
-            ``n_groups``, a conv activation other than SiLU, an output gate other than SiLU/sigmoid), or
-            its ``layer_types`` is shorter than a mixer's ``layer_idx`` (a config of a shallower model).
-        RuntimeError: a replacement built from the text config does not declare the transformers module's
-            parameters and buffers (names, kinds, shapes), e.g. ``config`` belongs to another model.
+        ValueError: a bad ``backend``; ``model`` is itself a mixer; no supported or swapped mixer found; a mixer
+            carries module hooks or DTensor parameters; no ``config`` found; the replacement refuses the config (a
+            missing field or an unsupported value, ``layer_types`` shorter than a mixer's ``layer_idx``).
+        RuntimeError: the replacement does not declare the original's parameters and buffers (names, kinds,
+            shapes), e.g. ``config`` belongs to another model.
 
     Example::
 
@@ -214,10 +178,7 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
 
 
 def restore_mixers(model: nn.Module) -> list[str]:
-    """Undo :func:`swap_mixers`: put the transformers mixers back, on the swapped modules' tensors.
-
-    The tensors are those the swapped mixers hold now (so a restore after training, ``to_empty`` or
-    ``load_state_dict`` keeps their values); nothing is copied.
+    """Undo :func:`swap_mixers`: put the original mixers back on the tensors the swapped ones hold now (no copy).
 
     Args:
         model: the module :func:`swap_mixers` was called on, or any module containing swapped mixers.
@@ -227,10 +188,9 @@ def restore_mixers(model: nn.Module) -> list[str]:
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
-        ValueError: ``model`` is itself a swapped mixer (pass the module containing it, whose child it is).
-        RuntimeError: a swapped mixer's parameter/buffer names or kinds no longer match the transformers
-            module's (e.g. one was added, removed or renamed after the swap). Mixers before it in
-            ``model.named_modules()`` order are already restored when this is raised.
+        ValueError: ``model`` is itself a swapped mixer (pass the module containing it).
+        RuntimeError: a swapped mixer's parameter/buffer names or kinds no longer match the original's; the
+            mixers before it (``named_modules()`` order) are restored already.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
