@@ -1,27 +1,6 @@
-"""The audit as a library call: one training step of a tiny model under :class:`~fla_ac_isolation.ReplayAudit`,
-per mode (what ``fla-ac-isolation audit`` runs and renders).
-
-For each mode of an :class:`AuditSpec` (default ``shared`` and ``isolated``), :func:`run_audit` builds the
-model from the same seed, checkpoints its blocks (full AC or a SAC policy), runs one forward and backward on
-one packed batch in this process (no expert parallelism: the audit is about the recompute of each block,
-which EP does not change) and returns every checkpointed region's report (:class:`AuditRun`).
-
-Models: the families of :data:`fla_ac_isolation.families.FAMILIES` (their tiny decoders from
-:mod:`fla_ac_isolation.harness.regression.model`, on the batch of step 0 of the 2-rank regression data; they need
-the ``ep`` extra) and ``fault-stack`` (:mod:`fla_ac_isolation.harness.fault_stack`: FLA's index helpers without
-kernels, core install only). Modes: those of :mod:`fla_ac_isolation.harness.modes` that checkpoint
-(:data:`AUDIT_MODES`). The outcome (:attr:`AuditResult.exit_code`) is 0 when every mode that is not
-``unsafe`` (:attr:`fla_ac_isolation.harness.modes.Mode.role`) ran and every one of its regions is aligned; the unsafe
-``shared`` mode is expected to diverge. A mode that raises (building its model, or outside its step) is
-recorded as failed with the first line of its error, and the other modes still run.
-
-Example::
-
-    from fla_ac_isolation.harness.audit_runner import AuditSpec, run_audit
-    result = run_audit(AuditSpec(model="fault-stack", ac="full"))
-    result.runs[0].audit.divergent[0].label    # 'layers.0'
-    result.exit_code                           # 0: isolated is aligned
-"""
+"""The audit as a library call (what ``fla-ac-isolation audit`` runs): one training step of a tiny model under
+:class:`~fla_ac_isolation.ReplayAudit` per checkpointing mode, in this process. A mode that raises is recorded as
+failed and the others still run; the unsafe ``shared`` mode is expected to diverge."""
 
 from __future__ import annotations
 
@@ -53,15 +32,14 @@ class AuditSpec:
     """What to audit. ``device="auto"`` is resolved when the spec is built; :meth:`validate` checks every field.
 
     Attributes:
-        model: one of :data:`AUDIT_MODELS`.
+        model: one of :data:`AUDIT_MODELS` (the families need the ``ep`` extra; ``fault-stack`` the core install).
         modes: a non-empty subset of :data:`AUDIT_MODES`, run in this order.
         ac: ``"full"`` or ``"selective"`` checkpointing.
         policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`), used with ``ac="selective"``.
         freq: checkpoint every ``freq``-th block.
         backend: the families' mixer backend, ``auto`` | ``fla`` | ``reference``.
-        device: ``cpu``, ``cuda``, or ``auto`` (``cuda`` when a GPU is visible:
-            :func:`fla_ac_isolation.harness.environment.resolve_device`). The fault stack runs on the CPU.
-        hidden_size, num_layers, num_experts, top_k: the family decoder's sizes (``num_layers`` is the fault
+        device: ``cpu``, ``cuda``, or ``auto`` (``cuda`` when a GPU is visible). The fault stack runs on the CPU.
+        hidden_size, num_layers, num_experts, top_k: the family decoder's sizes (``num_layers``: the fault
             stack's depth too).
         seed: weights and data.
         early_stop: torch's checkpoint early stop.
@@ -114,11 +92,9 @@ class AuditRun:
 
     Attributes:
         mode: the mode.
-        audit: the :class:`~fla_ac_isolation.ReplayAudit` of its step, with a report per region (``None``
-            when the mode failed before its step).
-        error: ``"<Type>: <first line>"`` of an error the step raised under the audit (the regions before it
-            are still reported), else ``None``.
-        failure: ``"<Type>: <first line>"`` when the mode could not run at all (building its model, ...).
+        audit: the :class:`~fla_ac_isolation.ReplayAudit` of its step (``None`` when it failed before its step).
+        error: ``"<Type>: <first line>"`` of an error the step raised under the audit, else ``None``.
+        failure: ``"<Type>: <first line>"`` when the mode could not run at all.
     """
 
     mode: str
@@ -128,12 +104,12 @@ class AuditRun:
 
     @property
     def aligned(self) -> bool:
-        """The mode ran, at least one region was checkpointed, and every region's recompute matched its forward."""
+        """The mode ran, at least one region was checkpointed, and every region is aligned."""
         return self.failure is None and self.audit is not None and self.audit.ok and bool(self.audit.regions)
 
     @property
     def decides(self) -> bool:
-        """Whether this mode decides the outcome: every mode but the unsafe ones (:attr:`Mode.role`)."""
+        """Whether this mode decides the outcome (it is not unsafe)."""
         return get_mode(self.mode).role != "unsafe"
 
 
@@ -146,7 +122,7 @@ class AuditResult:
 
     @property
     def exit_code(self) -> int:
-        """0 when every mode that decides (:attr:`AuditRun.decides`) is aligned; 1 otherwise."""
+        """0 when every mode that decides is aligned; 1 otherwise."""
         return 0 if all(run.aligned for run in self.runs if run.decides) else 1
 
 
@@ -160,7 +136,7 @@ def _fault_stack_step(spec: AuditSpec, mode: Mode) -> AuditRun:
 
 
 def _family_step(spec: AuditSpec, mode: Mode) -> AuditRun:
-    """One step of a regression family's tiny decoder in this process (no expert parallelism)."""
+    """One step of a regression family's tiny decoder in this process."""
     import torch
     import torch.nn.functional as F
 
@@ -196,11 +172,10 @@ def _family_step(spec: AuditSpec, mode: Mode) -> AuditRun:
 
 
 def audit_mode(spec: AuditSpec, mode: str) -> AuditRun:
-    """Run one audited step of ``spec.model`` in ``mode`` (one of ``spec.modes``); an exception outside the
-    audited step is recorded as the mode's :attr:`AuditRun.failure`.
+    """Run one audited step of ``spec.model`` in ``mode``; an exception outside the step is the mode's failure.
 
     Raises:
-        ValueError: an invalid ``spec`` (see :meth:`AuditSpec.validate`) or a ``mode`` not in ``spec.modes``.
+        ValueError: an invalid ``spec`` or a ``mode`` not in ``spec.modes``.
         MissingExtraError: a family model without the ``ep`` extra (torchtitan), naming the install.
     """
     spec.validate()
@@ -216,7 +191,7 @@ def audit_mode(spec: AuditSpec, mode: str) -> AuditRun:
 
 
 def run_audit(spec: AuditSpec, *, on_run: Callable[[AuditRun], None] | None = None) -> AuditResult:
-    """Audit every mode of ``spec``, in order; ``on_run(run)`` is called as each mode finishes (e.g. to print it).
+    """Audit every mode of ``spec``, in order; ``on_run(run)`` is called as each mode finishes.
 
     Raises:
         ValueError: an invalid ``spec``.

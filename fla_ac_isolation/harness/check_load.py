@@ -1,7 +1,4 @@
-"""The model and batch of a :class:`~fla_ac_isolation.harness.check_spec.CheckSpec`, loaded (the user's factory, or
-a tiny model) on the spec's device; a batch without packed offsets refused (nothing to check), naming the keywords
-the known classes' models read.
-"""
+"""The model and batch of a :class:`~fla_ac_isolation.harness.check_spec.CheckSpec`, loaded on the spec's device."""
 
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ def _holds_offsets(value: Any) -> bool:
 
 
 def offsets_keywords() -> str:
-    """The keywords the known classes' models read packed offsets from: ``cu_seq_lens_q (transformers), ...``."""
+    """The keywords the known classes' models read packed offsets from, as one line."""
     known = {}
     for entry in FLA_BACKED_MIXERS:
         known.setdefault(entry.framework, entry.offsets[0])
@@ -34,7 +31,7 @@ def offsets_keywords() -> str:
 
 
 def _require_offsets(batch: dict) -> None:
-    """Refuse a batch without packed offsets: nothing of the fault (or a leak) can show in its step."""
+    """Refuse a batch without packed offsets: nothing can show in its step."""
     if any(_holds_offsets(v) for v in batch.values()):
         return
     raise CheckInputError(
@@ -49,7 +46,7 @@ def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
 
     Raises:
         CheckInputError: the callable cannot be imported, raises, or returns something else than
-            ``(nn.Module, dict)``; the batch holds no packed offsets (no 1-D integer tensor, or tuple holding one).
+            ``(nn.Module, dict)``; the batch holds no packed offsets.
     """
     if spec.config is not None:
         from fla_ac_isolation.harness.foreign_models import build_tiny

@@ -1,22 +1,5 @@
-"""The one environment report: installed versions, device, FLA's cache state, torch's SAC replay semantics, and
-the features the installed torch lacks.
-
-Read by ``fla-ac-isolation doctor`` (as a table), by the regression (:attr:`RegressionResult.environment`) and
-by the benchmarks (their JSON files). Nothing here renders; everything returns plain data.
-
-* :func:`versions` - ``{distribution: version}`` of torch and the libraries the checks run on.
-* :func:`torch_features` - what each known feature needs from torch, and whether this torch has it.
-* :func:`sac_replay_semantics` - ``"(op, index)"`` (torch >= 2.13) or ``"per-op FIFO"`` (2.11/2.12).
-* :func:`audit_self_probe` - whether :class:`~fla_ac_isolation.ReplayAudit` sees checkpoints on this torch: a
-  2-op function checkpointed under it, non-reentrant (recorded and compared) and reentrant (reported).
-* :func:`environment_report` - all of the above, with the device, FLA's cache state, the features this FLA
-  supports (:func:`fla_ac_isolation.fla_seam.features.feature_report`) and whether the packages
-  some classes need to keep packed documents apart import (``causal_conv1d``), as ``{label: text}``.
-* :func:`fla_backed_classes` - every FLA-backed class of other libraries this package knows
-  (:mod:`fla_ac_isolation.foreign_classes`), whether its library is installed, and its status here.
-* :func:`resolve_device` - what ``device="auto"`` means in every command and spec: ``cuda`` when enough GPUs
-  are visible for the ranks, else ``cpu``; and the check that a ``cuda`` run has its GPUs.
-"""
+"""The one environment report (``doctor``, the regression, the benchmarks) as plain data: versions, device, FLA's
+cache state, SAC replay semantics, missing torch features, FLA-backed classes; and :func:`resolve_device`."""
 
 from __future__ import annotations
 
@@ -67,9 +50,9 @@ class TorchFeature:
     """A feature of this package (or of a library it drives) that needs something of torch.
 
     Attributes:
-        name: what the user loses without it (``"torchtitan's Qwen3.5 model"``).
+        name: what the user loses without it.
         needs: the torch attribute it needs, ``"module:attribute"``.
-        seen_in: the torch versions it was seen in and missing from (measured, not guessed).
+        seen_in: the torch versions it was seen in and missing from.
         workaround: what this package does when it is missing (``None``: the feature is unavailable).
     """
 
@@ -88,8 +71,7 @@ class TorchFeature:
             return False
 
     def short(self) -> str:
-        """What is needed and by what, briefly: ``"torch.compiler._is_non_strict_tracing (torchtitan 0.3's EP token
-        dispatcher)"``."""
+        """What is needed and by what, briefly."""
         module, _, attribute = self.needs.partition(":")
         return f"{module}.{attribute} ({self.name.split(' (')[0]})"
 
@@ -116,7 +98,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
 
 
 def torch_features() -> tuple[TorchFeature, ...]:
-    """Every known feature with what it needs (:data:`TORCH_FEATURES`); ``.available`` asks this torch."""
+    """Every known feature with what it needs (:data:`TORCH_FEATURES`)."""
     return TORCH_FEATURES
 
 
@@ -126,12 +108,7 @@ def missing_torch_features() -> list[TorchFeature]:
 
 
 def sac_replay_semantics() -> str:
-    """How this torch's selective AC hands saved outputs back during a recompute.
-
-    Returns ``"(op, index)"`` when saved outputs are looked up by op and invocation index (torch >= 2.13)
-    or ``"per-op FIFO"`` when each op has a queue that the recompute pops (torch 2.11/2.12). Both shift
-    when a recompute skips or adds an op.
-    """
+    """How this torch's SAC replays saved outputs: ``"(op, index)"`` (torch >= 2.13) or ``"per-op FIFO"``."""
     import inspect
 
     from torch.utils.checkpoint import _CachedTorchDispatchMode
@@ -145,13 +122,12 @@ class AuditProbe:
     """What :func:`audit_self_probe` saw.
 
     Attributes:
-        sees: the non-reentrant checkpoint was recorded (one region, its 2 forward ops, recomputed and compared,
-            aligned) and the reentrant one was reported (one unaudited region, one warning).
+        sees: the non-reentrant checkpoint was recorded and aligned, and the reentrant one reported.
         regions: regions recorded for the non-reentrant checkpoint (expected 1).
-        forward_ops: ops recorded in its forward (expected 2: ``aten.mul.Tensor``, ``aten.sin.default``).
+        forward_ops: ops recorded in its forward (expected 2).
         verdict: that region's verdict (expected ``"aligned"``).
         reentrant_reported: unaudited regions reported for the reentrant checkpoint (expected 1).
-        error: the error entering the audit raised (``UnsupportedTorchCheckpointError``: unknown torch), else ``None``.
+        error: the error entering the audit raised (unknown torch), else ``None``.
     """
 
     sees: bool
@@ -178,9 +154,8 @@ class AuditProbe:
 
 
 def audit_self_probe() -> AuditProbe:
-    """Checkpoint ``(x * 2).sin()`` (``x``: ``[4]`` float32 on the CPU) under a ``ReplayAudit``, once with
-    ``use_reentrant=False`` and once with ``use_reentrant=True``, and say what the audit saw (a few milliseconds).
-    Never raises for what it finds: an unknown torch is reported in :attr:`AuditProbe.error`."""
+    """Checkpoint ``(x * 2).sin()`` under a ``ReplayAudit``, non-reentrant and reentrant, and say what the audit
+    saw. Never raises for what it finds (:attr:`AuditProbe.error`)."""
     import warnings
 
     from torch.utils.checkpoint import checkpoint
@@ -219,14 +194,12 @@ def versions() -> dict[str, str]:
 
 
 def resolve_device(device: str, ranks: int = 1) -> str:
-    """``"cpu"`` or ``"cuda"`` for ``device``, for a run of ``ranks`` processes with one GPU each.
-
-    ``"auto"`` is ``"cuda"`` when at least ``ranks`` CUDA devices are visible, else ``"cpu"``; ``"cpu"``
-    and ``"cuda"`` are returned as they are.
+    """``"cpu"`` or ``"cuda"`` for ``device``, for ``ranks`` processes with one GPU each (``"auto"``: ``"cuda"``
+    when at least ``ranks`` CUDA devices are visible).
 
     Raises:
         ValueError: ``device`` is not ``"auto"``, ``"cpu"`` or ``"cuda"``; or it is ``"cuda"`` and fewer than
-            ``ranks`` CUDA devices are visible (naming both counts).
+            ``ranks`` CUDA devices are visible.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
@@ -245,8 +218,7 @@ def _device() -> str:
 
 
 def environment_report() -> dict[str, str]:
-    """Versions, device, SAC replay semantics, whether the audit sees checkpoints here (:func:`audit_self_probe`),
-    torch feature gaps and FLA's cache state, as ``{label: text}``."""
+    """The whole report as ``{label: text}``."""
     installed = versions()
     shown = {
         "python": platform.python_version(),
@@ -287,12 +259,11 @@ class ForeignClassStatus:
     """One FLA-backed class (or group of classes) of another library, as ``doctor`` lists it.
 
     Attributes:
-        framework: its library in prose (``transformers``, ``flash-linear-attention``, ...).
+        framework: its library in prose.
         name: the class name (or, for FLA's rule, how many classes).
         installed: its module can be found in this environment.
-        status: ``"covered by isolate_seqlens"`` (hooked by the one call; ``swap_mixers`` too where a drop-in
-            exists), ``"leaking"`` (drops packed offsets), or ``"leaking here"`` (hooked, but a package it needs
-            to keep documents apart cannot be imported), with what to do.
+        status: ``"covered by isolate_seqlens"``, ``"leaking"``, or ``"leaking here"`` (a package it needs to keep
+            documents apart cannot be imported), with what to do.
     """
 
     framework: str
@@ -310,7 +281,7 @@ def _installed(module: str) -> bool:
 
 
 def _package_leaks() -> dict[PackageLeak, list[str]]:
-    """Each package whose absence makes named classes leak, with those classes (registry order)."""
+    """Each package whose absence makes named classes leak, with those classes."""
     out: dict[PackageLeak, list[str]] = {}
     for entry in FLA_BACKED_MIXERS:
         if entry.leaks_without is not None:
@@ -332,8 +303,7 @@ def _status(entry: UpstreamMixer | LeakingMixer) -> str:
 
 
 def fla_backed_classes() -> list[ForeignClassStatus]:
-    """Every FLA-backed class of :mod:`fla_ac_isolation.foreign_classes` (named ones first, then FLA's own layers as
-    counted by the FLA rule when flash-linear-attention is installed), with whether it is installed here."""
+    """Every FLA-backed class of :mod:`fla_ac_isolation.foreign_classes`, with whether it is installed here."""
     out = [ForeignClassStatus(e.framework, e.name, _installed(e.module), _status(e))
            for e in (*FLA_BACKED_MIXERS, *LEAKING_MIXERS)]
     try:

@@ -1,10 +1,4 @@
-"""How a failure is reported in one line: ``"<ExceptionType>: <first line of its message>"``.
-
-The regression, the audit command and the fault stack catch errors that the unsafe mode raises on
-purpose (and any other) and report them next to their verdicts; they all use :func:`first_line`, so a
-report, a JSON document and a test see the same text. The text is the error's own: whoever prints it
-with markup (``rich``) must escape it (:func:`fla_ac_isolation.harness.cli.console.escape`).
-"""
+"""How a failure is reported in one line, the same in every report; it is raw text (escape it for rich)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""A tiny stack of layers that reproduces the FLA cache fault with FLA's real index helpers, on CPU.
-
-Each :class:`HelperLayer` calls FLA's cached index helpers on the ``cu_seqlens`` it receives (as an FLA
-kernel wrapper does), then runs float and integer ``sub``s and ``_to_copy``s that field SAC policies
-save. Handing every layer one shared ``cu_seqlens`` object makes a checkpointed layer's recompute skip
-(or add) the helpers' ops, which shifts SAC's replay; handing it a :class:`LayerLocalSeqlens` does not.
-
-Used by ``fla-ac-isolation audit --model fault-stack``, the core and audit tests and the audit example;
-not a model to train. :func:`run_stack` runs one step in any of the :mod:`~fla_ac_isolation.harness.modes`.
-"""
+"""A tiny stack of layers that reproduces the FLA cache fault with FLA's real index helpers, on CPU (for
+``audit --model fault-stack``, tests and examples; not a model to train). :func:`run_stack` runs one step in a mode."""
 
 from __future__ import annotations
 
@@ -27,10 +19,7 @@ __all__ = ["HelperLayer", "HelperStack", "StackResult", "run_stack"]
 
 
 class HelperLayer(nn.Module):
-    """One layer: FLA helpers on ``cu_seqlens``, then ops a SAC policy may save.
-
-    Input/output ``x``: ``[T, D]`` float32 packed tokens.
-    """
+    """One layer: FLA helpers on ``cu_seqlens``, then ops a SAC policy may save. ``x``: ``[T, D]`` float32."""
 
     def __init__(self, dim: int, chunk_size: int = 4) -> None:
         super().__init__()
@@ -56,12 +45,8 @@ class HelperLayer(nn.Module):
 
 
 class HelperStack(nn.Module):
-    """``num_layers`` :class:`HelperLayer` s followed by an (uncheckpointed) head.
-
-    With ``evict_with`` set, the head calls the same helpers on another ``cu_seqlens``: with FLA's cache
-    size 1 that evicts the shared entry between the forward and the recomputes, so the last layer hits
-    in its forward and misses in its recompute (the other eviction direction).
-    """
+    """``num_layers`` :class:`HelperLayer` s and an uncheckpointed head; with ``evict_with`` the head evicts FLA's
+    cache entry between forward and recompute (last layer: hit, then miss)."""
 
     def __init__(self, num_layers: int = 4, dim: int = 16, chunk_size: int = 4) -> None:
         super().__init__()
@@ -105,11 +90,8 @@ def run_stack(
     evict: bool = False,
     seed: int = 0,
 ) -> StackResult:
-    """Build the stack with ``seed``, run one forward + backward in ``mode`` and return loss and grads.
-
-    ``policy=None`` means full AC. Errors raised by the backward are caught and returned in ``error``
-    (first line), so a fault matrix can assert on them.
-    """
+    """Build the stack with ``seed``, run one forward + backward in ``mode`` (``policy=None``: full AC) and return
+    loss and grads; a backward error is returned in ``error`` (first line)."""
     run_mode = get_mode(mode)
     torch.manual_seed(seed)
     model = HelperStack(num_layers=num_layers)

@@ -1,24 +1,7 @@
-"""Tiny models of other libraries' FLA-backed families, each with one packed batch: what
-``fla-ac-isolation check --config <name>`` builds (and what this repository's tests of those classes train).
-
-Names (:func:`tiny_names`): the ``model_type`` of a config (``qwen3_next``, ``gated_deltanet``) or the config
-class name (``Qwen3NextConfig``, ``GatedDeltaNetConfig``):
-
-* transformers 5.24 (:data:`TRANSFORMERS_TINY`): the six Gated DeltaNet folders (``qwen3_5_text``,
-  ``qwen3_5_moe_text``, ``qwen4_exp_text``, ``qwen3_next``, ``olmo_hybrid``, ``lara_mini``), the KDA causal LMs
-  (``kimi_linear``, ``bailing_hybrid``) and ``nemotron_h``: 3 linear-attention layers and 1 attention layer
-  (Nemotron-H: Mamba2, MLP, Mamba2, attention), hidden 64, heads of 16, vocabulary 128, SDPA attention;
-* flash-linear-attention 0.6 (``fla.models``, any of its configs): 4 layers, hidden 64, 4 heads of 16,
-  vocabulary 128, ``fuse_cross_entropy=False`` (FLA's fused loss is a Triton kernel with no CPU stand-in).
-
-Batches: 3 documents of :data:`DOC_LENS` tokens packed in one row. transformers: its
-``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` (``input_ids``, ``labels``, ``position_ids``,
-``cu_seq_lens_q/k`` int32 ``[4]``, ``max_length_q/k``) and ``use_cache=False``; FLA: ``input_ids``/``labels``
-``[1, T]`` and one int32 ``cu_seqlens`` ``[4]`` (as FLA's trainer ``flame`` hands it), labels ``-100`` at each
-document's first token (FLA's causal LM shifts labels, so no token predicts across a boundary).
-
-transformers and FLA are imported on first call (FLA's zoo through :mod:`fla_ac_isolation.harness.fla_seam.models`).
-"""
+"""Tiny models of other libraries' FLA-backed families (transformers, ``fla.models``), float32 on the CPU, each with
+one packed batch of 3 documents: what ``fla-ac-isolation check --config <name>`` builds. FLA models are built with
+``fuse_cross_entropy=False`` (no CPU stand-in for FLA's fused loss); their labels are ``-100`` at each document's
+first token."""
 
 from __future__ import annotations
 
@@ -109,8 +92,7 @@ def _fla_configs() -> dict[str, type]:
 
 
 def tiny_names() -> dict[str, str]:
-    """``{name: "transformers" | "flash-linear-attention"}`` for every ``model_type`` and config class name
-    :func:`build_tiny` takes (FLA's only when flash-linear-attention is installed)."""
+    """``{name: "transformers" | "flash-linear-attention"}`` of every name :func:`build_tiny` takes."""
     names = {}
     for model_type, recipe in TRANSFORMERS_TINY.items():
         names[model_type] = names[recipe.config.rpartition(".")[2]] = "transformers"
@@ -120,8 +102,7 @@ def tiny_names() -> dict[str, str]:
 
 
 def packed_batch(framework: str, seed: int = 0, lens: tuple[int, ...] = DOC_LENS) -> dict:
-    """A fresh packed batch (new tensor objects every call, as a data loader gives each step) for a model of
-    ``framework`` (``"transformers"`` or ``"flash-linear-attention"``): the keyword arguments of its forward.
+    """A fresh packed batch (new tensors every call) for a model of ``framework``: its forward's keyword arguments.
 
     Raises:
         ValueError: an unknown ``framework``.
@@ -143,8 +124,8 @@ def packed_batch(framework: str, seed: int = 0, lens: tuple[int, ...] = DOC_LENS
 
 
 def build_tiny(name: str, seed: int = 0) -> tuple[nn.Module, dict, str]:
-    """``(model, packed batch, framework)`` of the tiny model ``name`` (see :func:`tiny_names`), in training
-    mode, float32, on the CPU; weights from ``torch.manual_seed(seed)``, the batch from seed ``seed``.
+    """``(model, packed batch, framework)`` of the tiny model ``name``, in training mode, float32, on the CPU,
+    from seed ``seed``.
 
     Raises:
         ValueError: an unknown ``name`` (the message lists the names there are).

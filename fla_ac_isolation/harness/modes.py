@@ -1,35 +1,7 @@
-"""The four ways every regression, audit, benchmark and test runs a model: no-ac, shared, isolated, global-disable.
-
-A *mode* says three things: whether the layers are checkpointed, what ``cu_seqlens`` object the layers
-receive, and in which FLA cache context the step runs.
-
-* ``no-ac``: not checkpointed; one :class:`SharedSeqlens` (harmless without AC); the reference.
-* ``shared``: checkpointed; one :class:`SharedSeqlens` for every layer: the UNSAFE path, on purpose.
-* ``isolated``: checkpointed; one :class:`~fla_ac_isolation.LayerLocalSeqlens`, each layer calls ``.local()``.
-* ``global-disable``: checkpointed; one :class:`SharedSeqlens`, FLA's tensor cache off process-wide.
-
-Each mode also knows its *role* in a check (:attr:`Mode.role`): ``no-ac`` is the ``reference``;
-``isolated`` (this package's fix) and ``global-disable`` (the blunt alternative,
-:func:`~fla_ac_isolation.fla_cache.tensor_cache_disabled`) are ``required`` to match it, and decide a check's
-exit code; ``shared`` is what models do today (one ``cu_seqlens`` object for every layer), ``unsafe``: run so
-that each check shows the fault it guards against, never changing the exit code. :func:`modes_with_role`
-lists them; the regression, the audit and the benchmarks read the roles from here.
-
-Under context parallelism (``cp=CPConfig(...)``) the four keep their meaning for FLA's CP context (one
-context for every layer, or a fresh one per layer call), and a fifth mode exists, in :data:`CP_MODES`:
-
-* ``field``: checkpointed; :class:`FieldCPSeqlens`: every layer builds FLA's CP context inside its forward
-  from the one shared ``cu_seqlens`` (FLA's cached ``build_cp_context``, no host offsets), as models in
-  the field do: UNSAFE, on purpose. Meaningful only with CP.
-
-Example::
-
-    mode = MODES["isolated"]
-    seqlens = mode.from_seq_lens([5, 0, 17], device="cuda")
-    with mode.cache_context():
-        loss = model(input_ids, seqlens).sum()
-        loss.backward()
-"""
+"""The modes every regression, audit, benchmark and test runs a model in: ``no-ac`` (reference), ``shared``
+(one ``cu_seqlens`` for every layer: UNSAFE, on purpose), ``isolated`` (:class:`~fla_ac_isolation.LayerLocalSeqlens`),
+``global-disable`` (FLA's tensor cache off), and under CP ``field`` (:data:`CP_MODES`). A mode's
+:attr:`Mode.role` says whether it decides a check's exit code."""
 
 from __future__ import annotations
 
@@ -62,15 +34,10 @@ mismatch fails the check); ``unsafe``: the fault's path, run on purpose, never c
 
 
 class SharedSeqlens(LayerLocalSeqlens):
-    """The UNSAFE path, on purpose: :meth:`local` returns the same tensor objects on every call.
+    """The UNSAFE path, on purpose: :meth:`local` returns the same tensor objects on every call. Never train with it.
 
-    This is what a model does when it hands one ``cu_seqlens`` object to every layer. It exists so that
-    regressions, audits and benchmarks can run the shared path through the very same mixers and compare
-    it with :class:`~fla_ac_isolation.LayerLocalSeqlens`; never use it to train. Validation and attributes
-    are those of :class:`~fla_ac_isolation.LayerLocalSeqlens`; ``chunk_indices`` defaults to ``False``
-    here, as models that share one ``cu_seqlens`` object do not precompute FLA's chunk schedule either
-    (with it, the conv and the gated delta rule skip ``prepare_chunk_indices``, which hides part of the
-    fault this class exists to show).
+    Built like :class:`~fla_ac_isolation.LayerLocalSeqlens`, but ``chunk_indices`` defaults to ``False``
+    (precomputed chunk indices would hide part of the fault).
     """
 
     __slots__ = ("_shared",)
@@ -83,25 +50,19 @@ class SharedSeqlens(LayerLocalSeqlens):
         )
 
     def local(self, *, whole_batch: bool = False) -> LocalSeqlens:
-        """The same objects on every call (the shared, unsafe behaviour); under CP, one FLA CP context."""
+        """The same objects on every call; under CP, one FLA CP context."""
         if self._cp is not None and not whole_batch:
             return self._cp.shared()
         return self._shared
 
 
 class FieldCPSeqlens(SharedSeqlens):
-    """UNSAFE under context parallelism, on purpose: each :meth:`local` builds FLA's CP context in the layer.
-
-    What a model in the field does: every layer calls FLA's ``build_cp_context`` inside its forward with the
-    one ``cu_seqlens`` object of the batch and no host offsets
-    (:func:`fla_ac_isolation.fla_seam.cp.build_cp_context_in_layer`). FLA's identity cache then misses in
-    the first layer's forward (on an accelerator it also copies the offsets to the host there) and hits in
-    its recompute, so a checkpointed region runs other ops in the recompute than in the forward. Built
-    like :class:`~fla_ac_isolation.LayerLocalSeqlens` with ``cp=`` (required here, with a process group).
+    """UNSAFE under CP, on purpose: each :meth:`local` calls FLA's ``build_cp_context`` in the layer on the shared
+    ``cu_seqlens``, so its cache misses in the forward and hits in the recompute. Built like
+    :class:`~fla_ac_isolation.LayerLocalSeqlens` with ``cp=`` (required).
 
     Raises:
-        ValueError: ``cp`` is missing or has no process group (FLA's ``build_cp_context`` reads the rank
-            from the group).
+        ValueError: ``cp`` is missing or has no process group.
     """
 
     __slots__ = ()
@@ -115,7 +76,7 @@ class FieldCPSeqlens(SharedSeqlens):
             )
 
     def local(self, *, whole_batch: bool = False) -> LocalSeqlens:
-        """FLA's context from the shared ``cu_seqlens``, built now (``whole_batch``: the shared global offsets)."""
+        """FLA's CP context from the shared ``cu_seqlens``, built now."""
         if whole_batch:
             return self._shared
         from fla_ac_isolation.fla_seam.cp import build_cp_context_in_layer
@@ -132,14 +93,13 @@ class Mode:
     """One mode: whether layers are checkpointed, which ``seqlens`` they get, which cache context runs.
 
     Attributes:
-        name: ``"no-ac"``, ``"shared"``, ``"isolated"`` or ``"global-disable"``.
+        name: the mode's name (a key of :data:`ALL_MODES`).
         summary: one line for help texts and reports.
         checkpointed: the layers run under activation checkpointing.
         isolated: every layer gets fresh ``cu_seqlens`` objects (:class:`~fla_ac_isolation.LayerLocalSeqlens`).
         cache_disabled: FLA's tensor cache is disabled process-wide while the step runs.
         role: ``"reference"``, ``"required"`` or ``"unsafe"`` (:data:`ROLES`).
-        field: every layer builds FLA's CP context from the shared ``cu_seqlens`` (:class:`FieldCPSeqlens`);
-            needs context parallelism.
+        field: layers build FLA's CP context from the shared ``cu_seqlens`` (:class:`FieldCPSeqlens`); needs CP.
     """
 
     name: str
@@ -156,8 +116,7 @@ class Mode:
 
     @property
     def seqlens_class(self) -> type[LayerLocalSeqlens]:
-        """:class:`~fla_ac_isolation.LayerLocalSeqlens` when isolated, :class:`FieldCPSeqlens` for ``field``,
-        else :class:`SharedSeqlens`."""
+        """The ``seqlens`` class of this mode."""
         if self.field:
             return FieldCPSeqlens
         return LayerLocalSeqlens if self.isolated else SharedSeqlens
@@ -169,11 +128,11 @@ class Mode:
     def from_seq_lens(
         self, seq_lens: Sequence[int], device: torch.device | str | None = None, **kwargs: Any
     ) -> LayerLocalSeqlens:
-        """This mode's ``seqlens`` for document lengths (:meth:`~fla_ac_isolation.LayerLocalSeqlens.from_seq_lens`)."""
+        """This mode's ``seqlens`` for document lengths."""
         return self.seqlens_class.from_seq_lens(seq_lens, device, **kwargs)
 
     def cache_context(self) -> contextlib.AbstractContextManager:
-        """:func:`~fla_ac_isolation.fla_cache.tensor_cache_disabled` for ``global-disable``, else a no-op context."""
+        """``tensor_cache_disabled()`` for ``global-disable``, else a no-op context."""
         return tensor_cache_disabled() if self.cache_disabled else contextlib.nullcontext()
 
 

@@ -1,35 +1,6 @@
-"""The pytest plugin: put the check and the EP=2 regression into your own test suite.
-
-Registered in the ``pytest11`` entry-point group under the name ``fla_ac_isolation.harness.pytest_plugin`` (the module's
-own name, so ``-p fla_ac_isolation.harness.pytest_plugin`` and the installed entry point are one plugin; disable it with
-``-p no:fla_ac_isolation.harness.pytest_plugin``). Loading it costs nothing: this module imports only pytest, and torch,
-FLA and the check are imported when a test calls one of these:
-
-* :func:`assert_ac_safe` (fixture ``fla_ac_check``): one training step of your model and batch under
-  :class:`~fla_ac_isolation.ReplayAudit` (:func:`fla_ac_isolation.harness.check_runner.run_check`); the test fails with
-  the check's report (the FLA-backed classes, each checkpointed region, the first divergent op, the FLA helper
-  whose cache state differed, the fix, verified) unless every region is aligned and no mixer leaks. A step the
-  check refuses fails with its error: one that judged nothing (no region recomputed, no FLA seen: the check's
-  own rule, the CLI's too) or input it cannot take.
-* :func:`assert_regression_safe` (fixture ``fla_ac_regression``): the EP regression (two gloo ranks on a CPU,
-  torchtitan's MoE, the tiny decoder of :mod:`fla_ac_isolation.harness.regression.model`) with YOUR mixer class in the
-  linear-attention slots (its contract: :mod:`fla_ac_isolation.harness.regression.user_mixer`); the test fails unless
-  ``isolated`` and ``global-disable`` match ``no-ac`` and the unsafe ``shared`` path reproduced the fault (a
-  mixer whose shared path runs clean never reached FLA's cache with the offsets: the run judged nothing).
-
-Example (a test module of yours)::
-
-    from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe, assert_regression_safe
-
-    def test_model_is_ac_safe():
-        model, batch = build_my_model(), first_packed_batch()    # model without AC, model(**batch) -> loss
-        assert_ac_safe(model, batch, policy="torchtitan")
-
-    class MyMixer(torch.nn.Module): ...                         # module level: the ranks import it
-
-    def test_mixer_under_ep2():
-        assert_regression_safe(MyMixer, ep=2)
-"""
+"""The pytest plugin (entry point ``fla_ac_isolation.harness.pytest_plugin``): :func:`assert_ac_safe` (fixture
+``fla_ac_check``) and :func:`assert_regression_safe` (fixture ``fla_ac_regression``) in your own tests
+(docs/pytest-plugin.md). Loading it imports only pytest."""
 
 from __future__ import annotations
 
@@ -73,26 +44,23 @@ def _check_target(model: Any, batch: Any) -> tuple[str, bool]:
 
 
 def assert_ac_safe(model: Any, batch: dict | None = None, **spec: Any) -> Any:
-    """Run ``model`` and ``batch`` through the check and fail the calling test with its report unless it passes.
+    """Run ``model`` and ``batch`` through the check; fail the calling test with its report unless it passes.
 
     Args:
-        model: an ``nn.Module`` WITHOUT activation checkpointing (the check applies it to each layer of its
-            layer list; a deep copy is checked, yours is left as it is) with ``batch``; or a callable taking no
-            argument that returns ``(model, batch)`` (called again for a fresh model when the fix is verified);
-            or ``"module:callable"`` / ``"path/to/file.py:callable"``.
-        batch: ONE packed batch, a dict of ``model(**batch)``'s keyword arguments holding its offsets
-            (``cu_seqlens``, transformers' ``cu_seq_lens_q``, ...); ``model(**batch)`` returns the loss.
-        **spec: the other fields of :class:`~fla_ac_isolation.harness.check_runner.CheckSpec`, as it takes them
-            (``ac``, ``policy``, ``device``, ``verify_fix``); left out: the spec's defaults.
+        model: an ``nn.Module`` WITHOUT activation checkpointing (a deep copy is checked); or a callable returning
+            ``(model, batch)`` (called again to verify the fix); or ``"module:callable"`` /
+            ``"path/to/file.py:callable"``.
+        batch: ONE packed batch, the keyword arguments of ``model(**batch)`` (which returns the loss), holding its
+            offsets (``cu_seqlens``, ``cu_seq_lens_q``, ...).
+        **spec: other fields of :class:`~fla_ac_isolation.harness.check_runner.CheckSpec` (``ac``, ``policy``,
+            ``device``, ``verify_fix``).
 
     Returns:
         The :class:`~fla_ac_isolation.harness.check_runner.CheckResult` of a passing check.
 
     Raises:
-        pytest.fail.Exception: the check's report, when a region diverged, the step failed under AC or a mixer
-            leaks across packed documents; the check's own error when it refused the input or the step judged
-            nothing (:class:`~fla_ac_isolation.harness.check_runner.CheckInputError`). It derives from
-            ``BaseException``, not ``Exception``: a test expecting a failing model catches it with
+        pytest.fail.Exception: a region diverged, the step failed under AC, a mixer leaks, or the check refused
+            the input or judged nothing. It derives from ``BaseException``: catch it with
             ``pytest.raises(pytest.fail.Exception)``.
         TypeError: ``model`` / ``batch`` of another kind than above.
     """
@@ -135,20 +103,19 @@ def assert_regression_safe(mixer: type | str, *, require_fault: bool = True, **s
     """Run the EP regression with ``mixer`` in the linear-attention slots; fail the calling test unless it passes.
 
     Args:
-        mixer: your mixer class (module level, importable by module path: the rank processes import it) or
-            ``"module:qualname"``; the contract is :mod:`fla_ac_isolation.harness.regression.user_mixer`'s.
-        require_fault: also fail when the unsafe ``shared`` path neither failed nor diverged (the offsets never
-            reached FLA's cache through the mixer, so the run showed nothing of the fault).
-        **spec: the other fields of :class:`~fla_ac_isolation.harness.regression.RegressionSpec` (``ep``, ``model``: the
-            family, ``policy``, ``steps``, ...); left out: its defaults (EP=2, ``qwen3_5_moe``, 3 steps).
+        mixer: your mixer class (module level: the rank processes import it) or ``"module:qualname"``; the
+            contract is :mod:`fla_ac_isolation.harness.regression.user_mixer`'s.
+        require_fault: also fail when the unsafe ``shared`` path neither failed nor diverged (it showed nothing).
+        **spec: other fields of :class:`~fla_ac_isolation.harness.regression.RegressionSpec`; defaults: EP=2,
+            ``qwen3_5_moe``, 3 steps.
 
     Returns:
-        The verdicts, ``{mode: Verdict}`` (:func:`fla_ac_isolation.harness.regression.verdicts`), of a passing run.
+        The verdicts, ``{mode: Verdict}``, of a passing run.
 
     Raises:
         pytest.fail.Exception: naming every mode's verdict, when ``no-ac`` failed, a required mode did not match
             it, or (``require_fault``) the shared path reproduced nothing.
-        ValueError: an invalid spec (:meth:`RegressionSpec.validate`), e.g. a mixer the ranks cannot import.
+        ValueError: an invalid spec, e.g. a mixer the ranks cannot import.
     """
     from fla_ac_isolation.harness.regression import RegressionSpec, run_regression, verdicts
     from fla_ac_isolation.harness.regression.report import exit_code, fault_reproduced
@@ -167,11 +134,11 @@ def assert_regression_safe(mixer: type | str, *, require_fault: bool = True, **s
 
 @pytest.fixture
 def fla_ac_check() -> Callable[..., Any]:
-    """:func:`assert_ac_safe`: ``fla_ac_check(model, batch, policy=..., ac=...)`` fails the test with the report."""
+    """:func:`assert_ac_safe` as a fixture: ``fla_ac_check(model, batch, policy=...)``."""
     return assert_ac_safe
 
 
 @pytest.fixture
 def fla_ac_regression() -> Callable[..., dict]:
-    """:func:`assert_regression_safe`: ``fla_ac_regression(MyMixer, ep=2)`` fails the test with every verdict."""
+    """:func:`assert_regression_safe` as a fixture: ``fla_ac_regression(MyMixer, ep=2)``."""
     return assert_regression_safe

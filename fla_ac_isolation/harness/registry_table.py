@@ -1,13 +1,5 @@
-"""The registry's table of ``docs/foreign-classes.md``, rendered from the registry: every FLA-backed class of other
-libraries this package knows (:mod:`fla_ac_isolation.foreign_classes`), what
-:func:`~fla_ac_isolation.isolate_seqlens` does with it and which drop-in :func:`~fla_ac_isolation.swap_mixers`
-puts in its place (:mod:`fla_ac_isolation.families`).
-
-The page holds the table between :data:`BEGIN` and :data:`END`; ``tests/test_registry_table.py`` fails when it
-differs from :func:`render`, so a registry entry without its row (or a row without its entry) cannot ship.
-``python -m fla_ac_isolation.harness.registry_table --write [PAGE]`` rewrites the block in place; without
-``--write`` it prints the table.
-"""
+"""The table of ``docs/foreign-classes.md`` (between :data:`BEGIN` and :data:`END`), rendered from the registry.
+``python -m fla_ac_isolation.harness.registry_table --write [PAGE]`` rewrites it; without ``--write`` it prints it."""
 
 from __future__ import annotations
 
@@ -48,9 +40,7 @@ def _swap(entry: ForeignClass) -> str:
 
 
 def rows() -> list[tuple[str, ...]]:
-    """The table's rows (cells of :data:`HEADER`), in registry order: the classes handing FLA offsets, those
-    known to drop them, then the FLA rule's two kinds and the upstream classes a drop-in replaces that no list
-    names (found by the rule)."""
+    """The table's rows (cells of :data:`HEADER`), in registry order."""
     out = []
     for e in FLA_BACKED_MIXERS:
         hooked = "hooked"
@@ -74,14 +64,14 @@ def rows() -> list[tuple[str, ...]]:
 
 
 def render() -> str:
-    """The markdown table (header, rule, one line per row), without the markers."""
+    """The markdown table, without the markers."""
     lines = ["| " + " | ".join(HEADER) + " |", "| " + " | ".join("---" for _ in HEADER) + " |"]
     lines += ["| " + " | ".join(row) + " |" for row in rows()]
     return "\n".join(lines)
 
 
 def replace_block(text: str) -> str:
-    """``text`` (the page) with the block between :data:`BEGIN` and :data:`END` replaced by :func:`render`.
+    """``text`` with the block between :data:`BEGIN` and :data:`END` replaced by :func:`render`.
 
     Raises:
         ValueError: ``text`` lacks a marker, or holds them out of order.

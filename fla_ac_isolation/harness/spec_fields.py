@@ -1,5 +1,4 @@
-"""The rules of the fields that the audit's and the regression's specs share (``ac``, ``policy``, the
-positive counts, ``seed``), written once, with the SAC policy a spec names."""
+"""The rules of the fields the audit's and the regression's specs share, and the SAC policy a spec names."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ __all__ = ["check_checkpointing", "check_counts", "check_seed", "sac_policy"]
 
 def check_checkpointing(ac: Any, policy: Any) -> None:
     """``ac`` is ``"full"`` or ``"selective"``; with ``"selective"``, ``policy`` is a key of
-    :data:`fla_ac_isolation.policies.POLICIES` (with ``"full"`` it is not used).
+    :data:`fla_ac_isolation.policies.POLICIES`.
 
     Raises:
         ValueError: naming ``ac`` or ``policy`` and the accepted values.
@@ -42,6 +41,5 @@ def check_seed(seed: Any) -> None:
 
 
 def sac_policy(ac: str, policy: str) -> Policy | None:
-    """A new instance of the SAC policy named ``policy`` with ``ac="selective"``, ``None`` for full AC (fields
-    checked by :func:`check_checkpointing`)."""
+    """A new instance of the SAC policy named ``policy`` with ``ac="selective"``, ``None`` for full AC."""
     return POLICIES[policy]() if ac == "selective" else None

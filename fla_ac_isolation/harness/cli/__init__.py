@@ -1,22 +1,6 @@
-"""The ``fla-ac-isolation`` command: ``doctor | regress | audit | check``, each subcommand in its own module.
-
-* :mod:`~fla_ac_isolation.harness.cli.doctor` - versions, device, FLA cache state, SAC replay semantics;
-* :mod:`~fla_ac_isolation.harness.cli.regress` - the EP regression (:mod:`fla_ac_isolation.harness.regression`),
-  rendered by
-  :mod:`~fla_ac_isolation.harness.cli.regress_render`;
-* :mod:`~fla_ac_isolation.harness.cli.audit` - one step of a tiny model under :class:`~fla_ac_isolation.ReplayAudit`
-  (:mod:`fla_ac_isolation.harness.audit_runner`);
-* :mod:`~fla_ac_isolation.harness.cli.check` - one step of the user's own model (or a tiny transformers / FLA one) under
-  the audit, its FLA-backed classes and the fix (:mod:`fla_ac_isolation.harness.check_runner`);
-* :mod:`~fla_ac_isolation.harness.cli.console` - what they share: the console, the policy flags, foreign-text escaping.
-
-Each subcommand module has ``HELP`` (its line in ``--help``), ``add_arguments(parser)`` and
-``run(args) -> exit code``: it parses the flags into the Python API's spec (whose defaults and rules, with
-their messages, are the command's), checks only what a command has (output paths) and renders the data the
-API returns; this module only parses and dispatches. The command needs the ``cli`` extra (rich,
-matplotlib); ``regress`` and the family models of ``audit`` also need ``ep`` (torchtitan). A missing extra
-is reported with the ``pip install`` that brings it (exit code 2).
-"""
+"""The ``fla-ac-isolation`` command: ``doctor | regress | audit | check``, one module each with ``HELP``,
+``add_arguments(parser)`` and ``run(args) -> exit code``. Needs the ``cli`` extra (``regress`` and the family models
+of ``audit`` also ``ep``); a missing extra is reported with its ``pip install`` (exit code 2)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
-"""``fla-ac-isolation audit``: one training step of a model under :class:`~fla_ac_isolation.ReplayAudit`, per mode.
+"""``fla-ac-isolation audit``: :mod:`fla_ac_isolation.harness.audit_runner` from the command line, printing every
+region's verdict and FLA cache counts as each mode finishes, e.g. ``audit --model fault-stack --ac full``.
 
-The audit itself is :mod:`fla_ac_isolation.harness.audit_runner`
-(:class:`~fla_ac_isolation.harness.audit_runner.AuditSpec`,
-:func:`~fla_ac_isolation.harness.audit_runner.run_audit`); this module parses the flags into its spec (defaults: the
-spec's), shows the spec's error messages, and prints every checkpointed region's verdict with its FLA cache
-hits/misses per pass, then the explanation of each divergence, as each mode finishes.
-
-Example::
-
-    fla-ac-isolation audit --model qwen3_5_moe --ac selective --policy save-all-copies
-    fla-ac-isolation audit --model fault-stack --ac full --modes shared,isolated,global-disable
-
-Exit codes: 0 when every region of ``isolated`` and ``global-disable`` is aligned; 1 otherwise; 2 for
-invalid arguments. The unsafe ``shared`` mode never changes the exit code (it is expected to diverge).
-A mode that raises (building its model, or its step) is reported as failed with the first line of the
-error, printed as it is, and the other modes still run and print.
+Exit codes: 0 when every region of ``isolated`` and ``global-disable`` is aligned; 1 otherwise; 2 for invalid
+arguments. A failing mode is reported and the others still run.
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ HELP = "one training step of a tiny model under ReplayAudit: which recompute div
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``audit`` options to ``parser``; their defaults are the spec's (``AuditSpec``'s fields)."""
+    """Add the ``audit`` options to ``parser``; their defaults are the spec's."""
     default = {f.name: f.default for f in dataclasses.fields(AuditSpec)}
     parser.description = (
         "Run one training step of a tiny model under ReplayAudit in the unsafe 'shared' mode (one cu_seqlens "
@@ -61,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_arguments(args: argparse.Namespace) -> AuditSpec:
-    """The :class:`~fla_ac_isolation.harness.audit_runner.AuditSpec` of parsed ``args``, validated.
+    """The validated :class:`~fla_ac_isolation.harness.audit_runner.AuditSpec` of parsed ``args``.
 
     Raises:
         ValueError: the spec's message for the first rule the arguments break.
@@ -90,7 +78,7 @@ def _print_run(spec: AuditSpec, run: AuditRun, quiet: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the audit for parsed ``args``; print each mode's region verdicts as it finishes; return the exit code."""
+    """Run the audit for parsed ``args``, printing each mode as it finishes; return the exit code."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*Triton is not supported.*")

@@ -1,5 +1,4 @@
-"""What the subcommands share: the rich console, escaping of foreign text, the ``--model`` and policy arguments,
-``--modes`` splitting."""
+"""What the subcommands share: the rich console, escaping, the ``--model`` and policy arguments, ``--modes``."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ __all__ = ["add_model_argument", "add_policy_arguments", "console", "escape", "s
 
 
 def console(what: str) -> Any:
-    """A ``rich`` console; wide (160 columns) when writing to a pipe or CI log, where rich assumes 80.
+    """A ``rich`` console; 160 columns wide when writing to a pipe.
 
     Raises:
         MissingExtraError: rich is not installed (the ``cli`` extra).
@@ -23,22 +22,20 @@ def console(what: str) -> Any:
 
 
 def escape(text: str) -> str:
-    """``text`` with rich markup escaped, so foreign text (error messages, paths) prints as it is."""
+    """``text`` with rich markup escaped, so foreign text prints as it is."""
     from rich.markup import escape as rich_escape
 
     return rich_escape(text)
 
 
 def split_modes(value: str) -> tuple[str, ...]:
-    """The entries of a comma-separated ``--modes`` value, stripped (empty entries dropped); which modes a
-    command takes is the Python API's rule, checked there."""
+    """The stripped, non-empty entries of a comma-separated ``--modes`` value."""
     return tuple(m.strip() for m in value.split(",") if m.strip())
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser, default: dict, *, own_policy: bool = False) -> None:
-    """``--ac full|selective``, ``--policy`` (choices: :data:`fla_ac_isolation.policies.POLICIES`; with
-    ``own_policy`` also ``module:callable`` / ``path/to/file.py:callable``, checked by the command's spec) and
-    ``--freq``, with the ``ac``, ``policy`` and ``freq`` defaults of the command's spec (``default``)."""
+    """``--ac``, ``--policy`` (with ``own_policy`` also ``module:callable`` / ``file.py:callable``) and ``--freq``,
+    with the defaults of ``default``."""
     from fla_ac_isolation.policies import POLICIES
 
     parser.add_argument("--ac", choices=("full", "selective"), default=default["ac"], help="activation checkpointing")
@@ -56,8 +53,7 @@ def add_policy_arguments(parser: argparse.ArgumentParser, default: dict, *, own_
 
 def add_model_argument(parser: argparse.ArgumentParser, names: tuple[str, ...], command: str, default: str,
                        what: str) -> None:
-    """``--model`` for a command that runs built-in models only: one of ``names`` (``what`` says what they are).
-    A ``module:callable`` / ``file.py:callable`` (a user's model) is refused, naming ``check``, which runs one."""
+    """``--model``: one of ``names`` (built-in only; a ``module:callable`` is refused, naming ``check``)."""
 
     def model(value: str) -> str:
         if ":" in value:

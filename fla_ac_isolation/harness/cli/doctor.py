@@ -1,6 +1,5 @@
-"""``fla-ac-isolation doctor``: the environment facts that decide whether and how the FLA cache fault can appear
-(:func:`fla_ac_isolation.harness.environment.environment_report`), and the FLA-backed classes of the installed libraries
-with their status here (:func:`fla_ac_isolation.harness.environment.fla_backed_classes`); this module renders both."""
+"""``fla-ac-isolation doctor``: renders :func:`~fla_ac_isolation.harness.environment.environment_report` and
+:func:`~fla_ac_isolation.harness.environment.fla_backed_classes`."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print :func:`fla_ac_isolation.harness.environment.environment_report` as a table; return 0."""
+    """Print the environment report as a table; return 0."""
     out = console("fla-ac-isolation doctor")
     from rich.table import Table
 

@@ -1,27 +1,9 @@
-"""``fla-ac-isolation regress``: the EP regression (:mod:`fla_ac_isolation.harness.regression`) from the command line.
+"""``fla-ac-isolation regress``: the EP regression (:mod:`fla_ac_isolation.harness.regression`) from the command
+line, e.g. ``regress --model qwen3_5_moe --ep 2``, ``regress --cp 2 --layout zigzag``, ``regress --pp 2``, or under
+``torchrun ... -m fla_ac_isolation.harness.cli regress``.
 
-Example (the README's main job)::
-
-    fla-ac-isolation regress --model qwen3_5_moe --ep 2 --steps 3
-    fla-ac-isolation regress --model nemotron_h --ac full --json out.json --plot out.png
-    torchrun --nproc-per-node 2 -m fla_ac_isolation.harness.cli regress --device cuda --ep 2   # ranks from torchrun
-    fla-ac-isolation regress --cp 2                       # context parallelism (FLA's CP), experts replicated
-    fla-ac-isolation regress --cp 2 --ep 2 --layout zigzag   # CP 2 x EP 2 on the same 2 ranks
-    fla-ac-isolation regress --pp 2                       # two pipeline stages, 1F1B over 4 microbatches
-    fla-ac-isolation regress --pp 2 --ep 2 --schedule gpipe --microbatches 6   # 4 ranks: EP 2 inside each stage
-
-This module parses the flags into a :class:`~fla_ac_isolation.harness.regression.RegressionSpec` (whose fields left
-unset take the spec's own defaults), checks what only a command has (the ``--json`` / ``--plot`` paths),
-shows the spec's error messages, and renders the result (:mod:`fla_ac_isolation.harness.cli.regress_render`). On a
-CPU, ``--cp`` runs FLA's CP kernels under Triton's interpreter (the spec's ``kernels="interpreter"``: every
-rank starts with ``TRITON_INTERPRET=1`` and enters the seam's interpreter backend,
-:mod:`fla_ac_isolation.harness.fla_seam.interpreter`), and the command says so.
-
-Exit codes: 0 when ``isolated`` and ``global-disable`` match ``no-ac``; 1 when one of them (or
-``no-ac``) does not; 2 for invalid arguments, refused before any rank starts (an invalid spec or ``--rtol``,
-with the Python API's message; a ``--json``/``--plot`` path whose folder does not exist or is not
-writable). The unsafe ``shared`` mode never changes the exit code. A rank that raises or dies fails its mode
-only: the table, the JSON document and the plot are still written, the failure named in them.
+Exit codes: 0 when ``isolated`` and ``global-disable`` match ``no-ac``; 1 otherwise; 2 for invalid arguments
+(before any rank starts). A failing rank fails its mode only; the table, JSON and plot are still written.
 """
 
 from __future__ import annotations
@@ -43,7 +25,6 @@ HELP = "the EP (and CP, PP) regression: train a tiny model in every mode and com
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show defaults, except ``None``/flags (their help says what happens)."""
 
     def _get_help_string(self, action):
         if action.default is None or isinstance(action.default, bool):
@@ -52,7 +33,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``regress`` options to ``parser``; their defaults are the spec's (``RegressionSpec``'s fields)."""
+    """Add the ``regress`` options to ``parser``; their defaults are the spec's."""
     from fla_ac_isolation.harness.regression.spec import RegressionSpec
 
     default = {f.name: f.default for f in dataclasses.fields(RegressionSpec)}
@@ -120,8 +101,8 @@ def check_output_path(path: str, flag: str) -> None:
     """Refuse, before any work, an output path that could not be written at the end of the run.
 
     Raises:
-        ValueError: naming ``flag``: ``path`` is a folder, its folder does not exist or is not a folder,
-            or the folder (or an existing file at ``path``) is not writable.
+        ValueError: naming ``flag``: ``path`` is a folder, its folder is missing or not a folder, or it is not
+            writable.
     """
     import tempfile
 
@@ -141,17 +122,15 @@ def check_output_path(path: str, flag: str) -> None:
 
 
 def _check_paths(args: argparse.Namespace) -> None:
-    """The command's own checks: the ``--json`` and ``--plot`` paths (everything else is the spec's)."""
+    """The command's own checks: the ``--json`` and ``--plot`` paths."""
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             check_output_path(path, flag)
 
 
 def spec_from_arguments(args: argparse.Namespace):
-    """The :class:`~fla_ac_isolation.harness.regression.RegressionSpec` of parsed ``args``, validated.
-
-    Flags left unset (``--ep``, ``--steps``, ``--microbatches``, ``--hidden-size``, ``--device auto``,
-    ``--dtype auto``) stay unset in the spec, which resolves them itself.
+    """The validated :class:`~fla_ac_isolation.harness.regression.RegressionSpec` of parsed ``args`` (flags left
+    unset stay unset, for the spec to resolve).
 
     Raises:
         ValueError: the spec's message for the first rule the arguments break.
@@ -174,11 +153,7 @@ def _error(out, err: ValueError) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the regression for parsed ``args``; print the report (rank 0); return the exit code.
-
-    Invalid arguments return 2 before any process starts; the JSON document is written before the
-    table is printed, so that nothing the run measured is lost.
-    """
+    """Run the regression for parsed ``args``; print the report (rank 0), JSON first; return the exit code."""
     out = console("fla-ac-isolation regress")
     from fla_ac_isolation.harness.regression.report import check_rtol
 

@@ -1,10 +1,4 @@
-"""How ``fla-ac-isolation regress`` shows a regression run: the table, the verdict lines, the JSON file, the loss plot.
-
-The numbers and verdicts come from :mod:`fla_ac_isolation.harness.regression`
-(:func:`~fla_ac_isolation.harness.regression.report.verdicts`,
-:func:`~fla_ac_isolation.harness.regression.report.to_document`);
-this module only renders them (rich, json, matplotlib: the ``cli`` extra).
-"""
+"""How ``fla-ac-isolation regress`` shows a run (rich table, verdict lines, JSON file, loss plot); render only."""
 
 from __future__ import annotations
 
@@ -31,13 +25,11 @@ def _fmt(x: float | None, spec: str = ".6g") -> str:
 
 
 def print_report(result: RegressionResult, *, rtol: float | None = None, verbose: bool = False, console=None) -> None:
-    """Print the header, the per-step table, the verdict summary and (``verbose``) FLA cache counts.
-
-    Every foreign string (error messages of the ranks, notes) is escaped, so text such as gloo's
-    ``[/pytorch/third_party/gloo/.../pair.cc:537]`` or ``[bold]`` prints as it is, never as rich markup.
+    """Print the header, the per-step table, the verdict summary and (``verbose``) FLA cache counts; foreign
+    strings are escaped from rich markup.
 
     Raises:
-        ValueError: ``rtol`` is negative or not a number (see :func:`verdicts`).
+        ValueError: ``rtol`` is negative or not a number.
     """
     from rich.console import Console
     from rich.table import Table
@@ -96,7 +88,7 @@ def _print_verdicts(result: RegressionResult, found: dict[str, Verdict], rtol: f
 
 
 def _add_rows(table, result: RegressionResult, found: dict[str, Verdict]) -> None:
-    """One column per field, one row per mode and step (under CP or PP also the difference to the run without it)."""
+    """One row per mode and step."""
     cp, pp = result.spec.cp > 1, result.spec.pp > 1
     columns = [("mode", "left"), ("step", "right"), ("loss", "right"), ("grad norm", "right"),
                ("max |grad - ref|", "right"), ("idle experts", "right"), ("verdict", "left")]
@@ -131,9 +123,7 @@ def _add_rows(table, result: RegressionResult, found: dict[str, Verdict]) -> Non
 
 
 def parallelism(spec: RegressionSpec) -> str:
-    """``EP=2``; under context parallelism ``CP=2 (zigzag) x EP=2`` or ``CP=2 (contiguous), EP=1``; under pipeline
-    parallelism ``PP=2 (1f1b, 4 microbatches) x EP=2`` or ``PP=2 (gpipe, 6 microbatches), EP=1`` (from
-    ``spec.mesh``)."""
+    """The run's layout, e.g. ``EP=2``, ``CP=2 (zigzag) x EP=2`` or ``PP=2 (1f1b, 4 microbatches), EP=1``."""
     mesh = spec.mesh
     if mesh.pp > 1:
         pp = f"PP={mesh.pp} ({spec.schedule}, {spec.microbatches} microbatches)"

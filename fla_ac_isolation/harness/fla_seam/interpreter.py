@@ -1,47 +1,6 @@
-"""The interpreter backend of the seam: FLA's real Triton kernels, context parallelism included, on a CPU.
-
-FLA's kernels need a GPU driver. Triton's interpreter (``TRITON_INTERPRET=1``, read when ``triton.jit``
-decorates FLA's kernels, i.e. before FLA's ops are imported) runs them on a CPU as Python, slowly; this
-module adds what FLA 0.6 needs to run there (measured with fla-core 0.6.0, Triton 3.9, torch 2.13). The
-CPU context-parallel regression (``RegressionSpec(cp=2)`` on a CPU, ``kernels="interpreter"``) enters
-:func:`cpu_cp_kernels` in every rank; the tests and ``examples/context_parallel.py`` use it too. On a GPU
-none of it is needed.
-
-* :func:`first_autotune_config` - every Triton autotuner (FLA's ``CachedAutotuner`` subclasses
-  ``triton.runtime.autotuner.Autotuner``) keeps only its first config. Autotuning times every config
-  through a GPU driver (there is none under the interpreter), and takes minutes on a fresh GPU machine;
-  any config computes the same values, so results stay exact (a benchmark that uses it says so).
-* :func:`interpreter_shims` - :func:`first_autotune_config`, and loop variables with a no-op ``.to()``:
-  compiled Triton gives ``for i_t in range(NT)`` a tensor loop variable and FLA's kernels call
-  ``i_t.to(tl.int64)``; in the interpreter ``i_t`` is a plain ``int``. Kernel functions are built with a
-  ``range`` (and ``tl.range`` / ``tl.static_range``) yielding ints that accept ``.to()``; the kernels'
-  module globals are copied for this, not modified.
-* :func:`cp_cpu_shims` - FLA's CP code on a CPU over gloo, three rebindings:
-
-  1. ``device_check``: FLA's ``_check_cp_device`` (``fla/ops/cp/context.py``) accepts only CUDA (Ampere+)
-     or NPU devices; it is imported by name into ``fla.ops.cp.chunk_delta_h``, ``chunk_merge``,
-     ``chunk_fwd`` and ``chunk_bwd`` (and ``fla.ops.common.intracard_cp``); each binding becomes a no-op.
-  2. ``all_gather``: FLA's ``fla.ops.cp.comm.all_gather_into_tensor`` allocates its output as
-     ``[world, *shape]``, which gloo refuses ("ProcessGroupGloo::allgather: invalid tensor size"); the
-     replacement gathers into the concatenated ``[world * shape[0], *shape[1:]]`` buffer (same memory) and
-     returns its ``[world, *shape]`` view, as FLA's function does. Rebound in ``fla.ops.cp.comm``,
-     ``fla.ops.cp``, ``fla.ops.cp.chunk_delta_h`` and ``fla.modules.causal_conv1d.cp``.
-  3. ``comparison_dtype``: Triton's interpreter labels the result of ``create_icmp*`` / ``create_fcmp*``
-     with the operand dtype instead of ``int1``; FLA's conv ``compute_dh0_kernel`` (non-first CP ranks)
-     then fails with "mask has unsupported dtype". Comparison results are relabelled ``tl.int1``.
-
-* :func:`cpu_cp_kernels` - what a CPU rank enters to run FLA's CP kernels: both of the above.
-
-Every patch is undone on exit. A shim whose target FLA or Triton no longer has raises ``RuntimeError``
-naming it, rather than running unpatched.
-
-Usage::
-
-    # TRITON_INTERPRET=1 in this process's environment before FLA is imported; a gloo group initialised
-    with cpu_cp_kernels():
-        seqlens = LayerLocalSeqlens(cu_seqlens, cp=CPConfig(group=group, layout="zigzag", conv_kernel_size=4))
-        ...
-"""
+"""The interpreter backend: FLA's real Triton kernels, context parallelism included, on a CPU under Triton's
+interpreter. ``TRITON_INTERPRET=1`` must be set before FLA's ops are imported. Every patch is undone on exit; a shim
+whose target FLA or Triton no longer has raises ``RuntimeError`` rather than running unpatched."""
 
 from __future__ import annotations
 
@@ -101,7 +60,7 @@ def require_interpreter() -> None:
 
 @contextlib.contextmanager
 def first_autotune_config() -> Iterator[None]:
-    """Make every Triton autotuner use only its first config inside the block (restored on exit)."""
+    """Make every Triton autotuner use only its first config inside the block (no GPU to time them; same values)."""
     import triton.runtime.autotuner as autotuner
 
     original_run = autotuner.Autotuner.run
@@ -133,10 +92,10 @@ def _loop_range(arg1, arg2=None, step=None, **kwargs):
 
 @contextlib.contextmanager
 def interpreter_shims() -> Iterator[None]:
-    """First autotune config and loop variables with ``.to()`` inside the block; undone on exit.
+    """First autotune config and loop variables with ``.to()`` (kernel globals copied, not modified) in the block.
 
     Raises:
-        RuntimeError: ``TRITON_INTERPRET=1`` is not set (see :func:`require_interpreter`).
+        RuntimeError: ``TRITON_INTERPRET=1`` is not set.
     """
     require_interpreter()
     import triton.runtime.interpreter as interpreter
@@ -175,7 +134,7 @@ def interpreter_shims() -> Iterator[None]:
 
 # ------------------------------------------------------------------------------------ context parallel
 def _no_device_check(device) -> None:
-    """Stand-in for FLA's ``_check_cp_device``: every device passes (CPU under the interpreter)."""
+    """Stand-in for FLA's ``_check_cp_device``: every device passes."""
 
 
 def _gather_concatenated(inp, out=None, group=None, async_op=False):
@@ -250,12 +209,12 @@ def _comparisons_as_int1() -> Iterator[None]:
 def cp_cpu_shims(
     *, device_check: bool = True, all_gather: bool = True, comparison_dtype: bool = True
 ) -> Iterator[None]:
-    """Apply the three CP-on-CPU shims of the module docstring inside the block (each can be switched off, to
-    show why it exists).
+    """FLA's CP code on a CPU over gloo, inside the block: no CP device check, a gloo-shaped all-gather, and
+    comparison results labelled ``tl.int1`` (each can be switched off).
 
     Raises:
         RuntimeError: ``TRITON_INTERPRET=1`` is not set, or FLA/Triton no longer has what a shim replaces.
-        FlaFeatureError: the installed FLA predates the CP API the shims replace parts of (fla-core < 0.6).
+        FlaFeatureError: the installed FLA predates the CP API (fla-core < 0.6).
     """
     require_interpreter()
     features.require("cp", where="FLA's CP kernels on a CPU (fla_seam.interpreter.cp_cpu_shims)")
@@ -275,17 +234,10 @@ def cp_cpu_shims(
 @contextlib.contextmanager
 def cpu_cp_kernels() -> Iterator[None]:
     """What a CPU rank enters to run FLA's kernels, CP ones included: :func:`interpreter_shims` and
-    :func:`cp_cpu_shims`.
-
-    Also silences the ``FutureWarning`` torch 2.13 emits for every FLA CP all-gather
-    (``dist.all_gather_into_tensor`` is deprecated there) and numpy's ``RuntimeWarning`` s from the
-    interpreter (``overflow encountered in exp2``, ``invalid value encountered in multiply``: FLA's kernels
-    compute ``exp`` in masked-out lanes and discard them with ``tl.where``, silently on a GPU). The
-    regression enters it in every rank of a spec with ``kernels="interpreter"``, whose ranks start with
-    ``TRITON_INTERPRET=1`` in their environment.
+    :func:`cp_cpu_shims`, with the interpreter's known warnings silenced.
 
     Raises:
-        RuntimeError: ``TRITON_INTERPRET=1`` is not set (it must be, before FLA's kernels are imported).
+        RuntimeError: ``TRITON_INTERPRET=1`` is not set.
     """
     with warnings.catch_warnings(), interpreter_shims(), cp_cpu_shims():
         warnings.filterwarnings("ignore", category=FutureWarning)

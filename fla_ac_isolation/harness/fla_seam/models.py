@@ -1,10 +1,5 @@
-"""flash-linear-attention's own model zoo (``fla.models``, flash-linear-attention 0.6): its config classes by
-``model_type`` and the causal LM each configures, for ``fla-ac-isolation check --config``; its layer and model
-classes, and what ``fla.layers`` exports, for ``doctor``.
-
-Importing ``fla.models`` also registers FLA's configs and models with transformers' Auto classes. FLA is
-imported on first call, never at import of this module.
-"""
+"""flash-linear-attention's model zoo (``fla.models``, ``fla.layers``), for ``check --config`` and ``doctor``.
+FLA is imported on first call (which registers its configs with transformers' Auto classes)."""
 
 from __future__ import annotations
 
@@ -18,11 +13,10 @@ __all__ = ["fla_causal_lm_class", "fla_config_classes", "fla_layer_and_model_cla
 
 
 def fla_config_classes() -> dict[str, type]:
-    """``{model_type: config class}`` of every model ``fla.models`` exports (``"gated_deltanet"``,
-    ``"kda"``, ...).
+    """``{model_type: config class}`` of every model ``fla.models`` exports.
 
     Raises:
-        ImportError: flash-linear-attention (the package with ``fla.models``) is not installed.
+        ImportError: flash-linear-attention is not installed.
     """
     models = importlib.import_module("fla.models")
     found = {}
@@ -35,7 +29,7 @@ def fla_config_classes() -> dict[str, type]:
 
 
 def fla_causal_lm_class(config_class: type) -> type[nn.Module]:
-    """The ``...ForCausalLM`` of ``fla.models`` that ``config_class`` (``GatedDeltaNetConfig``) configures.
+    """The ``...ForCausalLM`` of ``fla.models`` that ``config_class`` configures.
 
     Raises:
         ValueError: ``fla.models`` has no causal LM for it.
@@ -49,9 +43,8 @@ def fla_causal_lm_class(config_class: type) -> type[nn.Module]:
 
 
 def fla_layer_and_model_classes() -> list[type[nn.Module]]:
-    """Every ``nn.Module`` class defined in a module of ``fla.layers`` or ``fla.models.*.modeling_*``, in file
-    order (what :func:`fla_ac_isolation.foreign_classes.fla_layer_mixer` judges). A module that fails to import (a
-    missing optional dependency) is skipped.
+    """Every ``nn.Module`` class defined in ``fla.layers`` or ``fla.models.*.modeling_*``, in file order; a module
+    that fails to import is skipped.
 
     Raises:
         ImportError: flash-linear-attention is not installed.
@@ -74,7 +67,7 @@ def fla_layer_and_model_classes() -> list[type[nn.Module]]:
 
 
 def fla_layer_exports() -> tuple[str, ...]:
-    """The class names ``fla.layers`` exports (its ``__all__``: 45 in flash-linear-attention 0.6).
+    """The class names ``fla.layers`` exports (its ``__all__``).
 
     Raises:
         ImportError: flash-linear-attention is not installed.

@@ -1,22 +1,7 @@
-"""Reference stand-ins with the signatures of FLA's Triton entry points, for :mod:`~.serving` to put in their place.
-
-Each function below takes exactly the arguments of the FLA function of the same name (fla-core 0.6) and computes
-it with pure torch; the three kernels also record the offsets objects they received (:func:`recording`):
-
-* :func:`chunk_gated_delta_rule` and :func:`causal_conv1d`: :mod:`fla_ac_isolation.ops.reference`, which asks
-  FLA's own identity-cached index helpers for the chunk schedule with the kernels' arguments, so FLA's cache
-  hits and misses (and the AC fault reproduces) exactly as with the kernels. The gated delta rule also takes
-  FLA's in-kernel gate (``use_gate_in_kernel`` with ``A_log``/``dt_bias``, FLA's ``naive_gdn_gate``) and
-  ``state_v_first`` (a state layout; no state is computed);
-* :func:`chunk_kda`: FLA's own ``naive_kda_gate`` and ``naive_recurrent_kda``, one document at a time, after the
-  same helper calls as ``chunk_kda`` (a per-token loop: keep inputs short);
-* :func:`swiglu` and :func:`swiglu_linear` (FLA's ``GatedMLP``: ``silu(x) * y``, then the projection);
-* :func:`rms_norm_forward` and :func:`rms_norm_gated_forward`: the ``forward`` of ``fla.modules.RMSNorm`` and
-  ``FusedRMSNormGated`` (Triton kernels), ``rmsnorm(x) * weight (+ bias)`` (``* act(g)``) in float32.
-
-What they do not cover raises ``NotImplementedError`` naming the argument: recurrent states in or out (decoding),
-``cp_context``, KDA's ``use_graph``/``return_intermediate_states``.
-"""
+"""Pure-torch stand-ins with the signatures of FLA's entry points (fla-core 0.6), for :mod:`~.serving`. They ask
+FLA's own cached index helpers as the kernels do, so FLA's cache (and the AC fault) behaves as with the kernels.
+Recurrent states, ``cp_context`` and KDA's ``use_graph``/``return_intermediate_states`` raise
+``NotImplementedError``."""
 
 from __future__ import annotations
 
@@ -145,14 +130,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
               return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
               cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
-    """FLA's ``chunk_kda`` on packed documents (``q/k [B, T, H, K]``, ``g [B, T, HV, K]``), FLA's naive
-    recurrence per document -> ``(o [B, T, HV, V], None)``.
-
-    Asks ``prepare_chunk_indices`` (by keyword) / ``prepare_chunk_offsets`` (positionally) as ``chunk_kda`` does
-    in its forward, so FLA's cache hits and misses as with the kernel. ``A_log``/``dt_bias`` come in ``kwargs``
-    (``use_gate_in_kernel``; with ``lower_bound``, FLA's lower-bound gate). ``state_v_first`` and
-    ``safe_gate`` change nothing without recurrent states.
-    """
+    """FLA's ``chunk_kda`` (``q/k [B, T, H, K]``, ``g [B, T, HV, K]``), FLA's naive recurrence per document (a
+    per-token loop: keep inputs short) -> ``(o [B, T, HV, V], None)``."""
     from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
     from fla.ops.kda.naive import naive_recurrent_kda
 
@@ -185,7 +164,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     return torch.cat(pieces, dim=1).to(q.dtype), None
 
 def swiglu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """FLA's ``swiglu`` (``fla.modules.activations``): ``silu(x) * y``, the activation in float32."""
+    """FLA's ``swiglu``: ``silu(x) * y``, the activation in float32."""
     return (F.silu(x.float()) * y.float()).to(x.dtype)
 
 
@@ -208,8 +187,7 @@ def _rms_norm(module: Any, x: torch.Tensor, residual: torch.Tensor | None, resid
 
 
 def rms_norm_forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
-    """``fla.modules.RMSNorm.forward``: ``rmsnorm(x (+ residual)) * weight (+ bias)``; with ``prenorm``, also
-    the summed residual."""
+    """``RMSNorm.forward``: ``rmsnorm(x (+ residual)) * weight (+ bias)`` (with ``prenorm``, also the residual)."""
     x, y, residual_out = _rms_norm(self, x, residual, residual_in_fp32)
     y = y.to(x.dtype)
     return (y, residual_out) if prenorm else y

@@ -1,41 +1,8 @@
-"""FLA's Triton entry points served by reference stand-ins inside a block: foreign models on a CPU.
-
-FLA's Triton kernels cannot run on a CPU, and foreign code (transformers, flash-linear-attention's own
-``fla.layers`` / ``fla.models``, OLMo-core, torchtitan) calls them wherever it looked them up. Inside
-:func:`reference_kernels` those lookups are pointed at the stand-ins of :mod:`~.served_ops` (same signatures,
-pure torch, FLA's own cached index helpers asked as the kernels ask them, so FLA's cache hits and misses, and
-the AC fault, are as with the kernels):
-
-* functions: ``chunk_gated_delta_rule`` (FLA's in-kernel gate included), ``causal_conv1d``, ``chunk_kda``,
-  ``swiglu``, ``swiglu_linear``;
-* ``forward`` of the classes ``fla.modules.RMSNorm`` and ``fla.modules.FusedRMSNormGated``, so instances built
-  earlier follow.
-
-Where foreign code finds FLA (fla-core 0.6, flash-linear-attention 0.6, OLMo-core 3.0, transformers 5.24,
-torchtitan 0.3):
-
-* module attributes bound to FLA's function objects: FLA's own modules and its alias modules
-  (``fla.modules.convolution`` and ``fla.modules.conv`` are synthesised modules whose attributes are separate
-  bindings), ``fla.layers.*`` (bound at import), torchtitan's ``_fla_chunk_gated_delta_rule`` (bound at
-  import), and the package attributes OLMo-core imports inside its dispatch functions. All are found by
-  identity over ``sys.modules``.
-* closure cells: transformers' ``use_kernel_func_from_hub_with_fallback`` captures FLA's function in the
-  closure of the wrapper it binds (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``); the cell
-  is rewritten, so every binding of that wrapper sees the stand-in. (The wrapper passes on only FLA's named
-  parameters, computed from FLA's signature at import: the stand-ins accept all of them.)
-
-On exit everything is put back, in reverse order, and a module imported inside the block that bound a
-stand-in is pointed back at FLA (bindings that held a stand-in before the block are left alone). What is put
-back is FLA's entry point behind a guard (made once per entry point, so repeated blocks never stack them; its
-``__wrapped__`` and ``fla_entry_point`` are FLA's object): called with a tensor on any other device than the CPU
-it calls FLA unchanged; called with CPU tensors only, where FLA's Triton kernels cannot run, it raises a
-``RuntimeError`` naming the entry point before FLA runs any op. That is the trap of a region checkpointed inside
-the block whose backward runs after it: its recompute calls FLA's own entry point, which failed with Triton's
-``0 active drivers`` (full AC) or, under SAC, with torch's ``aten.empty_like.default encountered during backward
-but not found in storage``; the guard's message says to run the backward inside the block.
-Not served (they raise on a CPU as before): FLA's other kernels (GLA, RetNet, ... : run those on CUDA), its
-fused cross-entropy losses (build FLA models with ``fuse_cross_entropy=False`` on a CPU), recurrent states.
-"""
+"""FLA's Triton entry points served by the stand-ins of :mod:`~.served_ops` inside a block, wherever foreign code
+looked them up (module attributes found by identity, closure cells of transformers' kernel wrappers): foreign
+models on a CPU. On exit FLA's entry points come back behind a guard that raises on CPU-only tensors, so run the
+backward of a region checkpointed inside the block inside it too. FLA's other kernels (GLA, ...) and fused losses
+(use ``fuse_cross_entropy=False``) are not served."""
 
 from __future__ import annotations
 
@@ -61,7 +28,6 @@ _GUARDS: dict[int, tuple[Any, Any]] = {}  # {id(FLA's entry point): (it, its gua
 
 
 def _cpu_only(args: tuple, kwargs: dict) -> bool:
-    """Tensors among the arguments, all of them on the CPU."""
     devices = {a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
     return devices == {"cpu"}
 
@@ -76,15 +42,10 @@ def _outside_message(name: str) -> str:
 
 
 def _guarded(fla: Any, name: str | None = None) -> Any:
-    """FLA's entry point ``fla`` (a function, or a class's ``forward``) behind the guard that
-    :func:`reference_kernels` puts back on exit: the same guard object for every call, ``fla`` itself for a
-    guard. ``name`` (default: ``fla.__qualname__``) is the one the guard's error gives.
-
-    The guard calls ``fla`` unchanged unless its tensor arguments are all on the CPU.
+    """FLA's entry point ``fla`` behind the guard (one per entry point; ``fla`` itself for a guard), named ``name``.
 
     Raises:
-        RuntimeError: (from the guard) every tensor argument is a CPU tensor, before FLA runs any op. Inside
-            a backward the message names the recompute of a region checkpointed inside ``reference_kernels()``.
+        RuntimeError: (from the guard) every tensor argument is a CPU tensor, before FLA runs any op.
     """
     fla = getattr(fla, _GUARDED, fla)
     found = _GUARDS.get(id(fla))
@@ -125,7 +86,7 @@ def _forwards() -> list[tuple[type, Any]]:
 
 
 def _module_dicts() -> Iterator[tuple[str, dict]]:
-    """Every module's namespace but this seam's own (deprecated module attributes warn when touched: silenced)."""
+    """Every module's namespace but this seam's own."""
     ours = (sys.modules[__name__], served_ops)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -135,8 +96,7 @@ def _module_dicts() -> Iterator[tuple[str, dict]]:
 
 
 def _cells(value: Any) -> tuple:
-    """The closure cells of a ``functools.wraps`` wrapper (transformers' kernel wrappers), else ``()`` (also for
-    a guard of this module: its cell holds FLA's entry point and stays so)."""
+    """The closure cells of a ``functools.wraps`` wrapper, else ``()`` (also for a guard of this module)."""
     if (isinstance(value, types.FunctionType) and value.__closure__ and hasattr(value, "__wrapped__")
             and not hasattr(value, _GUARDED)):
         return value.__closure__
@@ -184,7 +144,7 @@ class _Patches:
 
 
 def _adapter_bindings(adapters: dict[int, Any]) -> set[tuple[int, Any]]:
-    """``(id(holder), key)`` of every binding (module attribute or closure cell) holding an adapter now."""
+    """``(id(holder), key)`` of every binding holding an adapter now."""
     found = set()
     for _, namespace in _module_dicts():
         for attr, value in list(namespace.items()):
@@ -195,8 +155,7 @@ def _adapter_bindings(adapters: dict[int, Any]) -> set[tuple[int, Any]]:
 
 
 def _point_back_at_fla(adapters: dict[int, Any], keep: set[tuple[int, Any]]) -> None:
-    """Bindings made inside the block (modules imported there) that hold an adapter: back to FLA's function (behind
-    its guard: ``adapters`` maps a stand-in to it)."""
+    """Bindings made inside the block that hold an adapter: back to FLA's function (behind its guard)."""
     for _, namespace in _module_dicts():
         for attr, value in list(namespace.items()):
             if id(value) in adapters and (id(namespace), attr) not in keep:
@@ -211,14 +170,12 @@ def _point_back_at_fla(adapters: dict[int, Any], keep: set[tuple[int, Any]]) -> 
 def reference_kernels() -> Iterator[ServedKernels]:
     """Serve FLA's gated delta rule, causal conv, KDA, SwiGLU and RMS norms with reference stand-ins in the block.
 
-    Use it to run a model that calls FLA (transformers' Qwen3.5 / Qwen3-Next / OLMo-hybrid / Kimi-Linear
-    ..., FLA's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM``, OLMo-core's hybrids) on a CPU, e.g. under
-    :class:`~fla_ac_isolation.ReplayAudit`: ``with reference_kernels(): loss = model(**batch).loss``.
-    Blocks nest (the innermost records the calls). Not thread-safe: it rebinds module attributes.
+    Runs a model that calls FLA (transformers, FLA's models, OLMo-core) on a CPU:
+    ``with reference_kernels(): loss = model(**batch).loss``. Blocks nest (the innermost records the calls). Not
+    thread-safe: it rebinds module attributes.
 
     Yields:
-        :class:`ServedKernels`: the places patched and, filled as the block runs, every kernel call with the
-        offsets objects it received (``cu_seqlens``, ``cu_seqlens_cpu``, ``chunk_indices``).
+        :class:`ServedKernels`: the places patched and every kernel call with the offsets objects it received.
 
     Raises:
         ImportError: fla-core is not installed.

@@ -1,8 +1,5 @@
-"""Imported once by the regression's forkserver so that every rank process starts with the heavy
-modules (torch, FLA, torchtitan, transformers) already loaded; it also silences two known warnings that
-every rank would otherwise print (CPU autocast to float32 in torchtitan's router; FLA's "Triton is not
-supported" on CPU). Nothing here runs any computation.
-"""
+"""Imported once by the regression's forkserver so that rank processes start with the heavy modules loaded;
+also silences two known warnings."""
 
 import warnings
 

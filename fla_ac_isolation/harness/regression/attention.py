@@ -1,13 +1,5 @@
-"""The tiny decoders' attention: causal *per document* (block-diagonal over ``cu_seqlens``), written with plain
-``scaled_dot_product_attention`` and a boolean mask (:class:`AttentionLayout`, built once per forward).
-
-Under context parallelism (``seqlens.cp`` set; every tensor holds this rank's ``T / W`` tokens) the mixers
-run their CP paths, and attention keeps it simple: each rank's queries attend to the keys and values of
-ALL ranks, gathered with torch's autograd all-gather and put in packed order
-(:func:`~fla_ac_isolation.parallel.gather_unshard`), through the rows of the per-document causal mask that
-belong to this rank's tokens (global positions, :func:`~fla_ac_isolation.parallel.cp_token_index`). The
-memory of that is ``T`` keys per rank, fine for a regression (ring attention is the scalable form).
-"""
+"""The tiny decoders' attention: causal per document over ``cu_seqlens``, plain ``scaled_dot_product_attention``
+with a boolean mask. Under CP each rank's queries attend to the keys and values of all ranks, gathered."""
 
 from __future__ import annotations
 
@@ -29,8 +21,7 @@ class AttentionLayout(NamedTuple):
     Attributes:
         mask: ``[T, T]`` bool, True where query ``i`` may attend key ``j`` (same document, ``j <= i``);
             under CP ``[T / W, T]``: the rows of this rank's tokens, keys in packed order.
-        positions: ``[T]`` int64 position of each token inside its document (for RoPE); under CP
-            ``[T / W]``, this rank's tokens (a document continues its count across ranks).
+        positions: ``[T]`` int64 position of each token in its document (RoPE); under CP ``[T / W]``.
         cp: the CP configuration when the batch is sharded (keys and values are then gathered).
     """
 
@@ -60,17 +51,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class PackedAttention(nn.Module):
     """Causal multi-head attention restricted to each packed document (GQA, optional gate/RoPE/qk-norm).
 
-    With ``gated=True`` (Qwen3.5 / Qwen3.8) ``q_proj`` also produces a per-channel output gate, applied
-    as ``sigmoid(gate)`` before ``o_proj``; ``qk_norm`` RMS-normalises q and k per head; RoPE (over the
-    first ``rotary_dim`` channels of each head, positions restarting at every document) when
-    ``rotary_dim > 0``.
-
     Args:
         hidden_size: model width ``D``.
         num_heads: query heads.
         num_kv_heads: key/value heads; ``num_heads % num_kv_heads == 0``.
         head_dim: channels per head.
-        gated: Qwen3.5's output gate.
+        gated: a per-channel ``sigmoid`` output gate from ``q_proj`` (Qwen3.5).
         qk_norm: per-head RMSNorm of q and k.
         rotary_dim: channels per head that RoPE rotates (even; 0 = no positional encoding).
         rope_theta: RoPE base.

@@ -1,37 +1,6 @@
-"""Deterministic packed SFT batches for the regression, different on every rank.
-
-Every rank builds every rank's batch from ``(seed, step, rank)`` alone, so no data is communicated and
-an EP=1 run can process the *same global batch* (all ranks' documents packed one after another).
-
-Shape of the schedule (``T`` packed tokens per rank and step, ``N`` documents):
-
-* ordinary steps: 2 to 4 documents of 1 to ``max_doc_len`` tokens, one of at least 72 tokens (two FLA
-  chunks or more), a zero-length document at a random place and a final document of ``1 + 10 * r``
-  tokens on rank ``r``; lengths are drawn per rank, so token counts and expert traffic differ between
-  ranks;
-* step 1 (when ``steps >= 2``) is a *sparse* step: rank 0 packs ``[2, 0]`` and the other ranks ``[0, 1]``
-  tokens, i.e. 2 + (world - 1) tokens routed to ``top_k`` experts each; with 16 experts, top-4 and
-  EP=2 that is at most 12 routings, so at least 4 experts receive no token at all.
-
-Labels are next-token targets within a document; the last token of each document has no target
-(``-100``). The loss is the sum of token cross-entropies over all ranks divided by the global number of
-targets, so per-rank gradients add up to the gradient of the global mean.
-
-Under context parallelism every rank trains on ONE global batch (:func:`cp_batch`), cut by
-:func:`fla_ac_isolation.parallel.shard_packed_batch` after the labels were shifted. Its 128 tokens are
-laid out for the cuts of FLA's layouts over 2 ranks (contiguous: 64; zigzag: 32, 64, 96):
-``[10, 0, 30, 88]`` (the last document crosses the contiguous cut and rank 1 of the contiguous layout
-holds no document start) and ``[10, 0, 20, 70, 28]`` (a document over three zigzag cuts; rank 1 of the
-zigzag layout holds no document start); both have a zero-length document. Step 0 packs the one made
-for the layout (the step the run without CP is compared with gradient by gradient), step 1 the other.
-A token count that does not split is padded with a last document whose labels are all ignored.
-
-Under pipeline parallelism every data-parallel rank ``r`` trains its own batch (:func:`pp_batch`): the
-documents of :data:`PP_SCHEDULE` for the step (a zero-length document, a 70-token one, 156 to 176 tokens) and a
-last document of ``1 + 10 r`` tokens; every PP rank of ``r`` builds the same batch and cuts it into the same
-microbatches. The :data:`~.spec.PP1_REFERENCE` run trains every data-parallel rank's batch packed as one
-(:func:`pp_global_batch`). :func:`pp_microbatch_tokens` is the one token count of every microbatch of a run.
-"""
+"""Deterministic packed SFT batches for the regression, different on every rank and built from ``(seed, step,
+rank)`` alone (no data is communicated). Each step packs a zero-length document and a long one; step 1 is sparse
+(some experts get no token). The loss is a token sum over the global target count, so rank gradients add up."""
 
 from __future__ import annotations
 
@@ -112,7 +81,7 @@ def _targets(lens: list[int]) -> int:
 def rank_batch(
     step: int, rank: int, world: int, *, seed: int = 0, vocab_size: int = 256, max_doc_len: int = 64
 ) -> PackedBatch:
-    """The batch of ``rank`` (of ``world``) at ``step``; pure function of its arguments."""
+    """The batch of ``rank`` (of ``world``) at ``step``."""
     lens = _doc_lens(seed, step, rank, world, max_doc_len)
     docs = _tokens(seed, step, rank, lens, vocab_size)
     total = sum(_targets(_doc_lens(seed, step, r, world, max_doc_len)) for r in range(world))
@@ -122,7 +91,7 @@ def rank_batch(
 def global_batch(
     step: int, world: int, *, seed: int = 0, vocab_size: int = 256, max_doc_len: int = 64
 ) -> PackedBatch:
-    """All ``world`` ranks' batches of ``step`` packed into one (what an EP=1 run over them sees)."""
+    """All ``world`` ranks' batches of ``step`` packed into one."""
     parts = [rank_batch(step, r, world, seed=seed, vocab_size=vocab_size, max_doc_len=max_doc_len)
              for r in range(world)]
     return PackedBatch(
@@ -141,7 +110,7 @@ CP_SCHEDULE: dict[str, tuple[tuple[int, ...], ...]] = {
 
 
 def cp_padding_note(cp: int, layout: str) -> str | None:
-    """What :func:`cp_batch` pads for ``cp`` ranks in ``layout``, as one line for the report; None if nothing."""
+    """What :func:`cp_batch` pads, as one line for the report; None if nothing."""
     parts = CPConfig(world_size=cp, rank=0, layout=layout).num_parts
     pads = sorted({-sum(lens) % parts for lens in CP_SCHEDULE[layout]})
     if pads == [0]:
@@ -162,8 +131,7 @@ def cp_batch(
     Args:
         step: training step (``CP_SCHEDULE[layout]`` is cycled).
         layout: the CP layout (step 0 packs the batch made for its cuts).
-        multiple: the token count is padded up to a multiple of it (``CPConfig.num_parts``) with a last
-            document whose labels are all ``-100``.
+        multiple: the token count is padded up to a multiple of it with a last document of ``-100`` labels.
         seed: token ids.
         vocab_size: token ids are drawn from ``[0, vocab_size)``.
     """
@@ -203,7 +171,7 @@ def pp_batch(step: int, rank: int, world: int, *, seed: int = 0, vocab_size: int
 
 
 def pp_global_batch(step: int, world: int, *, seed: int = 0, vocab_size: int = 256) -> PackedBatch:
-    """Every data-parallel rank's :func:`pp_batch` of ``step`` packed into one (the one-rank reference's batch)."""
+    """Every data-parallel rank's :func:`pp_batch` of ``step`` packed into one."""
     parts = [pp_batch(step, r, world, seed=seed, vocab_size=vocab_size) for r in range(world)]
     return PackedBatch(
         torch.cat([p.input_ids for p in parts], dim=1),
@@ -214,9 +182,7 @@ def pp_global_batch(step: int, world: int, *, seed: int = 0, vocab_size: int = 2
 
 
 def pp_microbatch_tokens(steps: int, world: int, microbatches: int) -> int:
-    """The token count of every microbatch of a PP run: the largest microbatch of
-    :func:`~fla_ac_isolation.parallel.split_packed_microbatches` over the ``steps`` steps and ``world``
-    data-parallel ranks (torch's pipeline stages keep the activation shapes of their first step)."""
+    """The one token count of every microbatch of a PP run (the largest over all steps and ranks)."""
     most = 0
     for step in range(steps):
         for rank in range(world):
@@ -227,7 +193,7 @@ def pp_microbatch_tokens(steps: int, world: int, microbatches: int) -> int:
 
 
 def pp_microbatch_note(steps: int, world: int, microbatches: int) -> str:
-    """What the PP run's microbatches are, as one line for the report (token count, padding)."""
+    """The PP run's microbatches (token count, padding), as one line for the report."""
     tokens = pp_microbatch_tokens(steps, world, microbatches)
     real = sum(sum(_pp_lens(step, rank)) for step in range(steps) for rank in range(world))
     padded = tokens * microbatches * steps * world

@@ -1,30 +1,5 @@
-"""torchtitan's MoE and its expert parallelism, set up for the regression (gloo on CPU, NCCL on CUDA).
-
-Everything MoE here is torchtitan 0.3's own code: ``MoE`` (``TokenChoiceTopKRouter`` + ``GroupedExperts``
-+ optional shared SwiGLU expert) with the ``AllToAllTokenDispatcher`` ("standard" comm backend), built
-through torchtitan's config helpers and sharded by torchtitan's ``Module.parallelize`` with its own MoE
-sharding plan (``set_moe_sharding_config``): routed-expert weights become DTensors sharded on the expert
-dim over the ``ep`` mesh axis, and the dispatcher runs its all-to-alls on that axis.
-
-What this module adds is only the environment torchtitan expects:
-
-* :func:`ensure_torch_compat` - defines ``torch.compiler._is_non_strict_tracing`` (returning ``False``)
-  when the installed torch lacks it (torch 2.11), since the EP dispatcher calls it. Returns a note saying
-  so; nothing happens on torch versions that have it.
-* :func:`setup_torchtitan` - selects torchtitan's ``partial_dtensor`` SPMD backend (its default backend
-  sends uneven list all-to-alls that gloo rejects), points torchtitan's mesh code at the CPU when the
-  run is on CPU, and registers torch's ``fake`` process-group backend, which torchtitan's mesh builder
-  uses for size-1 axes.
-* :func:`expert_parallel_dims` / :func:`apply_expert_parallel` - torchtitan's ``ParallelDims`` of a
-  :class:`~fla_ac_isolation.parallel.ParallelMesh` (``dp_shard = dp``, ``cp``, ``pp``, ``ep``; no FSDP, no TP),
-  a rank's one set of process groups (gradient sums, CP, PP and EP), and the call that shards every MoE of a
-  model on it. The EP ranks are the data-parallel ranks, or under
-  context parallelism borrowed from the CP ranks, exactly as torchtitan does it (its sparse mesh
-  ``(dp_replicate, efsdp, ep)`` with ``efsdp = dp_shard * cp / ep = 1``).
-
-Gradients of non-expert parameters are per-rank partial sums (the data-parallel reduction that FSDP
-would do is done by the harness); expert gradients are complete on their owning rank after backward.
-"""
+"""torchtitan's MoE and its expert parallelism, with the environment torchtitan expects, for the regression.
+Non-expert gradients are per-rank partial sums (the harness reduces them)."""
 
 from __future__ import annotations
 
@@ -53,11 +28,7 @@ _GROUPED_EXPERTS_TP_LAYOUT = {"w1_EFD": 1, "w2_EDF": 2, "w3_EFD": 1}
 
 
 def ensure_torch_compat() -> list[str]:
-    """Add what torchtitan 0.3's EP dispatcher needs from torch and this torch lacks; return notes.
-
-    torch 2.11 has no ``torch.compiler._is_non_strict_tracing``; the dispatcher calls it to choose its
-    all-to-all path. Defining it as ``lambda: False`` is exact outside ``torch.export`` tracing.
-    """
+    """Define what torchtitan's EP dispatcher needs and this torch lacks; return notes."""
     notes = []
     if not hasattr(torch.compiler, "_is_non_strict_tracing"):
         torch.compiler._is_non_strict_tracing = lambda: False  # type: ignore[attr-defined]
@@ -69,11 +40,11 @@ def ensure_torch_compat() -> list[str]:
 
 
 def setup_torchtitan(device_type: str) -> None:
-    """Configure torchtitan's process-wide state for this run (call once per process, before meshes).
+    """Configure torchtitan's process-wide state (once per process, before meshes): the ``partial_dtensor`` SPMD
+    backend, the mesh device, torch's ``fake`` backend for size-1 axes.
 
     Args:
-        device_type: ``"cpu"`` or ``"cuda"``; torchtitan's mesh builder otherwise assumes its import-time
-            guess (``"cuda"`` on a machine without accelerators).
+        device_type: ``"cpu"`` or ``"cuda"``.
     """
     importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers backend "fake"
     import torchtitan.distributed.parallel_dims as parallel_dims_module
@@ -92,7 +63,7 @@ class MoEShape:
         hidden_dim: width of each routed expert's SwiGLU.
         num_experts: routed experts ``E`` (a multiple of the EP degree).
         top_k: experts per token ``K``.
-        shared_hidden_dim: width of the always-on shared SwiGLU expert, or ``None`` for none.
+        shared_hidden_dim: width of the shared SwiGLU expert, or ``None`` for none.
         score_func: router activation, ``"softmax"`` (Qwen) or ``"sigmoid"`` (Nemotron-H).
         route_norm: renormalise the top-k scores to sum to 1.
     """
@@ -107,17 +78,13 @@ class MoEShape:
 
 
 def build_moe(shape: MoEShape, *, num_layers: int, ep_enabled: bool) -> nn.Module:
-    """Build torchtitan's ``MoE`` for ``shape`` and initialise its parameters (uses the global RNG).
-
-    Initialisation follows torchtitan's Qwen3 recipe: normal(0.02) for the router and the experts, the
-    down projection scaled by ``1 / sqrt(2 * num_layers)``. The expert-load-balancing bias is off (it is
-    updated by an optimizer hook outside the model, which this regression does not use).
+    """Build torchtitan's ``MoE`` for ``shape``, initialised from the global RNG (torchtitan's Qwen3 recipe;
+    load-balancing bias off).
 
     Args:
         shape: layer sizes.
         num_layers: decoder depth (scales the down-projection init).
-        ep_enabled: build the sharding plan for expert parallelism (EP > 1); shard it with
-            :func:`apply_expert_parallel` afterwards.
+        ep_enabled: build the EP sharding plan; shard with :func:`apply_expert_parallel` afterwards.
     """
     import spmd_types as spmd
     from torchtitan.models.common.config_utils import (
@@ -172,12 +139,8 @@ def build_moe(shape: MoEShape, *, num_layers: int, ep_enabled: bool) -> nn.Modul
 
 
 def expert_parallel_dims(mesh: ParallelMesh):
-    """torchtitan's ``ParallelDims`` of ``mesh`` (``dp_replicate = tp = 1``, ``dp_shard = mesh.dp``), its device
-    meshes built: the one set of process groups of a rank (every rank calls it; after :func:`setup_torchtitan`).
-
-    Its ``pp``, ``cp`` and ``loss`` (``dp * cp``: a stage's gradient sum) meshes are the layout of
-    :meth:`ParallelMesh.coordinates <fla_ac_isolation.parallel.ParallelMesh.coordinates>` (torchtitan's dense
-    order ``(pp, batch, cp, tp)`` with ``tp = 1``); its ``ep`` mesh shards the experts.
+    """torchtitan's ``ParallelDims`` of ``mesh`` (``dp_shard = mesh.dp``), its device meshes built: a rank's
+    process groups. Every rank calls it, after :func:`setup_torchtitan`.
 
     Raises:
         RuntimeError: no default process group of ``mesh.world`` ranks.
@@ -198,12 +161,10 @@ def expert_parallel_dims(mesh: ParallelMesh):
 
 
 def apply_expert_parallel(moes: list[nn.Module], dims) -> None:
-    """Shard every MoE in ``moes`` over the ``dims.ep`` expert-parallel ranks with torchtitan's plan.
+    """Shard every MoE in ``moes`` over ``dims.ep`` ranks with torchtitan's plan (``E / ep`` experts per rank).
 
-    ``dims`` is the rank's built ``ParallelDims`` (:func:`expert_parallel_dims`; a
-    :class:`~fla_ac_isolation.parallel.ParallelMesh` is built into one). Routed-expert weights become
-    ``DTensor`` s ``Shard(0)`` on the ``ep`` axis (``E / ep`` local experts per rank); the token dispatcher gets
-    the ``ep`` mesh for its all-to-alls.
+    ``dims``: a built ``ParallelDims`` (:func:`expert_parallel_dims`) or a
+    :class:`~fla_ac_isolation.parallel.ParallelMesh`.
 
     Raises:
         ValueError: the number of experts is not a multiple of ``dims.ep``.

@@ -1,25 +1,6 @@
-"""The launcher: one set of worker processes per mode (``spec.world`` of them, the ranks of ``spec.mesh``), and
-how their failures are collected.
-
-:func:`run_spawned` starts the ranks of each mode (on CPU from a ``forkserver`` preloaded with torch, FLA,
-torchtitan and transformers, so that a start is cheap; on CUDA, or when the ranks need
-environment variables (``spec.rank_env``, e.g. ``TRITON_INTERPRET=1`` for ``kernels="interpreter"``), by
-``spawn``); gloo on CPU, NCCL on CUDA (one GPU per rank); each rank builds its
-:class:`~fla_ac_isolation.harness.regression.rank.RankContext` (the mesh's process groups). Under context
-parallelism the :data:`~.spec.CP1_REFERENCE` run comes first, on one process (under pipeline parallelism the
-:data:`~.spec.PP1_REFERENCE` run). One launch per mode keeps modes
-independent: a mode that crashes, on one rank or all, is recorded as failed; its surviving ranks are killed
-within ``FAILURE_GRACE_S`` seconds (they would otherwise wait in a collective until the process-group
-timeout), and the next mode starts fresh. The ``no-ac`` workers write their per-step gradients to a temporary
-folder; later modes compare against them on each rank.
-
-A rank reports through a queue: ``("started", rank, pid)`` once its process group is up, then notes,
-steps, and its result or its error. A rank that dies without a report (a signal, the OOM killer) is
-recorded as ``process died (killed by SIGKILL)`` or ``(exit code N)``, ahead of the errors its peers then
-raise (a connection reset is a consequence). Whatever happens, every worker of a mode is stopped and
-reaped before the next mode starts, and an error of the launcher itself is recorded as that mode's
-failure, so the report is always complete.
-"""
+"""The launcher: one set of rank processes per mode (fork server on CPU, ``spawn`` on CUDA or with
+``spec.rank_env``), and how their failures are collected. A failing mode is recorded, its surviving ranks are
+killed within ``FAILURE_GRACE_S``, and the next mode starts fresh; the report is always complete."""
 
 from __future__ import annotations
 
@@ -60,13 +41,12 @@ REFERENCES: tuple[str, ...] = ("no-ac", CP1_REFERENCE, PP1_REFERENCE)
 
 
 def mode_mesh(spec: RegressionSpec, mode: str) -> ParallelMesh:
-    """The ranks of ``mode``: ``spec.mesh``, or one rank for :data:`~.spec.CP1_REFERENCE` and
-    :data:`~.spec.PP1_REFERENCE`."""
+    """The ranks of ``mode``: ``spec.mesh``, or one rank for the CP1/PP1 references."""
     return ParallelMesh() if mode in (CP1_REFERENCE, PP1_REFERENCE) else spec.mesh
 
 
 def _run_mode(spec: RegressionSpec, mode: str, ctx: RankContext, workdir: str, events) -> None:
-    """Train ``mode`` on this rank and report its result (references save their gradients for the others)."""
+    """Train ``mode`` on this rank and report its result."""
     rank = ctx.rank
     reference = _load(workdir, "no-ac", rank) if mode not in REFERENCES else None
     cp1_reference = _load(workdir, CP1_REFERENCE, 0) if spec.cp > 1 and mode != CP1_REFERENCE else None
@@ -87,7 +67,7 @@ def _report_and_exit(rank: int, err: BaseException, events) -> None:
 
 
 def _worker_main(rank: int, port: int, spec: RegressionSpec, mode: str, workdir: str, events) -> None:
-    """Entry point of one spawned rank for one mode. Reports through ``events``; never hangs on failure."""
+    """Entry point of one rank for one mode; reports through ``events``, never hangs on failure."""
     import torch.distributed as dist
 
     mesh = mode_mesh(spec, mode)
@@ -115,11 +95,7 @@ def _worker_main(rank: int, port: int, spec: RegressionSpec, mode: str, workdir:
 
 
 def _serial_main(spec: RegressionSpec, workdir: str, tasks, events) -> None:
-    """Entry point of the one spawned process that runs one-rank modes one after another (:class:`_SerialRank`).
-
-    Each mode name read from ``tasks`` runs as :func:`_worker_main` would run it; ``None`` ends the process.
-    A mode that raises is reported and ends the process (the next mode gets a fresh one).
-    """
+    """Entry point of the spawned process that runs one-rank modes in turn; ``None`` ends it, as does a failure."""
     try:
         device, notes, _held = setup_process(spec, 0)
         for note in notes:
@@ -133,8 +109,7 @@ def _serial_main(spec: RegressionSpec, workdir: str, tasks, events) -> None:
 
 
 class _SerialRank:
-    """A spawned process kept for the one-rank modes of a run: spawning costs every import again (the cost:
-    docs/regression.md), so one-rank modes share one process while they succeed."""
+    """A spawned process shared by the one-rank modes of a run while they succeed."""
 
     def __init__(self, mp_ctx, spec: RegressionSpec, workdir: str) -> None:
         self.tasks, self.events = mp_ctx.Queue(), mp_ctx.Queue()
@@ -144,7 +119,7 @@ class _SerialRank:
             self.process.start()
 
     def close(self) -> None:
-        """Ask the process to end (it finishes the mode in hand), then stop it and the queues."""
+        """Ask the process to end, then stop it and the queues."""
         with contextlib.suppress(Exception):
             self.tasks.put(None)
         self.process.join(2.0)
@@ -156,21 +131,20 @@ class _SerialRank:
 
 @dataclass(frozen=True)
 class _Hooks:
-    """The caller's callbacks: ``on_step(mode, step)`` (rank 0) and ``on_rank_start(mode, rank, pid)``."""
 
     on_step: Callable[[str, int], None] | None = None
     on_rank_start: Callable[[str, int, int], None] | None = None
 
 
 def _load(workdir: str, mode: str, rank: int) -> list[torch.Tensor] | None:
-    """The per-step gradients a reference run (:data:`REFERENCES`) saved, if it completed."""
+    """The per-step gradients a reference run saved, if it completed."""
     path = os.path.join(workdir, f"{mode}.rank{rank}.pt")
     return torch.load(path) if os.path.exists(path) else None
 
 
 @dataclass
 class _Outcome:
-    """What the ranks of one launch reported: results and errors by rank (errors in order of arrival)."""
+    """What the ranks of one launch reported: results and errors by rank."""
 
     results: dict[int, dict] = field(default_factory=dict)
     errors: dict[int, tuple[str, str]] = field(default_factory=dict)  # the first is the cause
@@ -178,11 +152,7 @@ class _Outcome:
 
 
 def _record_killed(procs, out: _Outcome, reporting: int) -> None:
-    """Record ranks ended by a signal (they never report): the cause, ahead of ``reporting``'s error.
-
-    A killed process closes its sockets a moment before it can be reaped, so a peer's connection error
-    may arrive first: the ranks still running get 0.1 s in all to show their exit code.
-    """
+    """Record ranks ended by a signal, ahead of ``reporting``'s error (the others get 0.1 s to show theirs)."""
     deadline = time.monotonic() + 0.1
     for r, p in enumerate(procs):
         if r in out.errors or r == reporting:
@@ -195,8 +165,7 @@ def _record_killed(procs, out: _Outcome, reporting: int) -> None:
 
 def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str], hooks: _Hooks,
            persistent: bool = False) -> _Outcome:
-    """Read the ranks' events until every rank exited (``persistent``: reported), a failure's grace ran out, or
-    the mode timed out."""
+    """Read the ranks' events until all exited, a failure's grace ran out, or the mode timed out."""
     out = _Outcome()
     start = time.monotonic()
     first_failure: float | None = None
@@ -237,7 +206,7 @@ def _watch(procs, events, spec: RegressionSpec, mode: str, notes: list[str], hoo
 
 
 def _merge(outcome: _Outcome, spec: RegressionSpec, mode: str, seconds: float, nprocs: int) -> ModeResult:
-    """One :class:`ModeResult` of a launch: rank 0's numbers, cache counts summed over ranks, the first error."""
+    """One :class:`ModeResult` of a launch: rank 0's numbers, cache counts summed, the first error."""
     merged = ModeResult(mode, seconds=seconds)
     if 0 in outcome.results:
         merged = ModeResult(**{**outcome.results[0], "seconds": seconds, "cache": {}, "cache_by_helper": {}})
@@ -263,11 +232,7 @@ def _merge(outcome: _Outcome, spec: RegressionSpec, mode: str, seconds: float, n
 
 
 def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: list[str], hooks: _Hooks) -> ModeResult:
-    """Start the ranks of ``mode`` (:func:`mode_mesh`), watch them, stop the
-    survivors, merge what they reported.
-
-    The workers are stopped and reaped however this ends (a hook that raises, ``KeyboardInterrupt``).
-    """
+    """Start the ranks of ``mode``, watch them, stop the survivors (however this ends), merge their reports."""
     events = mp_ctx.Queue()
     procs = []
     nprocs = mode_mesh(spec, mode).world
@@ -292,7 +257,7 @@ def _launch_mode(mp_ctx, spec: RegressionSpec, mode: str, workdir: str, notes: l
 
 def _run_on_serial_rank(serial: _SerialRank, spec: RegressionSpec, mode: str, notes: list[str],
                         hooks: _Hooks) -> tuple[ModeResult, bool]:
-    """Run a one-rank ``mode`` in ``serial``'s process: ``(result, whether the process can take the next mode)``."""
+    """Run a one-rank mode in ``serial``: ``(result, whether the process can take the next mode)``."""
     start = time.monotonic()
     serial.tasks.put(mode)
     outcome = _watch([serial.process], serial.events, spec, mode, notes, hooks, persistent=True)
@@ -301,8 +266,7 @@ def _run_on_serial_rank(serial: _SerialRank, spec: RegressionSpec, mode: str, no
 
 
 def _execution_order(spec: RegressionSpec) -> list[str]:
-    """``spec.ordered_modes`` with the unsafe modes last: a mode that fails can leave a shared one-rank process
-    (or a GPU) in a bad state only for the modes after it, so the modes that decide the exit code run first."""
+    """``spec.ordered_modes`` with the unsafe modes last, so a failure cannot spoil the modes that decide."""
     unsafe = set(modes_with_role("unsafe"))
     return [m for m in spec.ordered_modes if m not in unsafe] + [m for m in spec.ordered_modes if m in unsafe]
 
@@ -312,18 +276,11 @@ def run_spawned(
     on_step: Callable[[str, int], None] | None,
     on_rank_start: Callable[[str, int, int], None] | None = None,
 ) -> RegressionResult:
-    """Run every mode of ``spec`` in launched worker processes and return the results in ``spec.ordered_modes``.
+    """Run every mode of ``spec`` in rank processes; return the results in ``spec.ordered_modes`` order.
 
-    Modes of several ranks get fresh processes each (one launch per mode). Modes of one rank do too from a
-    fork server (a second per start); where ranks are spawned (CUDA, or ``spec.rank_env``), one-rank modes
-    share one process while they succeed, since each spawn pays every import again; a mode that fails or
-    times out ends that process and the next one-rank mode gets a new one. The unsafe modes run after the
-    others (:func:`_execution_order`).
-
-    ``on_step(mode, step)`` is called after each step of rank 0, ``on_rank_start(mode, rank, pid)`` when
-    a rank's process group is up. An ``Exception`` of the launcher itself (or of a hook) during one mode
-    is recorded as that mode's failure and the next mode runs; ``KeyboardInterrupt`` stops the run
-    (after the workers are stopped).
+    ``on_step(mode, step)`` is called after each step of rank 0, ``on_rank_start(mode, rank, pid)`` when a
+    rank's process group is up. An ``Exception`` of the launcher or a hook is recorded as that mode's failure;
+    ``KeyboardInterrupt`` stops the run after the workers are stopped.
     """
     mp_ctx = mp_context(spec.device, spec.rank_env)
     share_one_rank = mp_ctx.get_start_method() == "spawn"

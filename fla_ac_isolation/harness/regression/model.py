@@ -1,29 +1,6 @@
-"""Tiny decoders shaped like the real model families, with torchtitan's MoE, for the regression.
-
-Each family is built from its transformers config class with small sizes, so the mixers receive exactly
-the config fields the real models carry. What a family's decoder is comes from its registry entry
-(:attr:`fla_ac_isolation.families.Family.tiny`: a layout of :data:`LAYOUTS`, the name of its attention
-layers, its own config fields); this module holds the layouts:
-
-* ``qwen3_5_moe`` (``Qwen3_5MoeTextConfig``): the real layer pattern, three Gated DeltaNet layers then
-  one gated full-attention layer, every layer followed by a routed MoE (plus the shared expert).
-* ``qwen3_8`` (``Qwen4ExpTextConfig``, Qwen3.8-Flash-Next): three Gated DeltaNet layers (sigmoid output
-  gate) then one attention layer. The real model's attention layer is indexed sparse attention (QSA)
-  and its residual stream uses hyper-connections and n-gram embeddings; the tiny model uses plain gated
-  causal attention and a plain residual stream instead.
-* ``nemotron_h`` (``NemotronHConfig``): one mixer per block, pattern Mamba2 / MoE / attention / MoE
-  (Nemotron-H's attention has no positional encoding). Its MoE uses a sigmoid router as the real
-  model does; the experts are torchtitan's SwiGLU experts (the real ones use squared ReLU).
-
-Token mixers are this package's drop-ins (:mod:`fla_ac_isolation.mixers`), chosen by ``backend``, or a user's
-own class (``mixer=``, its contract in :mod:`.user_mixer`). The MoE
-is torchtitan's (:mod:`.expert_parallel`). Attention is :mod:`.attention`'s :class:`PackedAttention`, causal per
-document (re-exported here).
-
-The decoder builds nothing per layer: :meth:`TinyDecoder.forward` takes ONE ``LayerLocalSeqlens`` (or the
-unsafe :class:`~fla_ac_isolation.harness.modes.SharedSeqlens`) for the whole forward and hands it to every
-layer; each mixer calls ``.local()`` inside its own forward.
-"""
+"""Tiny decoders shaped like the real model families (built from their transformers configs with small sizes),
+with torchtitan's MoE, for the regression. A family's layout is its :attr:`~fla_ac_isolation.families.Family.tiny`
+(:data:`LAYOUTS`); the decoder hands ONE ``seqlens`` object to every layer, and each mixer calls ``.local()``."""
 
 from __future__ import annotations
 
@@ -49,8 +26,8 @@ class ModelSize:
     """Sizes of a tiny model (defaults: the CPU regression).
 
     Attributes:
-        hidden_size: model width ``D`` (128 on CPU, 512 on GPU).
-        num_layers: decoder blocks (4 = one period of each family's pattern).
+        hidden_size: model width ``D``.
+        num_layers: decoder blocks.
         num_experts: routed experts per MoE (a multiple of the EP degree).
         top_k: experts per token.
         vocab_size: vocabulary of the random-token batches.
@@ -64,18 +41,13 @@ class ModelSize:
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention and linear-attention head: 16 up to hidden 64 (the CPU context-parallel
-        runs, whose FLA kernels run under Triton's interpreter), 32 up to 256, else 64."""
+        """Channels per head: 16 up to hidden 64, 32 up to 256, else 64."""
         return 16 if self.hidden_size <= 64 else 32 if self.hidden_size <= 256 else 64
 
 
 # --------------------------------------------------------------------------------------------- blocks
 class DecoderBlock(nn.Module):
-    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + moe(post_norm(x))`` when it has an MoE.
-
-    ``mixer`` is a token mixer (``forward(h, seqlens)``), a :class:`PackedAttention`, or ``None`` (a
-    Nemotron-H MoE-only block); ``moe`` is torchtitan's MoE or ``None``.
-    """
+    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + moe(post_norm(x))``; either may be ``None``."""
 
     def __init__(self, kind: str, mixer: nn.Module | None, moe: nn.Module | None, hidden_size: int, eps: float):
         super().__init__()
@@ -103,8 +75,7 @@ class DecoderBlock(nn.Module):
 class TinyDecoder(nn.Module):
     """Embedding, decoder blocks, final norm and LM head.
 
-    Forward: ``input_ids [1, T]`` and ONE ``LayerLocalSeqlens`` for the whole batch -> logits
-    ``[1, T, vocab]`` (float32). ``seqlens`` goes to every block unchanged.
+    Forward: ``input_ids [1, T]`` and one ``seqlens`` for the batch -> float32 logits ``[1, T, vocab]``.
     """
 
     def __init__(self, family: str, config: Any, blocks: list[DecoderBlock], vocab_size: int, eps: float):
@@ -119,7 +90,7 @@ class TinyDecoder(nn.Module):
 
     @property
     def conv_kernel_size(self) -> int:
-        """Width of the mixers' causal conv (``CPConfig.conv_kernel_size`` under context parallelism)."""
+        """Width of the mixers' causal conv."""
         return getattr(self.config, "linear_conv_kernel_dim", None) or self.config.conv_kernel
 
     def moes(self) -> list[nn.Module]:
@@ -141,14 +112,12 @@ class TinyDecoder(nn.Module):
 
 # -------------------------------------------------------------------------------------------- layouts
 def _qwen_layer_types(num_layers: int) -> list[str]:
-    """Three Gated DeltaNet layers then one attention layer, repeated; a decoder of 2 or 3 layers still ends
-    with attention (the smallest decoder with both kinds, used by the context-parallel tests)."""
+    """Three Gated DeltaNet layers then one attention layer, repeated; 2 or 3 layers still end with attention."""
     last = num_layers - 1 if 1 < num_layers < 4 else None
     return ["full_attention" if (i + 1) % 4 == 0 or i == last else "linear_attention" for i in range(num_layers)]
 
 
 def _mixer_fields(layer: str, size: ModelSize) -> dict[str, Any]:
-    """The tiny decoder's mixer widths: heads of :attr:`ModelSize.head_dim` channels, a width-4 conv."""
     hd = size.head_dim
     if layer == "gdn":
         key_heads = max(2, size.hidden_size // (4 * hd))
@@ -159,7 +128,6 @@ def _mixer_fields(layer: str, size: ModelSize) -> dict[str, Any]:
 
 
 def _common_fields(size: ModelSize) -> dict[str, Any]:
-    """Vocabulary, width and attention heads (two key/value heads of :attr:`ModelSize.head_dim`)."""
     hd = size.head_dim
     return dict(vocab_size=size.vocab_size, hidden_size=size.hidden_size, num_attention_heads=size.hidden_size // hd,
                 num_key_value_heads=2, head_dim=hd)
@@ -202,8 +170,7 @@ def _partial_rotary_factor(config: Any) -> float:
 
 
 def _make_mixer(family: Family, backend: str, mixer: str | None) -> Any:
-    """``(config, layer_idx) -> module`` of the linear-attention slots: our drop-in with ``backend``, or the user's
-    class ``mixer`` (:mod:`.user_mixer`: ``cls(config, layer_idx)``)."""
+    """``(config, layer_idx) -> module`` of the linear-attention slots: our drop-in, or the user's ``mixer``."""
     if mixer is None:
         ours = family.mixer_class()
         return lambda config, i: ours(config, i, backend=backend)
@@ -279,26 +246,22 @@ LAYOUTS: dict[str, _Layout] = {
     "qwen": _Layout(_qwen_config, _qwen_blocks, "rms_norm_eps"),
     "nemotron_h": _Layout(_nemotron_h_config, _nemotron_h_blocks, "layer_norm_epsilon"),
 }
-"""The tiny decoders' layouts by :attr:`fla_ac_isolation.families.TinyRecipe.layout` (see the module docstring)."""
+"""The tiny decoders' layouts by :attr:`fla_ac_isolation.families.TinyRecipe.layout`."""
 
 
 def build_model(
     family: str, size: ModelSize = ModelSize(), *, backend: str = "auto", ep_enabled: bool = False,
     mixer: str | None = None,
 ) -> TinyDecoder:
-    """Build the tiny ``family`` decoder on the CPU in float32, initialised from the global RNG.
-
-    Seed the RNG first (``torch.manual_seed``) for identical weights across modes and ranks. Move it
-    to its device/dtype and apply expert parallelism afterwards
-    (:func:`~fla_ac_isolation.harness.regression.expert_parallel.apply_expert_parallel`).
+    """Build the tiny ``family`` decoder on the CPU in float32, initialised from the global RNG (seed it first).
+    Move it and apply expert parallelism afterwards.
 
     Args:
         family: a key of :data:`fla_ac_isolation.families.FAMILIES`.
         size: model sizes.
-        backend: the mixers' backend, ``"auto"`` | ``"fla"`` | ``"reference"``.
-        ep_enabled: build the MoEs' expert-parallel sharding plan (EP > 1).
-        mixer: ``"module:qualname"`` of a user's mixer class for the linear-attention slots, built as
-            ``cls(config, layer_idx)`` (:mod:`.user_mixer`: the contract); ``None``: the family's drop-in.
+        backend: ``"auto"`` | ``"fla"`` | ``"reference"``.
+        ep_enabled: build the MoEs' expert-parallel sharding plan.
+        mixer: ``"module:qualname"`` of a user's mixer class (:mod:`.user_mixer`); ``None``: the family's drop-in.
 
     Raises:
         ValueError: unknown ``family``; ``num_experts`` smaller than ``top_k``; a ``mixer`` that cannot be

@@ -1,17 +1,5 @@
-"""The tiny decoders split into pipeline stages, run by ``torch.distributed.pipelining`` (``spec.pp > 1``).
-
-A stage (:class:`DecoderStage`) holds a contiguous run of the decoder's blocks, the embedding on the first stage
-and the final norm and LM head on the last, under the decoder's own parameter names (``layers.2.mixer...``), so
-its gradients compare with the whole model's by name. Stages and schedules are torch's (``PipelineStage``, the
-schedule classes of :data:`~fla_ac_isolation.parallel.SCHEDULES`); nothing here sends, receives or orders work.
-
-Offsets: every PP rank cuts the same packed batch into the same microbatches
-(:func:`~fla_ac_isolation.parallel.split_packed_microbatches`, one token count for every step) and passes their
-``[M, W]`` offsets to ``schedule.step(..., cu_seqlens=...)``; each stage call builds ONE ``seqlens`` of the mode
-from its row (:func:`~fla_ac_isolation.parallel.microbatch_seqlens`), as the whole decoder does per forward without
-PP. The loss of a microbatch is its token cross-entropy sum over the whole step's target count, and the schedule
-does not scale gradients, so the stages' gradients are the whole batch's.
-"""
+"""The tiny decoders split into stages run by ``torch.distributed.pipelining`` (``spec.pp > 1``), under the
+decoder's parameter names; each stage call builds one ``seqlens`` from its microbatch's offsets row."""
 
 from __future__ import annotations
 
@@ -39,7 +27,7 @@ __all__ = ["DecoderStage", "PipelineRun", "TokenLoss", "build_pipeline", "pipeli
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[list[int]]:
-    """The decoder blocks of each stage: contiguous runs, the first ``num_layers % num_stages`` one block longer.
+    """The blocks of each stage: contiguous runs, the first ``num_layers % num_stages`` one block longer.
 
     Raises:
         ValueError: fewer blocks than stages.
@@ -54,14 +42,11 @@ def stage_layers(num_layers: int, num_stages: int) -> list[list[int]]:
 
 
 class DecoderStage(nn.Module):
-    """Blocks ``layer_ids`` of a :class:`~fla_ac_isolation.harness.regression.model.TinyDecoder` (the same module
-    objects),
-    with its embedding when ``first`` and its final norm and LM head when ``last``.
+    """Blocks ``layer_ids`` of a ``TinyDecoder`` (the same modules), with the embedding when ``first`` and the
+    final norm and LM head when ``last``.
 
-    Forward: ``x`` (``input_ids [1, T_mb]`` on the first stage, else hidden states ``[1, T_mb, D]``) and
-    ``cu_seqlens`` (this microbatch's ``[1, W]`` offsets row) -> hidden states ``[1, T_mb, D]``, or float32
-    logits ``[1, T_mb, vocab]`` on the last stage. Builds one ``seqlens_class`` object per call and hands it to
-    every block (each mixer calls ``.local()``).
+    Forward: ``x`` (``input_ids [1, T_mb]`` first, else ``[1, T_mb, D]``) and ``cu_seqlens [1, W]`` -> hidden
+    states ``[1, T_mb, D]``, or float32 logits ``[1, T_mb, vocab]`` on the last stage.
     """
 
     def __init__(self, model: TinyDecoder, layer_ids: list[int], *, first: bool, last: bool,
@@ -90,8 +75,7 @@ class DecoderStage(nn.Module):
 
 
 class TokenLoss:
-    """A microbatch's loss: token cross-entropy sum over the step's global target count (:attr:`num_targets`,
-    set before each step), targets ``-100`` ignored."""
+    """Token cross-entropy sum over the step's target count (:attr:`num_targets`, set per step); ``-100`` ignored."""
 
     def __init__(self) -> None:
         self.num_targets = 1
@@ -102,8 +86,7 @@ class TokenLoss:
 
 @dataclass
 class PipelineRun:
-    """This rank's part of the pipeline: its stage modules and torch's stages (in :func:`stage_indices` order),
-    the schedule, the loss, and the audit's region tags (attached to the stages).
+    """This rank's part of the pipeline.
 
     Attributes:
         modules: the :class:`DecoderStage` of each local stage.
@@ -121,16 +104,16 @@ class PipelineRun:
 
     @property
     def has_first(self) -> bool:
-        """This rank holds the first stage (it feeds ``input_ids``)."""
+        """This rank holds the first stage."""
         return any(m.first for m in self.modules)
 
     @property
     def has_last(self) -> bool:
-        """This rank holds the last stage (it computes the loss)."""
+        """This rank holds the last stage."""
         return any(m.last for m in self.modules)
 
     def parameters(self) -> list[nn.Parameter]:
-        """The local stages' parameters, each once, in stage and module order."""
+        """The local stages' parameters, each once."""
         seen: dict[int, nn.Parameter] = {}
         for m in self.modules:
             for p in m.parameters():
@@ -138,7 +121,7 @@ class PipelineRun:
         return list(seen.values())
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` of the local stages under the decoder's names (checkpoint wrappers dropped)."""
+        """``(name, parameter)`` under the decoder's names (checkpoint wrappers dropped)."""
         out = []
         for m in self.modules:
             for name, p in m.named_parameters():
@@ -164,12 +147,12 @@ def build_pipeline(
     """Split ``model`` (checkpointed and expert-sharded already, if wanted) into this PP rank's stages.
 
     Args:
-        model: the whole decoder (every PP rank builds it from the same seed and keeps its stages' blocks).
-        schedule: a key of :data:`~fla_ac_isolation.parallel.SCHEDULES` (checked by the spec).
+        model: the whole decoder (built on every PP rank from the same seed).
+        schedule: a key of :data:`~fla_ac_isolation.parallel.SCHEDULES`.
         pp_rank: this rank's place in the PP group.
-        pp: the PP group's size (the PP degree).
+        pp: the PP degree.
         microbatches: microbatches per step.
-        seqlens_class: the mode's offsets class (:attr:`fla_ac_isolation.harness.modes.Mode.seqlens_class`).
+        seqlens_class: the mode's offsets class.
         device: the stage device.
         group: the PP process group (``None``: the default group).
     """
@@ -191,15 +174,11 @@ def build_pipeline(
 
 
 def pipeline_step(run: PipelineRun, batch: PackedMicrobatches, num_targets: int) -> torch.Tensor:
-    """One training step of the schedule over ``batch``'s microbatches (forward and backward of every stage).
-
-    Every PP rank passes the same ``batch``; the first stage takes ``input_ids``, the last ``labels``, every stage
-    its row of the offsets. Returns the sum of this rank's microbatch losses (0 without the last stage), a
-    0-d tensor.
+    """One training step of the schedule over ``batch`` (every PP rank passes the same). Returns this rank's
+    summed microbatch loss, a 0-d tensor (0 without the last stage).
 
     Raises:
-        RuntimeError: what the schedule raised; when torch wraps a stage's error in its own first line
-            (``Failed to run stage backward:``), the wrapped error's first line is appended to it.
+        RuntimeError: what the schedule raised, with a wrapped stage error's first line appended.
     """
     device = run.stages[0].device
     losses: list[torch.Tensor] | None = [] if run.has_last else None
@@ -220,8 +199,7 @@ def pipeline_step(run: PipelineRun, batch: PackedMicrobatches, num_targets: int)
 
 
 def _with_cause(err: RuntimeError) -> RuntimeError:
-    """``err`` itself, or, when its first line only announces the error it wraps (``... failed to run forward:``,
-    ``Failed to run stage backward:``), a ``RuntimeError`` whose first line also names that error."""
+    """``err``, or a ``RuntimeError`` whose first line also names the error ``err`` wraps."""
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
     if err.__cause__ is None or not lines or not lines[0].endswith(":"):
         return err

@@ -1,6 +1,4 @@
-"""The rank processes themselves: how they are started (:func:`mp_context`, :func:`environment_variables`),
-where they meet (:func:`free_port`), how they are stopped and how a silent death is named. What they run and
-how their reports are collected is :mod:`.launch`'s."""
+"""The rank processes: how they start, where they meet, how they are stopped and a silent death named."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ __all__ = ["death", "environment_variables", "free_port", "mp_context", "stop"]
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's ``tcp://`` rendezvous)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -48,8 +46,7 @@ def death(exitcode: int) -> str:
 
 @contextlib.contextmanager
 def environment_variables(env: tuple[tuple[str, str], ...]) -> Iterator[None]:
-    """``os.environ`` updated with ``env`` (``(name, value)`` pairs) inside the block, then restored: what
-    processes started inside it (``spawn`` copies the environment) inherit."""
+    """``os.environ`` updated with ``env`` pairs inside the block, then restored."""
     saved = {name: os.environ.get(name) for name, _ in env}
     os.environ.update(dict(env))
     try:
@@ -63,13 +60,8 @@ def environment_variables(env: tuple[tuple[str, str], ...]) -> Iterator[None]:
 
 
 def mp_context(device: str, env: tuple[tuple[str, str], ...] = ()):
-    """``forkserver`` preloaded with the heavy imports on CPU; plain ``spawn`` on CUDA or with ``env``.
-
-    On CUDA the preload would be unsafe: importing FLA queries the GPU (its Hopper/Triton checks), which
-    initialises CUDA in the fork server, and forked children could then not use CUDA. With ``env`` the
-    variables must be set before the rank imports anything (``TRITON_INTERPRET`` is read when FLA's
-    kernels are decorated), which a fork server started earlier cannot give.
-    """
+    """``forkserver`` preloaded with the heavy imports on CPU; plain ``spawn`` on CUDA (the preload would
+    initialise CUDA in the server) or with ``env`` (set before any import)."""
     import multiprocessing
 
     if device == "cuda" or env:

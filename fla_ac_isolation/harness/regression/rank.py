@@ -1,6 +1,5 @@
-"""Where one rank runs and how its process starts: :class:`RankContext` (its rank, the mesh, its device and
-process groups), :func:`setup_process` (device, compatibility notes, the contexts held for the process's
-life) and :func:`all_reduce` over its groups. :mod:`.train` (which re-exports these names) trains on it."""
+"""Where one rank runs (:class:`RankContext`), how its process starts (:func:`setup_process`) and
+:func:`all_reduce` over its groups."""
 
 from __future__ import annotations
 
@@ -21,13 +20,8 @@ _MESHES_0_3 = {"pp": "pp", "dp": "batch", "cp": "cp", "dp_cp": "loss"}  # 0.3's 
 
 @dataclass
 class RankContext:
-    """Where this rank runs: its rank, the ranks' layout (:class:`~fla_ac_isolation.parallel.ParallelMesh`),
-    its device, and torchtitan's ``ParallelDims`` of that layout with its device meshes built
-    (:func:`~fla_ac_isolation.harness.regression.expert_parallel.expert_parallel_dims`; ``None`` on one rank,
-    which has no process group). Its groups serve the gradient sums, CP, PP and the EP sharding alike.
-
-    Build it with :meth:`create` on every rank (the mesh's process groups are created collectively).
-    """
+    """Where this rank runs: its rank, mesh, device and torchtitan's built ``ParallelDims`` (``None`` on one rank).
+    Build it with :meth:`create` on every rank (the process groups are created collectively)."""
 
     rank: int
     mesh: ParallelMesh
@@ -41,7 +35,7 @@ class RankContext:
 
     @property
     def world(self) -> int:
-        """The number of ranks (:attr:`ParallelMesh.world <fla_ac_isolation.parallel.ParallelMesh.world>`)."""
+        """The number of ranks."""
         return self.mesh.world
 
     @property
@@ -54,20 +48,17 @@ class RankContext:
 
     @property
     def group(self) -> Any:
-        """The group the harness sums gradients and statistics over (a stage's data- and context-parallel ranks:
-        torchtitan's ``loss`` mesh); ``None`` on one rank."""
+        """The group gradients and statistics are summed over (torchtitan's ``loss`` mesh); ``None`` on one rank."""
         return self._group("loss")
 
     @property
     def cp_group(self) -> Any:
-        """This rank's context-parallel group (the ``cp`` mesh); ``None`` on one rank."""
+        """This rank's context-parallel group; ``None`` on one rank."""
         return self._group("cp")
 
     @property
     def meshes(self) -> dict[str, Any] | None:
-        """Deprecated since 0.4.0 (0.3's attribute): the one-dimensional device meshes under 0.3's names, ``pp``,
-        ``dp``, ``cp`` and ``dp_cp``, read from :attr:`dims` (torchtitan's ``pp``, ``batch``, ``cp``, ``loss``);
-        ``None`` on one rank."""
+        """Deprecated since 0.4.0: meshes ``pp``, ``dp``, ``cp``, ``dp_cp`` of :attr:`dims`; ``None`` on one rank."""
         import warnings
 
         warnings.warn("RankContext.meshes is deprecated since 0.4.0: use RankContext.dims.get_optional_mesh(name, "
@@ -79,14 +70,13 @@ class RankContext:
 
     @property
     def pp_group(self) -> Any:
-        """This rank's pipeline group (the ``pp`` mesh: its data-parallel rank's stages); ``None`` on one rank."""
+        """This rank's pipeline group; ``None`` on one rank."""
         return self._group("pp")
 
 
 def setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[str], contextlib.ExitStack]:
-    """Device, notes for the report, and the contexts entered for the life of the process: FLA's interpreter
-    backend (``spec.kernels == "interpreter"``) and what ``spec.rank_setup`` returned. Hold the stack while
-    training (a generator-based context manager that is garbage-collected runs its exit and undoes the setup).
+    """Device, notes for the report, and the contexts held for the process's life (FLA's interpreter backend,
+    what ``spec.rank_setup`` returned). Hold the returned stack while training.
 
     Raises:
         RuntimeError: ``kernels="interpreter"`` without ``TRITON_INTERPRET=1`` in this process's environment.
@@ -118,8 +108,7 @@ def setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[s
 
 
 def all_reduce(t: torch.Tensor, ctx: RankContext, op: str = "sum", *, everyone: bool = False) -> torch.Tensor:
-    """Sum (or max) ``t`` in place over the ranks of ``ctx.group`` (a stage's data- and context-parallel ranks),
-    or, with ``everyone``, over every rank (all stages); a no-op on one rank."""
+    """Sum (or max) ``t`` in place over ``ctx.group``, or with ``everyone`` over every rank; no-op on one rank."""
     if ctx.world > 1:
         import torch.distributed as dist
 

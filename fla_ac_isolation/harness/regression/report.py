@@ -1,17 +1,8 @@
-"""Verdicts of a regression run: data only (the command renders them:
-:mod:`fla_ac_isolation.harness.cli.regress_render`).
+"""Verdicts of a regression run (data only; :mod:`fla_ac_isolation.harness.cli.regress_render` renders them).
 
-A mode's deviation from ``no-ac`` is the larger of the largest relative loss difference over the steps
-and the largest gradient difference divided by the largest reference gradient (both over all steps,
-ranks and parameters). A mode *matches* when it completed every step and its deviation is at most
-``rtol`` (0 by default on the CPU reference backend in float32: bit for bit). The run passes (exit code
-0) when ``no-ac`` completed and ``isolated`` and ``global-disable`` (those of them that ran) match;
-``shared`` is the unsafe mode and never changes the exit code: the table says whether it reproduced the
-fault (it failed or diverged). Under context parallelism the modes are also judged against the run
-without CP (:mod:`.cp_report`), and the CP-only ``field`` mode is unsafe too; under pipeline parallelism
-``no-ac`` runs the same schedule (bit for bit expected) and the modes are also judged against the run without
-PP (:mod:`.pp_report`). Which modes are required and which unsafe is each mode's role
-(:attr:`fla_ac_isolation.harness.modes.Mode.role`).
+A mode's deviation is the larger of its largest relative loss difference and its largest gradient difference over
+the largest reference gradient. A mode matches when it completed and its deviation is at most ``rtol``. The run
+passes when ``no-ac`` completed and every required mode that ran matches; unsafe modes never change the exit code.
 """
 
 from __future__ import annotations
@@ -49,9 +40,8 @@ class Verdict:
 
     Attributes:
         mode: the mode.
-        status: ``reference`` | ``matches`` | ``diverged`` | ``failed`` | ``incomplete`` (no error, but data
-            to judge it is missing: fewer steps than ``no-ac``, or no gradient difference against the run without
-            CP / PP) | ``no reference``.
+        status: ``reference`` | ``matches`` | ``diverged`` | ``failed`` | ``incomplete`` (data to judge it is
+            missing) | ``no reference``.
         text: what the table prints (``matches``, ``DIVERGED by X``, ``FAILED: <first line>``, ``INCOMPLETE: ...``).
         deviation: relative deviation from ``no-ac`` (``None`` when not computable).
         ok: ``status`` is ``matches`` or ``reference``.
@@ -68,7 +58,7 @@ class Verdict:
 
 
 def default_rtol(device: str, dtype: str) -> float:
-    """0 (bit for bit) for float32 on CPU; 1e-2 relative otherwise (FLA kernels, low precision)."""
+    """0 (bit for bit) for float32 on CPU; 1e-2 relative otherwise."""
     return 0.0 if device == "cpu" and dtype == "float32" else 1e-2
 
 
@@ -88,8 +78,7 @@ def check_rtol(rtol: float | None, name: str = "rtol") -> None:
     """Accept ``None`` (the default tolerance) or a finite number >= 0.
 
     Raises:
-        ValueError: naming ``name`` (the CLI passes ``--rtol``) for a negative, infinite or NaN value
-            or a non-number.
+        ValueError: naming ``name`` for a negative, infinite or NaN value or a non-number.
     """
     if rtol is None:
         return
@@ -99,7 +88,7 @@ def check_rtol(rtol: float | None, name: str = "rtol") -> None:
 
 def verdicts(result: RegressionResult, rtol: float | None = None, cp_rtol: float | None = None,
              pp_rtol: float | None = None) -> dict[str, Verdict]:
-    """A :class:`Verdict` per mode of ``result`` (``rtol``, ``cp_rtol``, ``pp_rtol``: see the module docstring).
+    """A :class:`Verdict` per mode of ``result``.
 
     Raises:
         ValueError: ``rtol``, ``cp_rtol`` or ``pp_rtol`` is negative, infinite or NaN.
@@ -139,8 +128,7 @@ def verdicts(result: RegressionResult, rtol: float | None = None, cp_rtol: float
 
 def _apply_whole_verdicts(found: dict[str, Verdict], result: RegressionResult, reference: str, what: str,
                           deviation, rtol: float) -> None:
-    """Judge the modes that matched (or are the reference) against the one-rank run without ``what`` (CP or PP,
-    :data:`CP1_REFERENCE` or :data:`PP1_REFERENCE`), in place (:mod:`.cp_report`, :mod:`.pp_report` say how)."""
+    """Judge the modes that matched against the one-rank run without ``what`` (CP or PP), in place."""
     whole = result.modes.get(reference)
     complete = whole is not None and whole.error is None and len(whole.losses) == result.spec.steps
     for name, verdict in list(found.items()):
@@ -173,11 +161,8 @@ def exit_code(result: RegressionResult, rtol: float | None = None) -> int:
 
 
 def fault_reproduced(result: RegressionResult, rtol: float | None = None, mode: str = "shared") -> bool | None:
-    """Whether the unsafe ``mode`` (``shared``, or ``field`` under CP) failed or diverged.
-
-    ``None`` (not judged) when it did not run, when ``no-ac`` did not complete (a failure of every mode
-    says nothing about the fault), when the mode was stopped by the timeout or its data is incomplete.
-    """
+    """Whether the unsafe ``mode`` failed or diverged; ``None`` when not judged (it did not run or timed out, its
+    data is incomplete, or ``no-ac`` did not complete)."""
     found = verdicts(result, rtol)
     verdict, reference = found.get(mode), found.get("no-ac")
     if verdict is None or verdict.status in ("no reference", "incomplete") or reference is None or not reference.ok:
@@ -188,8 +173,7 @@ def fault_reproduced(result: RegressionResult, rtol: float | None = None, mode: 
 
 
 def to_document(result: RegressionResult, rtol: float | None = None) -> dict[str, Any]:
-    """The run as one JSON-ready document: spec, per-mode results, verdicts, whether each unsafe mode reproduced
-    the fault, the exit code, notes, versions (non-finite floats stay floats: the writer decides)."""
+    """The run as one JSON-ready document (spec, results, verdicts, fault reproduced, exit code, notes, versions)."""
     doc = result.to_dict()
     doc["verdicts"] = {name: {**asdict(v), "ok": v.ok} for name, v in verdicts(result, rtol).items()}
     doc["fault_reproduced"] = fault_reproduced(result, rtol)

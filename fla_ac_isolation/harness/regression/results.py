@@ -1,6 +1,4 @@
-"""What a regression run returns: :class:`ModeResult` per mode, reduced over the ranks, and
-:class:`RegressionResult` for the run (the request is :class:`~fla_ac_isolation.harness.regression.spec.RegressionSpec`,
-whose module re-exports both)."""
+"""What a regression run returns: :class:`ModeResult` per mode and :class:`RegressionResult` for the run."""
 
 from __future__ import annotations
 
@@ -21,25 +19,19 @@ class ModeResult:
         mode: the mode.
         losses: global loss per completed step.
         grad_norms: global gradient norm per completed step.
-        grad_diffs: per completed step, max ``|grad - grad_no_ac|`` over ranks and parameters
-            (``None`` for ``no-ac`` itself, or when the reference is missing).
+        grad_diffs: per completed step, max ``|grad - grad_no_ac|`` (``None`` for ``no-ac`` or no reference).
         ref_grad_max: per step, max ``|grad_no_ac|`` (the scale for relative differences).
-        cp1_grad_diffs: under context parallelism, per step, max ``|grad - grad_cp1|`` over every
-            parameter's full gradient (expert shards gathered) against :data:`~.spec.CP1_REFERENCE`.
-        cp1_ref_grad_max: per step, max ``|grad_cp1|``.
-        pp1_grad_diffs: under pipeline parallelism, per step, max ``|grad - grad_pp1|`` over every parameter's
-            full gradient (each stage's parameters, expert shards gathered) against :data:`~.spec.PP1_REFERENCE`.
-        pp1_ref_grad_max: per step, max ``|grad_pp1|``.
+        cp1_grad_diffs, cp1_ref_grad_max: under CP, per step, max ``|grad - grad_cp1|`` and ``|grad_cp1|``.
+        pp1_grad_diffs, pp1_ref_grad_max: under PP, per step, max ``|grad - grad_pp1|`` and ``|grad_pp1|``.
         idle_experts: per step, the largest number of experts without any token in one MoE layer.
         cache: FLA tensor-cache events summed over ranks and steps, ``{"hit": .., "miss": .., "bypass": ..}``.
         cache_by_helper: the same per helper name.
         error: ``"<Type>: <first line>"`` of the first failure, else ``None``.
-        timed_out: the mode was stopped at ``timeout_s`` (its ``error`` says so): not a verdict on the fault.
-        failed_ranks: ranks that raised (or died), in order of arrival; the first one's error is ``error``.
-        traceback: full traceback text of the first failure (for ``--verbose``/JSON).
+        timed_out: the mode was stopped at ``timeout_s``: not a verdict on the fault.
+        failed_ranks: ranks that raised (or died), in order of arrival.
+        traceback: full traceback text of the first failure.
         seconds: wall time of the mode.
-        step_seconds: per completed step, the forward + backward wall time of the slowest rank
-            (device synchronised before and after; excludes data, gradient reduction and optimizer).
+        step_seconds: per completed step, the forward + backward wall time of the slowest rank.
     """
 
     mode: str
@@ -64,7 +56,7 @@ class ModeResult:
 
 @dataclass
 class RegressionResult:
-    """Every mode's :class:`ModeResult`, the spec, and notes (e.g. compatibility shims applied)."""
+    """Every mode's :class:`ModeResult`, the spec, and notes."""
 
     spec: RegressionSpec
     modes: dict[str, ModeResult]

@@ -1,10 +1,4 @@
-"""The entry point of the regression: :func:`run_regression` runs every mode of a spec and collects the results.
-
-Every mode of :mod:`fla_ac_isolation.harness.modes` (``no-ac`` first, the reference) trains the same tiny model
-from the same seed on the same batches; each rank's gradients are compared with ``no-ac``'s at every step.
-The ranks come from :mod:`.launch` (worker processes started here, one launch per mode) or, under
-``torchrun``, from :mod:`.torchrun` (the processes already running).
-"""
+"""The entry point of the regression: :func:`run_regression`."""
 
 from __future__ import annotations
 
@@ -25,20 +19,16 @@ def run_regression(
     on_step: Callable[[str, int], None] | None = None,
     on_rank_start: Callable[[str, int, int], None] | None = None,
 ) -> RegressionResult:
-    """Run every mode of ``spec`` and return the results.
+    """Run every mode of ``spec`` and return the results (a failing mode is recorded and the next one runs).
 
-    Launches ``spec.world`` processes per mode itself, or, under ``torchrun``, uses the current processes
-    (then every rank returns the same result; print it on rank 0). A mode whose rank raises, dies or
-    hangs is recorded as failed (:attr:`ModeResult.error` names the rank and the first error line) and
-    the next mode runs: the result always holds every mode of ``spec``.
+    Launches ``spec.world`` processes per mode, or, under ``torchrun``, uses the current processes (then every
+    rank returns the same result).
 
     Args:
         spec: what to run (validated here).
-        on_step: called as ``on_step(mode, step)`` after each completed step (rank 0), e.g. for a
-            progress bar.
-        on_rank_start: spawned ranks only (not under ``torchrun``): called as ``on_rank_start(mode,
-            rank, pid)`` in this process once that rank's process group is up, e.g. for a test that
-            kills a rank.
+        on_step: called as ``on_step(mode, step)`` after each completed step (rank 0).
+        on_rank_start: spawned ranks only: called as ``on_rank_start(mode, rank, pid)`` once that rank's
+            process group is up.
 
     Raises:
         ValueError: an invalid spec.

@@ -1,10 +1,5 @@
-"""What a regression run is asked to do (:class:`RegressionSpec`); what it returns (:class:`ModeResult`,
-:class:`RegressionResult`) is :mod:`~fla_ac_isolation.harness.regression.results`', re-exported here.
-
-Every default and every rule of a run lives here, once: ``fla-ac-isolation regress`` builds a spec from its
-flags and shows this module's error messages; ``run_regression(RegressionSpec(cp=2))`` from Python runs what
-``fla-ac-isolation regress --cp 2`` runs, and ``RegressionSpec(pp=2)`` what ``regress --pp 2`` runs.
-"""
+"""What a regression run is asked to do (:class:`RegressionSpec`), its defaults and its rules; the result types
+(:mod:`~fla_ac_isolation.harness.regression.results`) are re-exported here. ``regress`` builds its spec here."""
 
 from __future__ import annotations
 
@@ -39,87 +34,62 @@ CP1_REFERENCE = "no-ac-cp1"
 """Under context parallelism: the run without AC and without CP (one rank, the whole batch), first."""
 
 PP1_REFERENCE = "no-ac-pp1"
-"""Under pipeline parallelism: the run without AC, PP, EP or microbatches (one rank, the whole batch of every
-data-parallel rank), first."""
+"""Under pipeline parallelism: the run without AC, PP, EP or microbatches (one rank, every rank's batch), first."""
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Parameter/activation dtypes by the names a spec takes."""
 
 KERNELS: tuple[str, ...] = ("native", "interpreter")
-"""How the ranks run FLA's kernels: ``native`` (CUDA), or ``interpreter``: Triton's interpreter on a CPU
-(``TRITON_INTERPRET=1`` in every rank's environment and
-:func:`fla_ac_isolation.harness.fla_seam.interpreter.cpu_cp_kernels`
-entered by every rank)."""
+"""How the ranks run FLA's kernels: ``native``, or ``interpreter`` (Triton's interpreter on a CPU,
+:func:`~fla_ac_isolation.harness.fla_seam.interpreter.cpu_cp_kernels` entered by every rank)."""
 
 @dataclass(frozen=True)
 class RegressionSpec:
-    """What to run. Fields left at ``None`` or ``"auto"`` are resolved when the spec is built (read them back
-    from the spec); :meth:`validate` checks every field.
+    """What to run. Fields left at ``None`` or ``"auto"`` are resolved when the spec is built; :meth:`validate`
+    checks every field.
 
     Attributes:
         model: family name, a key of :data:`fla_ac_isolation.families.FAMILIES`.
-        mixer: a user's own mixer class for the family's linear-attention slots, given as the class or as
-            ``"module:qualname"`` (kept as that string: the rank processes import it by module path); built as
-            ``cls(config, layer_idx)`` and called as ``mixer(hidden_states [1, T, D], seqlens)``, the contract of
-            :mod:`fla_ac_isolation.harness.regression.user_mixer`. ``None``: the family's drop-in (with ``backend``).
-            Needs ``backend="auto"`` (the mixer picks its own) and ``cp == 1``.
-        ep: expert-parallel degree; ``None``: 2 without context or pipeline parallelism, 1 with either. Without CP
-            the ``ep`` ranks are data-parallel ranks (one process each; under PP, of each stage); with CP the EP
-            ranks are borrowed from the CP ranks (as torchtitan does): ``ep`` is 1 (experts replicated) or ``cp``.
-            The layout is :attr:`mesh`.
-        cp: context-parallel degree (FLA's CP; 1 = none). With ``cp > 1`` the ranks train on ONE global
-            batch sharded in ``cp_layout``, a :data:`CP1_REFERENCE` run (one rank, no CP, no AC) comes
-            first, and the CP-only ``field`` mode runs by default.
-        cp_layout: FLA's CP layout, ``"contiguous"`` or ``"zigzag"``.
-        pp: pipeline-parallel degree (PP ranks per data-parallel rank; 1 = none). With ``pp > 1`` the decoder is
-            split into stages run by ``torch.distributed.pipelining`` (``schedule``), every data-parallel rank's
-            batch is cut into ``microbatches`` (documents whole, one token count for every step), a
-            :data:`PP1_REFERENCE` run (one rank, no PP, no AC) comes first, and ``no-ac`` runs the same schedule.
-            Not combined with ``cp > 1``.
-        microbatches: microbatches per step under PP; ``None``: ``2 * pp`` (with ``pp = 1``: ``None``, unused).
-            At most 8 (the regression's PP batches hold 8 non-empty documents at their smallest, and documents
-            are not split).
-        schedule: the pipeline schedule, a key of :data:`fla_ac_isolation.parallel.SCHEDULES`; the zero-bubble
-            ones run only with ``ac="full"`` (:data:`fla_ac_isolation.parallel.pipeline.ZERO_BUBBLE_SAC`).
+        mixer: a user's mixer class for the linear-attention slots, or ``"module:qualname"`` (the rank processes
+            import it by path); built as ``cls(config, layer_idx)``, called as ``mixer(hidden_states [1, T, D],
+            seqlens)``. ``None``: the family's drop-in. Needs ``backend="auto"`` and ``cp == 1``.
+        ep: expert-parallel degree; ``None``: 2 without CP or PP, else 1. Without CP the EP ranks are
+            data-parallel ranks; with CP they are the CP ranks, and ``ep`` is 1 or ``cp`` (:attr:`mesh`).
+        cp: context-parallel degree (1 = none). With ``cp > 1`` the ranks train on one global batch sharded in
+            ``cp_layout``, after a :data:`CP1_REFERENCE` run; the ``field`` mode runs by default.
+        cp_layout: ``"contiguous"`` or ``"zigzag"``.
+        pp: pipeline-parallel degree per data-parallel rank (1 = none). With ``pp > 1`` the decoder is split into
+            stages run by ``schedule`` over ``microbatches`` (documents whole), after a :data:`PP1_REFERENCE`
+            run. Not combined with ``cp > 1``.
+        microbatches: per step under PP; ``None``: ``2 * pp``. At most 8 (documents are not split).
+        schedule: a key of :data:`fla_ac_isolation.parallel.SCHEDULES`; the zero-bubble ones need ``ac="full"``.
         steps: AdamW steps per mode; ``None``: 3, or 2 with ``cp > 1`` or ``pp > 1``.
         ac: ``"full"`` or ``"selective"`` checkpointing for the AC modes.
         policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`), used with ``ac="selective"``.
         freq: checkpoint every ``freq``-th block.
-        backend: mixers' backend, ``auto`` | ``fla`` | ``reference``. ``auto`` on a CPU under context
-            parallelism, for a family whose mixers run FLA's CP kernels (:attr:`Family.fla_cp
-            <fla_ac_isolation.families.Family.fla_cp>`), becomes ``fla`` (run by Triton's interpreter, see
-            ``kernels``); elsewhere the mixers resolve ``auto`` themselves (FLA's kernels on CUDA, the
-            reference on a CPU).
-        device: ``cpu``, ``cuda``, or ``auto``: ``cuda`` when at least :attr:`world` GPUs are visible, else
-            ``cpu`` (:func:`fla_ac_isolation.harness.environment.resolve_device`, as everywhere in this package).
-        dtype: parameter/activation dtype name (``float32``, ``bfloat16``, ``float16``); ``auto``: ``bfloat16``
-            on CUDA, ``float32`` on a CPU.
-        hidden_size: model width; ``None``: 512 on CUDA, 64 on a CPU under context parallelism (sized for
-            the interpreter), else 128.
+        backend: ``auto`` | ``fla`` | ``reference``. ``auto`` on a CPU under CP, for a family with
+            :attr:`Family.fla_cp <fla_ac_isolation.families.Family.fla_cp>`, becomes ``fla`` (run by Triton's
+            interpreter); elsewhere the mixers resolve ``auto`` themselves.
+        device: ``cpu``, ``cuda``, or ``auto``: ``cuda`` when at least :attr:`world` GPUs are visible.
+        dtype: ``float32``, ``bfloat16``, ``float16``; ``auto``: ``bfloat16`` on CUDA, ``float32`` on a CPU.
+        hidden_size: ``None``: 512 on CUDA, 64 on a CPU under CP, else 128.
         num_layers, num_experts, top_k: model sizes.
-        data_ranks: number of ranks the data is generated for; ``None`` = ``ep``. With ``ep=1`` and
-            ``data_ranks=2`` the single rank trains on both ranks' documents (the same global batch).
+        data_ranks: ranks the data is generated for; ``None`` = ``ep`` (``ep=1, data_ranks=2``: one rank trains
+            on both ranks' documents).
         seed: weights and data.
         lr: AdamW learning rate.
-        modes: modes to run; ``no-ac`` is always run first (it is the reference). ``None``: the four of
-            :data:`~fla_ac_isolation.harness.modes.MODES`, plus ``field`` under context parallelism for the families
-            whose mixers build FLA's CP context (not Nemotron-H: its head-parallel Mamba2 builds none, so
-            ``field`` would repeat ``shared``).
+        modes: modes to run; ``no-ac`` always runs first. ``None``: :data:`~fla_ac_isolation.harness.modes.MODES`,
+            plus ``field`` under CP for families whose mixers build FLA's CP context (not Nemotron-H).
         timeout_s: wall-clock limit per mode in seconds, > 0 (also the process-group timeout).
         early_stop: torch's checkpoint early stop.
         fail_on: testing hook, ``(mode, rank)`` or ``(mode, rank, message)``: that rank raises
-            ``RuntimeError(message)`` between the first forward and backward of that mode, to show that
-            one failing rank ends all ranks promptly and that its error text reaches the report verbatim.
-        kernels: how the ranks run FLA's kernels, one of :data:`KERNELS`; ``auto``: ``interpreter`` on a CPU
-            under context parallelism with ``backend`` ``fla`` (FLA's CP kernels have no other way to run
-            there), else ``native``. ``interpreter`` needs ``device="cpu"``.
-        rank_setup: a module-level function (it is pickled into the rank processes) called in every rank
-            process before training, e.g. a GPU test harness's switch that lifts FLA's Hopper guard for a test
-            run (the GPU tests pass theirs); when it returns a context manager, that is entered and kept for
-            the life of the process. ``None``: nothing.
-        env: environment variables set in every rank process before it imports anything; rank processes
-            are then started with ``spawn`` (a fresh interpreter) instead of the preloaded fork server.
-            ``kernels="interpreter"`` adds ``TRITON_INTERPRET=1`` (:attr:`rank_env`).
+            ``RuntimeError(message)`` between the first forward and backward of that mode.
+        kernels: one of :data:`KERNELS`; ``auto``: ``interpreter`` on a CPU under CP with ``backend="fla"``,
+            else ``native``. ``interpreter`` needs ``device="cpu"``.
+        rank_setup: a module-level function (pickled) called in every rank process before training; a context
+            manager it returns is kept entered for the life of the process. ``None``: nothing.
+        env: environment variables set in every rank process before any import; ranks then start with
+            ``spawn`` instead of the preloaded fork server (:attr:`rank_env`).
     """
 
     model: str = "qwen3_5_moe"
@@ -183,7 +153,7 @@ class RegressionSpec:
 
     @property
     def mesh(self) -> ParallelMesh:
-        """The ranks' layout: ``ParallelMesh(ep=ep, cp=cp, pp=pp)`` (its rules: :mod:`fla_ac_isolation.parallel.mesh`).
+        """The ranks' layout: ``ParallelMesh(ep=ep, cp=cp, pp=pp)``.
 
         Raises:
             ValueError: ``ep``, ``cp`` or ``pp`` is not an int >= 1, or ``ep`` is neither 1 nor ``cp`` under CP.
@@ -192,20 +162,20 @@ class RegressionSpec:
 
     @property
     def world(self) -> int:
-        """Number of rank processes (:attr:`ParallelMesh.world <fla_ac_isolation.parallel.ParallelMesh.world>`)."""
+        """Number of rank processes."""
         return self.mesh.world
 
     @property
     def rank_env(self) -> tuple[tuple[str, str], ...]:
-        """``env``, plus ``TRITON_INTERPRET=1`` with ``kernels="interpreter"``: what every rank process starts with."""
+        """``env``, plus ``TRITON_INTERPRET=1`` with ``kernels="interpreter"``."""
         extra = (("TRITON_INTERPRET", "1"),) if self.kernels == "interpreter" else ()
         return (*self.env, *(item for item in extra if item not in self.env))
 
     def validate(self) -> RegressionSpec:
-        """Return self after checking every field; errors name the field (``ValueError``).
+        """Return self after checking every field.
 
-        The rules come in order of how fundamental they are: the family, the ranks' layout (:attr:`mesh`),
-        then what must divide by it.
+        Raises:
+            ValueError: naming the first field that breaks a rule.
         """
         if self.model not in FAMILIES:
             raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {self.model!r}")
@@ -245,7 +215,7 @@ class RegressionSpec:
         return self
 
     def _validate_width(self) -> None:
-        """The tiny decoders split ``hidden_size`` into an even number of heads (two key/value heads)."""
+        """``hidden_size`` must split into an even number of heads."""
         from fla_ac_isolation.harness.regression.model import ModelSize
 
         head_dim = ModelSize(hidden_size=self.hidden_size).head_dim
@@ -256,7 +226,6 @@ class RegressionSpec:
             )
 
     def _validate_mixer(self) -> None:
-        """A user's mixer: importable here by module path, an ``nn.Module`` built as ``cls(config, layer_idx)``."""
         if self.mixer is None:
             return
         from fla_ac_isolation.harness.regression.user_mixer import load_mixer
@@ -294,7 +263,6 @@ class RegressionSpec:
             )
 
     def _validate_pp(self) -> None:
-        """Pipeline parallelism: the schedule and its microbatches (torch's rules), stages, and what PP excludes."""
         from fla_ac_isolation.harness.regression.data import PP_MAX_MICROBATCHES
 
         if self.schedule not in SCHEDULES:
@@ -324,7 +292,6 @@ class RegressionSpec:
                              f"{self.pp} x {info.stages_per_rank} per rank for schedule {self.schedule!r})")
 
     def _validate_ranks(self) -> None:
-        """How the rank processes start: ``kernels``, ``rank_setup`` and ``env``."""
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be 'auto' or one of {KERNELS}, got {self.kernels!r}")
         if self.kernels == "interpreter" and self.device != "cpu":
@@ -349,13 +316,11 @@ class RegressionSpec:
 
     @property
     def _fla_cp(self) -> bool:
-        """The family's mixers run FLA's CP kernels (the ``field`` mode builds FLA's CP context for them)."""
         return self.model in FAMILIES and FAMILIES[self.model].fla_cp
 
     @property
     def ordered_modes(self) -> tuple[str, ...]:
-        """What runs, in order: ``no-ac`` first (under CP :data:`CP1_REFERENCE`, under PP :data:`PP1_REFERENCE`
-        before it), then the others."""
+        """What runs, in order: the CP1/PP1 reference if any, ``no-ac``, then the others."""
         wanted = self.modes if self.modes is not None else (
             (*MODE_NAMES, *CP_MODES) if self.cp > 1 and self._fla_cp else MODE_NAMES
         )
@@ -364,7 +329,7 @@ class RegressionSpec:
         return (*first, "no-ac", *(m for m in order if m in wanted))
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain data (JSON): ``rank_setup`` as ``"module:function"``."""
+        """The fields as JSON data; ``rank_setup`` as ``"module:function"``."""
         out = asdict(self)
         setup = self.rank_setup
         out["rank_setup"] = None if setup is None else f"{setup.__module__}:{setup.__qualname__}"

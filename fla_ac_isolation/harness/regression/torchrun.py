@@ -1,10 +1,5 @@
-"""Under ``torchrun``: every mode runs in the already-launched processes, one after the other.
-
-A mode that fails on every rank is recorded and the run continues; a rank that fails while another is
-still running ends the whole job with the error (torchrun then stops the other ranks), since that other
-rank waits in a collective. Under context (pipeline) parallelism every rank runs the one-rank
-:data:`~.spec.CP1_REFERENCE` (:data:`~.spec.PP1_REFERENCE`) itself, on its own.
-"""
+"""Under ``torchrun``: every mode runs in the already-launched processes, in turn. A mode failing on every rank
+is recorded; one failing on some ranks ends the job (the others wait in a collective)."""
 
 from __future__ import annotations
 
@@ -36,7 +31,7 @@ def under_torchrun() -> bool:
 
 
 def _merge_statuses(result: ModeResult, statuses: list[str], ctx: RankContext, world: int) -> ModeResult:
-    """The mode's result on every rank: the first failing rank's error, or the cache counts summed over ranks."""
+    """The mode's result on every rank: the first failing rank's error, or the cache counts summed."""
     errs = [(r, s[len("error:"):]) for r, s in enumerate(statuses) if s.startswith("error:")]
     if errs and result.error is None:
         result = ModeResult(result.mode)

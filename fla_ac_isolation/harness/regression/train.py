@@ -1,27 +1,6 @@
-"""One rank trains one mode: build the model, run ``spec.steps`` AdamW steps, reduce and compare gradients.
-
-Per step, each rank: builds its packed batch (:mod:`.data`), runs forward and backward in the mode's
-cache context (:mod:`fla_ac_isolation.harness.modes`) with FLA's cache probe on, sums the non-expert gradients over
-ranks (the data-parallel reduction FSDP would do; expert gradients are complete on their owning rank),
-compares every gradient with the ``no-ac`` reference of the same rank and step, and takes an AdamW step.
-Losses, norms and differences are all-reduced, so every rank returns the global numbers.
-
-Under context parallelism (``spec.cp > 1``) every rank trains on the one global batch of the step
-(:func:`~.data.cp_batch`), cut for it by :func:`~fla_ac_isolation.parallel.shard_packed_batch` after the
-labels were shifted, with ``LayerLocalSeqlens(..., cp=CPConfig(...))`` over the global offsets. The loss
-is the local sum over the GLOBAL target count, and the same sum over ranks of the non-expert gradients
-(now over the CP ranks) completes every replicated parameter's gradient, the causal convs' weights
-included, whose per-rank parts FLA leaves to the caller. The :data:`~.spec.CP1_REFERENCE` run (one rank,
-no CP) trains the same batches unsharded; every mode compares its full gradients with it.
-
-Under pipeline parallelism (``spec.pp > 1``) each rank holds its stages of the decoder (:mod:`.pipeline`) and
-runs ``torch.distributed.pipelining``'s schedule over its data-parallel rank's batch cut into microbatches
-(:func:`~fla_ac_isolation.parallel.split_packed_microbatches`, one token count for the whole run). Non-expert
-gradients are summed over the data-parallel ranks of a stage (the mesh's ``dp_cp``); losses, norms and
-differences over every rank (the last stage holds the loss, each stage its parameters' gradients). The
-:data:`~.spec.PP1_REFERENCE` run (one rank, no PP) trains every data-parallel rank's batch whole; every mode
-compares each stage parameter's full gradient with it by name.
-"""
+"""One rank trains one mode: build the model, run ``spec.steps`` AdamW steps, reduce the non-expert gradients over
+ranks and compare every gradient with the reference's of the same rank and step (under CP or PP also with the
+one-rank run without them). Reported numbers are all-reduced."""
 
 from __future__ import annotations
 
@@ -72,7 +51,7 @@ class _Trainee:
     microbatch_tokens: int = 0  # under PP: the one token count of every microbatch
 
     def moes(self) -> list[torch.nn.Module]:
-        """The MoE modules this rank runs (under PP, those of its stages)."""
+        """The MoE modules this rank runs."""
         return self.pipeline.moes() if self.pipeline is not None else self.model.moes()
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
@@ -135,8 +114,7 @@ def _batch(spec: RegressionSpec, step: int, ctx: RankContext) -> PackedBatch:
 
 
 def _rank_inputs(spec: RegressionSpec, mode: Mode, ctx: RankContext, trainee: _Trainee, batch: PackedBatch):
-    """``(input_ids, labels, seqlens)`` of this rank: the batch itself, or its CP shard and CP seqlens (the
-    ranks of the mesh's ``cp`` dimension shard the batch; the :data:`CP1_REFERENCE` run has one rank)."""
+    """``(input_ids, labels, seqlens)`` of this rank: the batch, or its CP shard and CP seqlens."""
     if ctx.mesh.cp == 1:
         return batch.input_ids, batch.labels, mode.from_seq_lens(batch.seq_lens, device=ctx.device)
     cp = CPConfig(group=ctx.cp_group, layout=spec.cp_layout, conv_kernel_size=trainee.model.conv_kernel_size)
@@ -149,8 +127,7 @@ def _rank_inputs(spec: RegressionSpec, mode: Mode, ctx: RankContext, trainee: _T
 def _forward_backward(
     spec: RegressionSpec, mode: Mode, ctx: RankContext, trainee: _Trainee, batch: PackedBatch
 ) -> tuple[torch.Tensor, float, dict[str, dict[str, int]]]:
-    """One forward and backward of ``batch`` (under PP: one step of the schedule over its microbatches):
-    ``(loss, slowest rank's seconds, FLA cache counts per helper)``; under PP the loss is this rank's part."""
+    """One forward and backward: ``(loss, slowest rank's seconds, FLA cache counts per helper)``."""
     if trainee.pipeline is None:
         input_ids, labels, seqlens = _rank_inputs(spec, mode, ctx, trainee, batch)
         input_ids, labels = input_ids.to(ctx.device), labels.to(ctx.device)
@@ -188,7 +165,7 @@ def _maybe_fail(spec: RegressionSpec, mode: Mode, ctx: RankContext) -> None:
 
 
 def _reduce_gradients(trainee: _Trainee, ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum the dense gradients over ranks (one buffer) and write them back; return ``(dense, expert)`` flat."""
+    """Sum the dense gradients over ranks and write them back; return ``(dense, expert)`` flat."""
     for p in trainee.params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -205,7 +182,7 @@ def _reduce_gradients(trainee: _Trainee, ctx: RankContext) -> tuple[torch.Tensor
 
 
 def _full_flat(trainee: _Trainee) -> torch.Tensor:
-    """Every parameter's complete gradient, in model order (expert shards gathered): comparable with one rank's."""
+    """Every parameter's complete gradient, in model order (expert shards gathered)."""
     from torch.distributed.tensor import DTensor
 
     return torch.cat([
@@ -227,7 +204,7 @@ def _compare(flat: torch.Tensor, reference: torch.Tensor | None, ctx: RankContex
 
 
 def _named_full_grads(trainee: _Trainee) -> dict[str, torch.Tensor]:
-    """Every parameter's complete gradient by the decoder's name (expert shards gathered), on the host."""
+    """Every parameter's complete gradient by name, on the host."""
     from torch.distributed.tensor import DTensor
 
     return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().cpu().clone()
@@ -235,8 +212,7 @@ def _named_full_grads(trainee: _Trainee) -> dict[str, torch.Tensor]:
 
 
 def _compare_by_name(trainee: _Trainee, reference: dict[str, torch.Tensor], ctx: RankContext) -> tuple[float, float]:
-    """``(max |grad - ref|, max |ref|)`` over the parameters of every rank, each against the reference's gradient
-    of the same name (a name the reference lacks, or another shape, counts as an infinite difference)."""
+    """``(max |grad - ref|, max |ref|)`` by parameter name (a missing name or shape counts as infinite)."""
     diff, scale = 0.0, 0.0
     for name, grad in _named_full_grads(trainee).items():
         ref = reference.get(name)
@@ -263,9 +239,7 @@ def _idle_experts(trainee: _Trainee, ctx: RankContext) -> int:
 
 def _loss_and_norm(loss: torch.Tensor, dense_flat: torch.Tensor, expert_flat: torch.Tensor, trainee: _Trainee,
                    ctx: RankContext) -> tuple[float, float]:
-    """The step's global loss and gradient norm. Without PP every rank holds every dense gradient (reduced) and
-    its expert shards; under PP the loss is on the last stage and each stage's dense gradients are counted once
-    (on its first data- and context-parallel rank), all summed over every rank."""
+    """The step's global loss and gradient norm, each gradient counted once."""
     loss = loss.detach().float().reshape(())
     if trainee.pipeline is None:
         stats = all_reduce(torch.stack([loss, expert_flat.pow(2).sum()]), ctx)
@@ -296,11 +270,8 @@ def run_mode_on_rank(
 ) -> tuple[ModeResult, list[Any]]:
     """Train ``spec.steps`` steps of ``mode_name`` on this rank.
 
-    Returns the mode's :class:`ModeResult` (global losses, norms and gradient differences to
-    ``reference`` and, under CP, to ``cp1_reference``, under PP to ``pp1_reference``; this rank's own FLA cache
-    counts, which the caller sums over ranks) and, for ``no-ac`` and :data:`~.spec.CP1_REFERENCE`, this rank's
-    flat gradients per step, for :data:`~.spec.PP1_REFERENCE` its gradients by parameter name per step (the
-    references of the other modes).
+    Returns the mode's :class:`ModeResult` (global numbers; this rank's own FLA cache counts) and, for the
+    reference modes, this rank's gradients per step (flat, or by name for :data:`~.spec.PP1_REFERENCE`).
     """
     mode = get_mode("no-ac" if mode_name in (CP1_REFERENCE, PP1_REFERENCE) else mode_name)
     trainee = _build_trainee(spec, mode, ctx)

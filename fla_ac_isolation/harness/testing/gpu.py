@@ -1,13 +1,5 @@
-"""GPU test-harness switches. Test support only: library code never imports this module.
-
-FLA >= 0.5.2 refuses the gated ``chunk_bwd_dqkwg`` kernel (used by the backward of the gated delta rule
-and of simple GLA) on Hopper GPUs with Triton >= 3.4 and < 3.7.1, because those Triton versions were
-reported to miscompile it (FLA issue #640). The check, in ``fla/ops/common/chunk_o.py``, reads that
-module's ``TRITON_ABOVE_3_7_1`` flag. The device image pairs an H200 with Triton 3.6, so a GPU test run
-may lift the guard to measure the kernels against the reference backend: exactly what a parity test is
-for. :func:`lift_hopper_gdn_guard` does that for the duration of a block and says so on stdout.
-:func:`host_sync_sites` records where a block synchronises the host (benchmarks and GPU tests).
-"""
+"""GPU test-harness switches (test support only): lifting FLA's Hopper guard on the gated ``chunk_bwd_dqkwg``
+kernel (FLA issue #640) for a parity run, and recording host synchronisations."""
 
 from __future__ import annotations
 
@@ -25,13 +17,8 @@ SYNC_WARNING = "called a synchronizing CUDA operation"
 
 @contextlib.contextmanager
 def host_sync_sites() -> Iterator[list[str]]:
-    """Record the host synchronisations of the block: the yielded list is filled on exit.
-
-    One ``"file:line"`` entry (the Python line that triggered it, ``site-packages/`` stripped) per
-    synchronising CUDA call, counted with ``torch.cuda.set_sync_debug_mode("warn")``. Only warnings with
-    :data:`SYNC_WARNING` count: torch also emits a one-time "Synchronization debug mode is a prototype
-    feature" notice, which is not a sync. Needs a CUDA build of torch.
-    """
+    """Record the host synchronisations of the block (``torch.cuda.set_sync_debug_mode("warn")``): the yielded
+    list gets one ``"file:line"`` per synchronising call on exit. Needs a CUDA build of torch."""
     sites: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -47,11 +34,7 @@ def host_sync_sites() -> Iterator[list[str]]:
 
 @contextlib.contextmanager
 def lift_hopper_gdn_guard() -> Iterator[bool]:
-    """Set ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`` inside the block, printing that it did.
-
-    Yields ``True`` when the guard was active (and is now lifted), ``False`` when there was nothing to
-    lift (not Hopper, or Triton outside the refused range). The flag is restored on exit.
-    """
+    """Set ``chunk_o.TRITON_ABOVE_3_7_1 = True`` in the block, saying so; yield whether the guard was active."""
     import fla.ops.common.chunk_o as chunk_o
 
     from fla_ac_isolation.fla_seam.versions import hopper_gdn_guard_active
@@ -77,13 +60,8 @@ def lift_hopper_gdn_guard() -> Iterator[bool]:
 
 @contextlib.contextmanager
 def gpu_test_harness() -> Iterator[bool]:
-    """What a GPU test rank enters: :func:`lift_hopper_gdn_guard` plus first-config-only autotuning
-    (:func:`fla_ac_isolation.harness.fla_seam.interpreter.first_autotune_config`).
-
-    Passed to the regression as ``RegressionSpec(rank_setup=gpu_test_harness)`` (a module-level function,
-    so that it pickles into the rank processes) on the device, where compiling every autotune config of
-    every FLA kernel would take minutes per rank. Yields what :func:`lift_hopper_gdn_guard` does.
-    """
+    """What a GPU test rank enters: :func:`lift_hopper_gdn_guard` plus first-config-only autotuning; pass it as
+    ``RegressionSpec(rank_setup=gpu_test_harness)``. Yields what :func:`lift_hopper_gdn_guard` does."""
     from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config
 
     with lift_hopper_gdn_guard() as lifted, first_autotune_config():

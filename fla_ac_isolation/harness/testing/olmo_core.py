@@ -1,14 +1,5 @@
-"""Running OLMo-core's hybrid models on a machine without its CUDA kernels. Test support only.
-
-OLMo-core 3.0 trains packed documents (``doc_lens`` -> one ``cu_doc_lens`` per batch) only on CUDA attention
-backends (flash-attn 2/3/4, Transformer Engine). Its one portable backend, ``torch``
-(``olmo_core.nn.attention.backend.TorchAttentionBackend``), refuses intra-document masking ("doesn't support
-intra-document masking"). :func:`packed_attention_on_torch_backend` lets it take ``cu_doc_lens`` for the
-duration of a block: scaled dot-product attention with a causal mask that is also block-diagonal over
-documents, which is what the flash backends compute. :func:`cpu_stand_ins` adds
-:func:`~fla_ac_isolation.harness.reference_kernels.reference_kernels` (FLA's kernels on reference ops), so an
-OLMo-core hybrid model (GDN, KDA, attention blocks) trains on a CPU.
-"""
+"""Running OLMo-core's hybrid models on a CPU (test support only): packed documents on its ``torch`` attention
+backend, and FLA's kernels on reference ops (:func:`cpu_stand_ins`)."""
 
 from __future__ import annotations
 
@@ -24,10 +15,8 @@ __all__ = ["cpu_stand_ins", "document_causal_mask", "packed_attention_on_torch_b
 
 
 def document_causal_mask(cu_doc_lens: torch.Tensor, batch: int, tokens: int) -> torch.Tensor:
-    """``[B, 1, T, T]`` bool: query ``i`` sees key ``j <= i`` of its own document.
-
-    ``cu_doc_lens`` ``[N + 1]`` are OLMo-core's offsets over the flattened batch (``B * T`` tokens).
-    """
+    """``[B, 1, T, T]`` bool: query ``i`` sees key ``j <= i`` of its own document (``cu_doc_lens [N + 1]`` over
+    the flattened ``B * T`` tokens)."""
     pos = torch.arange(batch * tokens, device=cu_doc_lens.device)
     doc = torch.bucketize(pos, cu_doc_lens[1:].to(pos.dtype), right=True).view(batch, 1, tokens)
     causal = torch.ones(tokens, tokens, dtype=torch.bool, device=pos.device).tril()
@@ -36,14 +25,11 @@ def document_causal_mask(cu_doc_lens: torch.Tensor, batch: int, tokens: int) -> 
 
 @contextlib.contextmanager
 def packed_attention_on_torch_backend() -> Iterator[None]:
-    """Let OLMo-core's ``TorchAttentionBackend`` attend within packed documents inside the block (restored on exit).
-
-    With ``cu_doc_lens`` (or ``cu_doc_lens_q``) the patched forward runs SDPA with
-    :func:`document_causal_mask` (GQA through ``enable_gqa``); without it, OLMo-core's own forward runs.
+    """Let OLMo-core's ``TorchAttentionBackend`` attend within packed documents (``cu_doc_lens``) in the block.
 
     Raises:
         NotImplementedError: (from the forward) ``cu_doc_lens`` together with a sliding window, attention
-            sinks, a KV cache or context parallelism, which the shim does not cover.
+            sinks, a KV cache or context parallelism.
     """
     from olmo_core.nn.attention.backend import TorchAttentionBackend
 
@@ -74,10 +60,6 @@ def packed_attention_on_torch_backend() -> Iterator[None]:
 
 @contextlib.contextmanager
 def cpu_stand_ins() -> Iterator[ServedKernels]:
-    """:func:`~fla_ac_isolation.harness.reference_kernels.reference_kernels` plus
-    :func:`packed_attention_on_torch_backend`: an OLMo-core hybrid model on packed batches, on a CPU.
-
-    Yields what ``reference_kernels`` yields (the places patched, the kernel calls).
-    """
+    """``reference_kernels()`` plus :func:`packed_attention_on_torch_backend`; yields what the first yields."""
     with reference_kernels() as served, packed_attention_on_torch_backend():
         yield served

@@ -1,25 +1,6 @@
-"""Find host synchronisations without a GPU: the aten ops that would synchronise on CUDA. Test support only.
-
-On a CUDA device, ``torch.cuda.set_sync_debug_mode("warn")``
-(:func:`~fla_ac_isolation.harness.testing.gpu.host_sync_sites`)
-reports every synchronising call. A CPU has nothing to synchronise with, so :class:`SyncOpCounter` flags the
-ops that synchronise *when their operands live on a CUDA device*, as they pass the dispatcher:
-
-* ``_local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``): a device value read on the host;
-* ``nonzero``, ``masked_select``, ``index`` / ``index_put_`` with a boolean index: outputs sized by device values;
-* ``repeat_interleave`` without ``output_size``: sized by a device sum;
-* ``equal``, ``is_nonzero``: a device comparison returned as a Python bool.
-
-Every tensor counts as device-resident except those the caller names as host tensors (``host=``), whose ops
-are never flagged: on a CPU both live in the same memory. Not visible on a CPU: copies between host and
-device (``.to(device)`` from pageable memory, ``.cpu()``, ``.tolist()``), which do not pass the dispatcher as
-cross-device ops there. The GPU test with :func:`~fla_ac_isolation.harness.testing.gpu.host_sync_sites` remains the
-measurement; this counter finds the sites on a CPU and guards them in the CPU suite.
-
-Ops dispatched by Triton's interpreter itself (its copies of kernel arguments) are ignored. A site is the
-first Python frame outside torch, this module and Triton's interpreter, as ``"file:line"`` with everything
-up to ``site-packages/`` stripped (``fla/ops/common/chunk_h.py:335``), as ``host_sync_sites`` writes it.
-"""
+"""Find host synchronisations without a GPU: the aten ops that would synchronise on CUDA (``.item()``,
+``nonzero``, boolean indexing, ``repeat_interleave`` without ``output_size``, ``equal``). Test support only.
+Host-device copies are not visible on a CPU; the GPU test with ``host_sync_sites`` remains the measurement."""
 
 from __future__ import annotations
 
@@ -60,19 +41,12 @@ class SyncOpCounter(TorchDispatchMode):
     """Dispatch mode recording, in order, ``(op name, site)`` for each op that would synchronise on CUDA.
 
     Args:
-        host: tensors that live on the host in the real run (e.g. ``cu_seqlens_cpu``); ops whose tensor
-            arguments are all among them (or are results of such ops) are not flagged.
+        host: tensors that live on the host in the real run (e.g. ``cu_seqlens_cpu``); ops on them only (or on
+            their results) are not flagged.
         is_host: alternatively, a predicate naming host tensors.
 
     Attributes:
         flagged: ``[(op name, "file:line")]`` in dispatch order.
-
-    Example::
-
-        with SyncOpCounter() as counter:
-            loss = layer(x, seqlens).square().mean()
-            loss.backward()
-        assert counter.sites() == []
     """
 
     def __init__(self, host: Iterable[torch.Tensor] = (), is_host: Callable[[torch.Tensor], bool] | None = None):
