@@ -1,9 +1,4 @@
-"""The text of a divergence: what differed, why (FLA's cache, or other state), and the fix.
-
-The fix is :func:`foreign_fix` for a known FLA-backed class of another library (``isolate_seqlens(model)`` or
-``swap_mixers(model)``), else ``LayerLocalSeqlens`` or FLA's cache disabled; a divergence that no FLA cache
-difference explains (:func:`~fla_ac_isolation.audit.records.implicating_fla`) is described without naming FLA.
-"""
+"""The text of a divergence: what differed, why (FLA's cache, or other state), and the fix."""
 
 from __future__ import annotations
 
@@ -20,8 +15,7 @@ VERBS = {"miss": "missed", "hit": "hit", "bypass": "bypassed the cache", "not ca
 
 
 def foreign_fix(running: list[nn.Module]) -> str | None:
-    """The fix sentence for the innermost module of ``running`` (innermost first) that is a known FLA-backed
-    class of another library (:func:`~fla_ac_isolation.foreign_classes.foreign_mixer`), or ``None``."""
+    """The fix for the innermost module of ``running`` that is a known FLA-backed foreign class, or ``None``."""
     for module in running:
         found = foreign_mixer(module)
         if found is None:
@@ -50,18 +44,14 @@ AUTOCAST_FIX = (
 
 
 def autocast_skipped_cast(fwd_op: str | None, rec_op: str | None, autocast_cache: bool) -> bool:
-    """Whether a divergence at ``fwd_op`` / ``rec_op`` is torch.autocast's weight-cast cache (:data:`AUTOCAST_CAUSE`):
-    the recompute ran with that cache on and one of the two ops is a cast."""
+    """Whether the divergence is autocast's weight-cast cache: the cache was on and one of the ops is a cast."""
     return autocast_cache and "aten._to_copy" in f"{fwd_op} {rec_op}"
 
 
 def explain(label: str, where: str | None, idx: int, fwd_op: str, rec_op: str, diffs: list[CacheDifference],
             fix: str | None = None, autocast_cache: bool = False) -> str:
-    """The message of a divergent recompute of region ``label`` at op ``idx`` (``where``: the module
-    running there); ``diffs``: the FLA cache differences that implicate FLA, empty when FLA is not the cause;
-    ``fix``: :func:`foreign_fix` of the modules running there (replaces the fix for code one owns);
-    ``autocast_cache``: the recompute ran under ``torch.autocast`` with its weight-cast cache on (named as the
-    cause when the divergent op is a cast)."""
+    """The message of a divergent recompute of region ``label`` at op ``idx``; ``diffs``: the FLA cache
+    differences that implicate FLA (empty: not FLA); ``fix``: :func:`foreign_fix`'s, replacing the default."""
     inside = f" (in {where})" if where and where != label else ""
     lines = [f"ReplayAudit: region {label}: recompute op #{idx}{inside} is {rec_op}, forward had {fwd_op}."]
     main = [d for d in diffs if "not called" not in (d.forward, d.recompute)] or diffs

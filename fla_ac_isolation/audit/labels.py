@@ -1,9 +1,5 @@
-"""How the audit names a region and the module running at a divergent op.
-
-A region is named by the path of the checkpointed module (or of the module calling checkpoint) inside the
-audited ``model``, else inside the outermost running module, without ``_checkpoint_wrapped_module`` and
-``_orig_mod``; otherwise ``region #i (ClassName)`` or ``region #i``. A region tag (``region_tag=``) goes in
-front: ``stage 1 / mb 0: layers.2``.
+"""How the audit names a region (its module path, else ``region #i (ClassName)``; a region tag in front:
+``stage 1 / mb 0: layers.2``) and the module running at a divergent op.
 """
 
 from __future__ import annotations
@@ -53,8 +49,7 @@ def clean_path(path: str) -> str:
 
 
 class RegionNamer:
-    """Module paths inside a root module, cached per root (a weak reference to the audited ``model``), and the
-    region tag (``tag``: called when a region starts, returns a string or ``None``)."""
+    """Module paths inside a root module (cached per root) and the region tag (``tag() -> str | None``)."""
 
     def __init__(self, model: nn.Module | None, tag: Callable[[], str | None] | None = None) -> None:
         self._model_ref = weakref.ref(model) if model is not None else None
@@ -63,8 +58,7 @@ class RegionNamer:
         self._untagged: dict[str, str] = {}  # tagged label -> the label without its tag
 
     def tagged(self, label: str) -> str:
-        """``"<tag>: <label>"`` with the current region tag, or ``label`` without one; ``TypeError`` when the tag
-        callable returns something other than a string or ``None``."""
+        """``"<tag>: <label>"``, or ``label`` without a tag; ``TypeError`` when the tag is not a str or ``None``."""
         tag = self._tag() if self._tag is not None else None
         if tag is None:
             return label
@@ -75,8 +69,7 @@ class RegionNamer:
         return full
 
     def label_for(self, fn: Any, index: int) -> str:
-        """Module path of the checkpointed module (or, when ``fn`` names none, of the module calling
-        checkpoint), inside ``model`` or the outermost running module; else ``region #index``."""
+        """Path of the checkpointed (else the calling) module inside ``model`` or the outermost running module."""
         number = f"region #{index}"
         running = running_modules()
         module = module_of(fn)

@@ -38,11 +38,8 @@ class ReplayDivergenceWarning(UserWarning):
 
 
 class PassRecorder(TorchDispatchMode):
-    """Records one pass (forward or recompute) of one region; enters the user's context around itself.
-
-    The user's context (e.g. SAC's caching/cached dispatch mode) is entered first, so this mode sits on
-    top of the mode stack and sees every op before SAC does, including ops SAC then answers from storage.
-    """
+    """Records one pass (forward or recompute) of one region; the user's context (SAC's mode) is entered
+    beneath it, so it sees every op before SAC does, including ops SAC answers from storage."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

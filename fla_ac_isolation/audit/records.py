@@ -1,7 +1,6 @@
 """What the audit records: per region, each pass's ops and FLA cache events; what is ignored; how ops print.
 
-An :data:`OpRecord` is ``(op overload, per output leaf (shape, dtype, device) or type name)``: plain tuples keep
-the per-op cost low, and nothing refers to a tensor.
+An ``OpRecord`` is ``(op overload, per output leaf (shape, dtype, device) or type name)``: no tensor is held.
 """
 
 from __future__ import annotations
@@ -49,23 +48,16 @@ FSDP_SCOPE = "FSDP::"
 
 
 def autocast_caching() -> bool:
-    """Whether ``torch.autocast`` is on for some device with its weight-cast cache on (torch's default): a leaf
-    tensor cast in a region's forward is then a cache hit in a recompute run inside the same autocast block, and
-    that recompute skips the forward's ``aten._to_copy``."""
+    """Whether ``torch.autocast`` is on with its weight-cast cache (a recompute in the same autocast block then
+    skips the forward's ``aten._to_copy``)."""
     if not torch.is_autocast_cache_enabled():
         return False
     return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda", "xpu", "mps", "hpu"))
 
 
 def scope_change(func: Any, args: tuple, depth: int) -> int:
-    """The depth of FSDP2 scopes after ``func``: +1 entering one (or any scope inside one), -1 leaving one.
-
-    FSDP2's hooks unshard inside ``record_function("FSDP::pre_forward")`` and reshard in ``FSDP::post_forward``,
-    and skip that work in the recompute, so those ops are parameter management, not the region's, and are not
-    recorded. (SAC counts them; keyed by op and invocation index they shift only later ops of the same
-    overload, which matters only to a policy saving ``empty``, ``copy_``, ``as_strided``, ``view`` or FSDP's
-    all-gather.) A scope is told by its name on entry; exits are counted, as the exit op gets a new wrapper.
-    """
+    """The depth of FSDP2 ``FSDP::`` scopes after ``func`` (+1 entering, -1 leaving): their ops (unshard,
+    reshard) are skipped in the recompute, so they are not recorded. Exits are counted, not matched by name."""
     if func is _SCOPE_ENTER and (depth or (args and str(args[0]).startswith(FSDP_SCOPE))):
         return depth + 1
     if func is _SCOPE_EXIT and depth:
@@ -108,8 +100,7 @@ def op_name(op: Any) -> str:
 @dataclass(frozen=True)
 class CacheDifference:
     """An FLA cached helper whose cache state differed between the forward and a recompute: ``forward`` /
-    ``recompute`` are ``"hit"``, ``"miss"``, ``"bypass"`` or ``"not called"`` (its n-th call ran in one pass only,
-    e.g. a ``prepare_lens`` nested in a missing ``prepare_chunk_indices``)."""
+    ``recompute`` are ``"hit"``, ``"miss"``, ``"bypass"`` or ``"not called"`` (its n-th call ran in one pass only)."""
 
     helper: str
     forward: str
@@ -161,8 +152,7 @@ def by_helper(events: list[CacheEvent]) -> dict[str, dict[str, int]]:
 
 
 def implicating_fla(diffs: list[CacheDifference]) -> tuple[CacheDifference, ...]:
-    """``diffs`` when some helper's n-th call hit in one pass and missed (or bypassed) in the other, else ``()``:
-    helpers that ran in one pass only mean the region took another path for reasons of its own."""
+    """``diffs`` when some helper's n-th call hit in one pass and missed (or bypassed) in the other, else ``()``."""
     if any("not called" not in (d.forward, d.recompute) for d in diffs):
         return tuple(diffs)
     return ()

@@ -36,19 +36,15 @@ def _check_on_divergence(value: object) -> None:
 class ReplayAudit:
     """Record and compare the forward and recompute op sequences of every checkpointed region.
 
-    Use it as a context manager around one training step (forward and backward)::
-
-        with ReplayAudit(model, on_divergence="record") as audit:
-            loss = model(**batch).loss
-            loss.backward()
-        print(audit.summary())
-        audit.divergent        # [RegionReport(label='model.layers.0.linear_attn', first_diff=0, ...)]
-
-    or build a ``context_fn`` for checkpoint calls made elsewhere (:meth:`context_fn`).
+    Use it around one training step (``with ReplayAudit(model) as audit:``), or build a ``context_fn`` for
+    checkpoints made elsewhere (:meth:`context_fn`). Reentrant and debug-mode checkpoints are not looked into:
+    each warns (:class:`UnauditedCheckpointWarning`) and makes :attr:`verdict` ``"blind"``.
 
     Args:
-        model: optional root module for region labels (:mod:`~fla_ac_isolation.audit.labels`).
-        on_divergence: ``"raise"`` (default), ``"warn"`` or ``"record"`` (:mod:`fla_ac_isolation.audit`).
+        model: optional root module for region labels (module paths inside it).
+        on_divergence: ``"raise"`` (default): raise from ``backward()`` at the first divergent op, before it runs
+            (before SAC replays a wrong tensor); ``"warn"``: one warning per divergent recompute; ``"record"``:
+            silent (read :attr:`regions`, :meth:`summary`).
         probe_fla: run FLA's cache probe while active (per-region telemetry and attribution).
         region_tag: called when each region's forward starts; a returned string prefixes the label
             (``"stage 1 / mb 0: layers.2"``; see :class:`~fla_ac_isolation.parallel.StageRegionTags`).
@@ -158,8 +154,7 @@ class ReplayAudit:
             label: name for every region checkpointed with it (default: the module path).
 
         Returns:
-            A callable returning ``(forward_mode, recompute_mode)``, two recording ``TorchDispatchMode`` s
-            that enter ``inner``'s contexts beneath themselves.
+            A callable returning ``(forward_mode, recompute_mode)``, recording modes over ``inner``'s contexts.
         """
 
         def audited_context_fn():
@@ -185,8 +180,7 @@ class ReplayAudit:
 
     @property
     def recompute_counts(self) -> list[int]:
-        """Recomputes per region (:attr:`regions` order): 0 when never recomputed, more than 1 when a
-        schedule reruns a backward (zero-bubble's input and weight passes under full AC)."""
+        """Recomputes per region (:attr:`regions` order): 0 when never recomputed, more when a backward reruns."""
         return [len(r.recomputes) for r in self._session.regions]
 
     @property

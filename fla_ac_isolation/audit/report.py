@@ -28,20 +28,16 @@ class RegionReport:
         verdict: ``"aligned"``, ``"divergent"`` or ``"not recomputed"``.
         forward_ops: number of recorded ops in the forward.
         recompute_ops: number of recorded ops in the (first divergent, else last) recompute, or ``None``.
-        prefix: the recompute stopped early (torch ``early_stop``) or was aborted by an error; it was
-            compared as a prefix of the forward.
+        prefix: the recompute stopped early or failed; it was compared as a prefix of the forward.
         first_diff: index of the first differing op, or ``None``.
-        where: path of the innermost module that was running at ``first_diff`` in the recompute
-            (e.g. ``layers.0.linear_attn``), or ``None``.
+        where: path of the innermost module running at ``first_diff`` in the recompute, or ``None``.
         forward_op / recompute_op: the two ops at ``first_diff`` (``"aten.sub.Tensor -> [23] int64 cpu"``).
-        fla: FLA helpers whose cache state differed (empty when FLA is not involved, including when its
-            helpers ran in one pass only because the region took another path: see
-            :func:`~fla_ac_isolation.audit.records.implicating_fla`).
+        fla: FLA helpers whose cache state differed (empty when FLA is not the cause).
         forward_cache / recompute_cache: ``{helper: {"hit": n, "miss": n, "bypass": n}}`` per pass.
         recompute_error: first line of an error that ended the recompute, if any.
-        message: the full, actionable explanation for a divergent region (``None`` otherwise).
-        autocast_cast: the first differing op is a cast and the recompute ran under ``torch.autocast`` with its
-            weight-cast cache on: that cache, not FLA, made the recompute skip a cast (torch issue #193338).
+        message: the explanation and fix for a divergent region (``None`` otherwise).
+        autocast_cast: the first differing op is a cast skipped because of ``torch.autocast``'s weight-cast cache
+            (torch issue #193338), not FLA.
     """
 
     index: int
@@ -113,9 +109,8 @@ def region_report(region: Region) -> RegionReport:
 
 def summary_table(reports: list[RegionReport], *, messages: bool = True,
                   unaudited: list[UnauditedRegion] = ()) -> str:
-    """A plain-text table of every region's verdict and FLA cache telemetry (+ divergence messages); each
-    checkpointed region the audit could not look into is a row whose verdict is its reason
-    (``reentrant checkpoint: not audited``)."""
+    """A plain-text table of every region's verdict and FLA cache telemetry (+ divergence messages); an
+    unaudited region's verdict is its reason."""
     rows = [("region", "fwd ops", "rec ops", "verdict", "FLA fwd hit/miss", "FLA rec hit/miss")]
 
     def hm(cache: dict[str, dict[str, int]]) -> str:

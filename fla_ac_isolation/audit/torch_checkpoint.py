@@ -1,21 +1,6 @@
-"""torch's checkpoint internals, per torch release: the one place that knows which function a non-reentrant
-checkpoint runs through and how to see a reentrant one.
-
-Every non-reentrant checkpoint (``checkpoint``, ``checkpoint_wrapper``, transformers'
-``gradient_checkpointing_enable``, ``checkpoint_sequential``, the composable ``checkpoint``, which imported it into
-its own module) runs through one generator of ``torch.utils.checkpoint``:
-
-* torch 2.11 to 2.13: ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state, context_fn,
-  determinism_check, debug, early_stop, *args, **kwargs)``, called by ``checkpoint``;
-* torch 2.14 and 2.15: ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, preserve_rng_state,
-  context_fn, determinism_check, debug, early_stop, respect_saved_tensors_hooks)``, called by
-  ``_checkpoint_impl``; the old name remains as an unused shim (intercepting it alone sees nothing).
-
-:func:`checkpoint_internals` finds which by looking; on a torch with neither it raises
-:class:`UnsupportedTorchCheckpointError` rather than see nothing. Reentrant checkpoints run
-``CheckpointFunction.forward(ctx, run_function, preserve_rng_state, *args)`` on every release above and cannot be
-looked into, so that ``forward`` is wrapped on the class to report each run. Upstream:
-``torch/utils/checkpoint.py`` and ``torch/distributed/_composable/checkpoint_activation.py``.
+"""torch's checkpoint internals (``torch/utils/checkpoint.py``), per release: the one place that knows which
+generator every non-reentrant checkpoint runs through (``_LAYOUTS``: torch 2.11 to 2.15; on 2.14+ the old name
+is an unused shim) and how to see a reentrant one (``CheckpointFunction.forward``, wrapped to report each run).
 """
 
 from __future__ import annotations
@@ -46,15 +31,13 @@ _REENTRANT_FORWARD = ("ctx", "run_function", "preserve_rng_state", "args")
 
 
 class UnsupportedTorchCheckpointError(RuntimeError):
-    """The installed torch's checkpoint internals are not ones this package knows how to audit; the message
-    names ``torch.__version__`` and what was not found."""
+    """The installed torch's checkpoint internals are unknown to the audit (the message names the version)."""
 
 
 @dataclass(frozen=True)
 class CheckpointInternals:
-    """How this torch runs a checkpoint: ``generator``, the name in ``torch.utils.checkpoint`` every non-reentrant
-    checkpoint runs through, its ``signature`` (bound to find ``fn``, ``context_fn``, ``debug``), and ``caller``,
-    the function whose code calls it (``"_checkpoint_impl"`` on torch 2.14+)."""
+    """How this torch runs a checkpoint: ``generator`` (its name in ``torch.utils.checkpoint``), its ``signature``,
+    and ``caller``, the function that calls it (``"_checkpoint_impl"`` on torch 2.14+)."""
 
     torch_version: str
     generator: str
@@ -113,8 +96,7 @@ def checkpoint_internals() -> CheckpointInternals:
 
 
 def _holders(generator: str) -> list[Any]:
-    """The modules holding the generator under its own name: ``torch.utils.checkpoint`` and the composable
-    checkpoint's module (imported here, cheaply, so that it is never first imported while patched)."""
+    """``torch.utils.checkpoint`` and the composable checkpoint's module (imported now, never first while patched)."""
     import torch.utils.checkpoint as cp
 
     out = [cp]
@@ -135,8 +117,7 @@ def intercept_checkpoints(
 
     Args:
         on_non_reentrant: ``on_non_reentrant(fn, context_fn, debug)`` as each non-reentrant checkpoint starts
-            (``debug``: torch's debug mode is on for it, which takes no ``context_fn``); returns the
-            ``context_fn`` to run with.
+            (``debug``: torch's debug mode, which takes no ``context_fn``, is on); returns the ``context_fn`` to use.
         on_reentrant: ``on_reentrant(run_function)`` as each reentrant checkpoint's forward starts.
 
     Raises:

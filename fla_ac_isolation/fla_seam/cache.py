@@ -1,34 +1,6 @@
-"""FLA's identity-keyed ``tensor_cache``: global disable, size, hit/miss probe.
-
-FLA wraps its index helpers (``fla.ops.utils.index.prepare_chunk_indices``, ``prepare_lens``,
-``prepare_position_ids``, ... and ``fla.ops.cp.context.get_cp_cu_seqlens``) with
-``fla.utils.tensor_cache``: each helper keeps a ``deque`` of its last ``FLA_TENSOR_CACHE_SIZE`` (default 4)
-``(args, kwargs, result)`` entries and returns a stored result when every argument ``is`` the stored one.
-
-This module is the only place in the package that touches that machinery (and the only one holding
-module-level mutable state). Its public names are re-exported as :mod:`fla_ac_isolation.fla_cache`. It offers:
-
-* :func:`tensor_cache_disabled` - the blunt global switch (``fla.utils.FLA_DISABLE_TENSOR_CACHE``).
-* :func:`cache_enabled`, :func:`cache_size`, :func:`tensor_cache_size` (temporarily resize every
-  helper's queue, e.g. to 1 to provoke evictions), :func:`clear_tensor_cache`.
-* :func:`probe_tensor_cache` - records, for a block of code, every helper call as ``hit``, ``miss`` or
-  ``bypass`` (cache disabled), in call order; with ``arguments=True`` also the tensors each call was given
-  (the objects FLA's cache compares by identity: which offsets object reached FLA in which call).
-
-How the probe works: for the duration of the block, each cached helper's queue (a closure cell of FLA's
-wrapper) is swapped for a ``deque`` subclass that reports lookups; a lookup that runs off the end of the
-queue is a miss, any other lookup a hit. The helper's underlying function (another closure cell) is
-wrapped to see calls made while the cache is disabled. The queue's contents are carried over and put
-back on exit, so probing does not change FLA's behaviour. A hit's arguments are those of the entry the
-lookup stopped at (FLA's wrapper returns from inside the loop, closing the generator there); a miss's and a
-bypass's are those the helper's function receives.
-
-Under ``torch.compile`` the probe's bookkeeping (recording an event, telling a miss from a bypass) is
-``torch.compiler.disable`` d, so it always runs eagerly: dynamo breaks the graph at each lookup, as it does
-for FLA's wrapper anyway, and never traces or replays the probe's own state. The helper's function itself is
-not disabled: what it computes stays in the compiled graphs, where the audit sees it. (torch >= 2.14's dynamo
-traces a ``deque`` subclass's ``__iter__``; replaying its side effects then loads ``collections`` from the
-helper module's globals, a ``NameError`` in FLA's ``fla.ops.utils.index``.)
+"""FLA's identity-keyed ``fla.utils.tensor_cache`` (public as :mod:`fla_ac_isolation.fla_cache`): global switch,
+queue size, hit/miss probe. Each of FLA's index helpers keeps its last ``FLA_TENSOR_CACHE_SIZE`` (default 4) calls
+and returns a stored result when every argument ``is`` the stored one. The only module-level mutable state here.
 """
 
 from __future__ import annotations
@@ -74,12 +46,8 @@ def cache_enabled() -> bool:
 
 @contextlib.contextmanager
 def tensor_cache_disabled() -> Iterator[None]:
-    """Disable FLA's tensor cache process-wide inside the block (the global-disable strategy).
-
-    Every index helper then recomputes its result on each call, so forward and recompute always run the
-    same ops; the price is the helpers' work (and on GPU, host syncs) in every layer and pass. The prior
-    value of ``fla.utils.FLA_DISABLE_TENSOR_CACHE`` is restored on exit, also when the block raises.
-    """
+    """Disable FLA's tensor cache process-wide inside the block (``fla.utils.FLA_DISABLE_TENSOR_CACHE``): every
+    index helper then recomputes on each call (on GPU, with its host syncs); the prior value is restored."""
     utils = _utils()
     prior = getattr(utils, "FLA_DISABLE_TENSOR_CACHE", False)
     utils.FLA_DISABLE_TENSOR_CACHE = True
@@ -154,11 +122,7 @@ def clear_tensor_cache() -> None:
 
 @contextlib.contextmanager
 def tensor_cache_size(size: int) -> Iterator[None]:
-    """Give every FLA helper a fresh, empty queue of ``size`` entries inside the block.
-
-    FLA reads ``FLA_TENSOR_CACHE_SIZE`` once, at import; this changes it for already-imported helpers.
-    ``size=1`` makes evictions easy to provoke (a forward hit followed by a recompute miss). The
-    original queues, with their contents, are put back on exit.
+    """Give every imported FLA helper a fresh queue of ``size`` entries inside the block (``1`` provokes evictions).
 
     Raises:
         ValueError: ``size`` < 1.
@@ -182,12 +146,8 @@ def tensor_cache_size(size: int) -> Iterator[None]:
 # ------------------------------------------------------------------------------------------- probe
 @dataclass(frozen=True)
 class CacheEvent:
-    """One call of an FLA cached helper: its name and whether it hit, missed or bypassed the cache.
-
-    ``arguments``: the call's tensor arguments, positional then keyword (the ``cu_seqlens`` objects FLA's cache
-    compares by identity), held while the event is; recorded only while a probe with ``arguments=True`` is
-    active (else empty), and not compared.
-    """
+    """One call of an FLA cached helper: its name, whether it hit, missed or bypassed the cache, and its tensor
+    ``arguments`` (held; recorded only under ``arguments=True``; not compared)."""
 
     helper: str
     outcome: Outcome
@@ -196,11 +156,7 @@ class CacheEvent:
 
 @dataclass
 class CacheProbe:
-    """Events recorded by :func:`probe_tensor_cache`, in call order.
-
-    Nested helper calls (``prepare_chunk_indices`` calls ``prepare_lens`` on a miss) appear after the
-    outer call's own event.
-    """
+    """Events recorded by :func:`probe_tensor_cache`, in call order (a nested call after its outer call's)."""
 
     events: list[CacheEvent] = field(default_factory=list)
 
@@ -261,7 +217,7 @@ _probe_state = _ProbeState()
 
 
 class _ProbingDeque(deque):
-    """A helper's queue that reports each lookup: running off its end is a miss, else a hit."""
+    """A helper's queue, swapped in while probing, that reports each lookup: running off its end is a miss."""
 
     def __init__(self, items, maxlen: int, name: str) -> None:
         super().__init__(items, maxlen)
@@ -281,10 +237,11 @@ class _ProbingDeque(deque):
         _lookup_missed(self._name)
 
 
-# The bookkeeping below (and _ProbeState's emit/amend, called only from it) is torch.compiler.disable'd and
-# the code dynamo may trace (the deque's lookup, the
-# helper's wrapped function) hands it only the helper's name and the call's values: where an event went is
-# kept here, never passed through traced code (dynamo would guard on those lists and recompile as they grow).
+# The bookkeeping below (and _ProbeState's emit/amend, called only from it) is torch.compiler.disable'd (dynamo
+# tracing a deque subclass's __iter__ raises a NameError in fla.ops.utils.index on torch >= 2.14); the code dynamo
+# may trace (the deque's lookup, the helper's wrapped function) hands it only the helper's name and the call's
+# values: where an event went is kept here, never passed through traced code (dynamo would guard on those lists
+# and recompile as they grow).
 _open: list[list[tuple[list[CacheEvent], int]]] = []  # where each lookup in progress recorded its hit
 _misses: dict[str, list[list[tuple[list[CacheEvent], int]]]] = {}  # per helper: misses awaiting their call
 
@@ -349,20 +306,12 @@ def _uninstall() -> None:
 
 @contextlib.contextmanager
 def probe_tensor_cache(arguments: bool = False) -> Iterator[CacheProbe]:
-    """Record every FLA cached-helper call made inside the block as a hit, a miss or a bypass.
+    """Record every FLA cached-helper call made inside the block as a hit, a miss or a bypass (cache disabled),
+    without changing FLA's behaviour; probes nest, each seeing every event made while it is active.
 
     Args:
         arguments: also record each call's tensor arguments (:attr:`CacheEvent.arguments`), for every probe
-            active meanwhile (the events hold them: the offsets objects stay alive while the events do).
-
-    Example::
-
-        with probe_tensor_cache() as probe:
-            loss = model(batch).sum(); loss.backward()
-        probe.by_helper()   # {'prepare_chunk_indices': {'hit': 6, 'miss': 2, 'bypass': 0}, ...}
-
-    Probes nest; each sees every event made while it is active. Overhead: one Python generator and two
-    calls per helper lookup (a few microseconds), none outside the block.
+            active meanwhile (the events keep those tensors alive).
     """
     probe = CacheProbe()
     if not _probe_state.sinks:

@@ -1,24 +1,6 @@
-"""What the installed FLA supports: the differences between FLA releases (fla-core 0.5.2 and 0.6), once.
-
-The rest of the package asks this module instead of testing versions itself:
-
-* :func:`module_path` / :func:`module` - where the installed FLA defines its causal conv and its L2 norm.
-  fla-core 0.6 keeps the conv in ``fla.modules.causal_conv1d`` (and synthesises ``fla.modules.conv.*`` as
-  copies for old imports); 0.5.2 in ``fla.modules.conv`` (``.triton.ops``, ``.cp``); the L2 norm moved from
-  ``fla.modules.l2norm`` to ``fla.modules.norm.l2norm``. :func:`conv_chunk_parameter`: the conv's
-  chunk-size parameter (``chunk_size`` in 0.6, ``BT`` in 0.5.2). :func:`gdn_entry_point` /
-  :func:`kda_entry_point`: FLA's public ``chunk_gated_delta_rule`` / ``chunk_kda`` (one path in both releases),
-  which :mod:`fla_ac_isolation.ops` calls.
-* :data:`FEATURES`, :func:`supports`, :func:`require` - the features of this package that need a newer FLA
-  than 0.5.2, each probed on FLA's own API (a parameter or a function), never on a version number;
-  :func:`require` raises :class:`FlaFeatureError` naming the installed version and the one needed.
-* :func:`import_problem` - why ``import fla`` fails on this install when the reason is known from the
-  installed metadata alone (FLA 0.5.2 with Triton >= 3.9), with the bound to install; :func:`explain_import`
-  makes the seam raise it in place of FLA's own message.
-
-Read in fla-core 0.5.2 and 0.6.0: ``fla/modules/conv`` and ``fla/modules/causal_conv1d``,
-``fla/ops/cp/context.py`` (``get_cp_cu_seqlens``, ``_check_cp_device``), ``fla/ops/gated_delta_rule/chunk.py``.
-Importing this module imports nothing from FLA; the probes import it on first call.
+"""What the installed FLA (fla-core 0.5.2 or 0.6) supports, asked here instead of testing versions elsewhere: where
+it keeps its conv and L2 norm, the features that need 0.6 (:data:`FEATURES`, probed on FLA's API, never on a version
+number), and why ``import fla`` fails when the installed metadata says so. Imports FLA only on first call.
 """
 
 from __future__ import annotations
@@ -80,16 +62,8 @@ def _module_layout() -> str:
 
 
 def module_path(role: str) -> str:
-    """The module of the installed FLA that defines the functions of ``role``, by path.
-
-    * ``"conv"``: the public ``causal_conv1d(x [B, T, D], weight [D, W], ...)`` (the object foreign code
-      imports; fla-core 0.6 ``fla.modules.causal_conv1d.ops``, 0.5.2 ``fla.modules.conv.causal_conv1d``);
-    * ``"conv_ops"``: the Triton forward/backward (``causal_conv1d_fwd``, ``causal_conv1d_bwd``,
-      ``CausalConv1dFunction``, ``_has_non_standard_layout``);
-    * ``"conv_cp"``: the module defining ``causal_conv1d_cp`` (it binds FLA's CP all-gather by name);
-    * ``"l2norm"``: ``l2norm_fwd`` / ``l2norm_bwd``.
-
-    Imports ``fla.modules`` on first call.
+    """The path of the installed FLA's module for ``role``: ``"conv"`` (the public ``causal_conv1d``), ``"conv_ops"``
+    (its Triton forward/backward), ``"conv_cp"`` (``causal_conv1d_cp``) or ``"l2norm"`` (``l2norm_fwd``/``_bwd``).
 
     Raises:
         ValueError: unknown ``role``.
@@ -153,8 +127,7 @@ class FlaFeature:
         name: what the user loses without it, in prose.
         since: the first fla-core release that has it.
         api: what of FLA it needs, as FLA spells it.
-        probe: ``() -> bool``, whether the installed FLA has :attr:`api` (imports FLA; reads FLA's own objects,
-            never a name the harness's CPU serving of FLA may have replaced).
+        probe: ``() -> bool``, whether the installed FLA has :attr:`api` (imports FLA).
     """
 
     key: str
@@ -231,10 +204,8 @@ def require(key: str, *, where: str) -> None:
 
 
 def feature_report() -> dict[str, str]:
-    """``{feature name: "yes" | "no (needs fla-core >= X; installed Y)"}`` for every feature of :data:`FEATURES`.
-
-    ``{"FLA features": "unavailable (...)"}`` when FLA does not import.
-    """
+    """``{feature name: "yes" | "no (needs ...)"}`` per :data:`FEATURES`; ``{"FLA features": "unavailable (...)"}``
+    when FLA does not import."""
     try:
         explain_import()
         return {
@@ -256,11 +227,10 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 
 
 def import_problem() -> str | None:
-    """Why ``import fla`` fails on this install, when the installed metadata alone says so; else ``None``.
+    """Why ``import fla`` fails on this install, from the installed metadata alone (imports nothing); else ``None``.
 
-    The one case known: fla-core < 0.6 (0.5.2) with Triton >= 3.9, where FLA's import stops in
-    ``fla/ops/cp/chunk_delta_h.py`` with ``ValueError: key contains names that are not kernel arguments: BT``
-    (0.5.2 imports with Triton 3.6.0, 3.7.1 and 3.8.0). Reads metadata only; imports nothing.
+    The one case known: fla-core < 0.6 with Triton >= 3.9 (``ValueError: key contains names that are not kernel
+    arguments: BT``).
     """
     fla = fla_version()
     try:
@@ -305,12 +275,8 @@ class _ExplainedFinder(importlib.abc.MetaPathFinder):
 
 @functools.cache
 def explain_import() -> None:
-    """On an install where :func:`import_problem` knows ``import fla`` fails, make that import raise
-    ``ImportError(import_problem())`` (chained to FLA's own error) wherever it first happens; else nothing.
-
-    Installs a finder for the top-level ``fla`` package only, only on such an install, and only if ``fla``
-    was not imported yet. The seam calls it when it is imported.
-    """
+    """Where :func:`import_problem` knows ``import fla`` fails, make it raise ``ImportError(import_problem())``
+    (chained to FLA's error) by a finder for the top-level ``fla``, installed only if ``fla`` is not imported yet."""
     problem = import_problem()
     if problem is not None and "fla" not in sys.modules:
         sys.meta_path.insert(0, _ExplainedFinder(problem))

@@ -1,20 +1,5 @@
-"""FLA's chunk layout: the chunk size of its varlen kernels, the chunk schedule, and its index helpers.
-
-FLA's chunked kernels (the causal conv, the gated delta rule, simple GLA) cut every packed document into
-:data:`CHUNK_SIZE`-token chunks and walk them in the order of a *chunk schedule*: ``[NT, 2]`` rows
-``(document, chunk within the document)``, built by ``fla.ops.utils.index.prepare_chunk_indices`` and
-memoised there by argument identity. This module states those facts once:
-
-* :data:`CHUNK_SIZE` and :func:`conv_takes_chunk_indices` (whether FLA's conv uses the same chunk size,
-  read from its signature: a schedule for another size would be misread silently);
-* :func:`chunk_indices_for` - the same schedule, computed on the host without FLA's cache (what
-  :class:`~fla_ac_isolation.LayerLocalSeqlens` precomputes once per batch), and :func:`chunk_offsets_for`,
-  each document's first row in it (FLA's ``prepare_chunk_offsets``, which sizes the chunk states);
-* :func:`prepare_chunk_indices`, :func:`prepare_chunk_offsets`, :func:`prepare_position_ids` - FLA's own
-  cached helpers, called through unchanged, for the reference backend (which must hit and miss FLA's cache
-  where the kernels do) and the fault stack.
-
-FLA is imported on first call, never at import.
+"""FLA's chunk layout: the chunk size of its varlen kernels, the chunk schedule (``[NT, 2]`` rows ``(document,
+chunk)``) computed on the host, and FLA's own identity-cached index helpers, called through.
 """
 
 from __future__ import annotations
@@ -59,17 +44,8 @@ def _steps(offsets: Sequence[int] | torch.Tensor, chunk_size: int) -> torch.Tens
 def chunk_indices_for(offsets: Sequence[int] | torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
     """FLA's chunk schedule of packed documents: ``[NT, 2]`` int64 rows ``(document, chunk)``, on the host.
 
-    Row ``r`` says that the ``r``-th chunk of the packed batch is chunk ``i`` (``chunk_size`` tokens, the
-    last one shorter) of document ``n``; zero-length documents have no rows. This is the layout of
-    ``fla.ops.utils.index.prepare_chunk_indices`` (the tests compare the two). It is computed here rather
-    than through FLA's helper because that helper is memoised by argument identity: calling it would add
-    entries to the very cache whose hits and misses the isolation keeps identical between a layer's
-    forward and its recompute.
-
-    Size: ``NT = sum(ceil(len / chunk_size))`` rows, at most ``(offsets[-1] - offsets[0]) / chunk_size + N``
-    for non-decreasing offsets; the per-document counts (``[N]``) are checked before the ``[NT]`` rows
-    are allocated, so inconsistent offsets (a decrease, whose positive steps would add up to more
-    chunks than the span holds) are refused instead of reaching ``repeat_interleave``.
+    Row ``r``: the ``r``-th chunk of the batch is chunk ``i`` of document ``n`` (none for empty documents). The
+    values of ``fla.ops.utils.index.prepare_chunk_indices``, computed without it: FLA's cache gets no entry.
 
     Args:
         offsets: ``N + 1`` non-decreasing ints (the values of ``cu_seqlens``): a sequence or a host tensor.
@@ -89,12 +65,7 @@ def chunk_indices_for(offsets: Sequence[int] | torch.Tensor, chunk_size: int = C
 
 def chunk_offsets_for(offsets: Sequence[int] | torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
     """Each document's first row in the chunk schedule: ``[N + 1]`` int64 on the host, ``[0, c_0, c_0 + c_1, ...]``
-    with ``c_i = ceil(len_i / chunk_size)``; the last entry is the schedule's row count ``NT``.
-
-    The values of ``fla.ops.utils.index.prepare_chunk_offsets(cu_seqlens, chunk_size)`` (the tests compare
-    the two), computed on the host for the reason given in :func:`chunk_indices_for`. FLA's state kernels
-    (``chunk_fwd_kernel_h``, ``chunk_bwd_kernel_dh``, the gated delta rule's) read it as ``split_offsets`` /
-    ``chunk_offsets``: where a document's chunk states start.
+    with ``c_i = ceil(len_i / chunk_size)`` (the values of FLA's ``prepare_chunk_offsets``; the last is ``NT``).
 
     Raises:
         ValueError: as :func:`chunk_indices_for`.
@@ -106,11 +77,8 @@ def chunk_offsets_for(offsets: Sequence[int] | torch.Tensor, chunk_size: int = C
 
 @functools.cache
 def conv_takes_chunk_indices() -> bool:
-    """Whether FLA's Triton conv cuts time into :data:`CHUNK_SIZE`-token chunks in forward and backward.
-
-    Only then may the conv be handed a schedule from :func:`chunk_indices_for`; FLA's conv has a fixed
-    chunk size (a default argument), read here from its signature.
-    """
+    """Whether FLA's Triton conv uses :data:`CHUNK_SIZE`-token chunks (read from its signature): only then may it
+    be handed a schedule from :func:`chunk_indices_for`, which it would otherwise misread silently."""
     ops = features.module("conv_ops")
     name = features.conv_chunk_parameter()  # chunk_size (fla-core 0.6) or BT (0.5.2)
     sizes = {

@@ -1,57 +1,7 @@
-"""FLA's forward and backward functions as the kernels of the ``fla`` backend's saveable custom operators.
-
-FLA's kernels are ``torch.autograd.Function`` s that launch Triton directly, so selective activation
-checkpointing (SAC) sees only the few aten ops around the launches and can never save their outputs: every
-recompute reruns the whole FLA forward. ``ops(..., saveable=True)`` therefore runs each FLA call as one operator
-of the ``fla_ac_isolation`` namespace, with a fake (meta) kernel and an autograd formula whose backward is an
-operator too, so
-
-* a SAC policy can save an op's outputs (:func:`fla_ac_isolation.policies.save_fla_ops`), and a saved op
-  neither reruns nor consults FLA's index cache in the recompute;
-* ``torch.compile`` traces a mixer through the call without a graph break (FLA's public functions are
-  ``torch.compiler.disable`` d).
-
-This module holds those operators' kernels only, as data: :data:`KERNELS`, per operation the arguments of
-:func:`~fla_ac_isolation.saveable_op.register_saveable_op`, which :mod:`fla_ac_isolation.ops.saveable` registers
-(with the reference backend's) in one loop. No kernel is ours: every forward calls FLA 0.6's own forward
-function, every backward FLA's own backward function, with the arguments FLA's ``Function`` s pass. Operators
-(all outputs contiguous):
-
-* ``causal_conv1d(x, weight, bias?, activation?, cu_seqlens?, cu_seqlens_cpu?, chunk_indices?) -> y``:
-  ``fla.modules.causal_conv1d.causal_conv1d_fwd``, ``y [B, T, D]`` in the dtype of ``x`` (FLA saves only
-  inputs, so do we). Backward operator ``causal_conv1d_backward``: ``causal_conv1d_bwd`` -> ``dx, dw, db``.
-* ``gated_delta_rule(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens?, cu_seqlens_cpu?,
-  chunk_indices?) -> (o, A, g_cumsum, q_rstd, k_rstd)``: FLA's ``ChunkGatedDeltaRuleFunction.forward``
-  (``l2norm_fwd``, ``chunk_gated_delta_rule_fwd``): ``o [B, T, HV, V]`` (dtype of q) plus what its backward
-  reads, ``A [B, T, HV, 64]`` (dtype of k), ``g_cumsum [B, T, HV]`` fp32 and ``q_rstd``/``k_rstd``
-  ``[B, T, H]`` fp32 (empty without the L2 norm). Backward operator ``gated_delta_rule_backward``:
-  ``chunk_gated_delta_rule_bwd`` and ``l2norm_bwd``.
-* ``simple_gla(q, k, v, g, scale, cu_seqlens?, cu_seqlens_cpu?, chunk_indices?, chunk_offsets?)
-  -> (o, g_cumsum)``: FLA's ``ChunkSimpleGLAFunction.forward`` with its state passes sized on the host
-  (:mod:`~fla_ac_isolation.fla_seam.simple_gla`: ``chunk_local_cumsum``, FLA's state kernel,
-  ``chunk_fwd_o``): ``o [B, T, H, V]``, ``g_cumsum [B, T, H]`` fp32; ``q``/``k`` may have ``G`` groups
-  dividing ``H`` (expanded inside). Backward operator ``simple_gla_backward``: ``chunk_simple_gla_bwd``'s
-  kernels and the reverse cumsum.
-
-Deviations from FLA's ``Function`` s, all without effect on the numbers (under Triton's interpreter a GDN +
-Mamba2 stack with these operators equals the default path, FLA's public functions, bit for bit):
-
-* the gated delta rule's outputs are "lean": the L2-normalised q/k are not outputs (a SAC policy saving the
-  op would store them too); the backward op recomputes them from the raw q/k with FLA's ``l2norm_fwd``
-  (same kernel, same input, same bits);
-* simple GLA takes Mamba2's grouped ``B``/``C`` and expands them inside, forward and backward, so neither
-  AC nor autograd keeps the ``H``-head copies; the backward sums each group's heads, which equals
-  autograd's gradient of ``repeat_interleave``;
-* FLA's ``dispatch`` to alternative backends of the gated delta rule (FlashQLA) and of simple GLA's state
-  passes (TileLang, Ascend) is not taken: the ops call the Triton path.
-
-Inputs are used in the dtypes given (custom ops run outside autocast; the mixers cast explicitly).
-``cp_context``, initial and final states are not offered. FLA is imported inside the kernels, never at
-import; the kernels need CUDA tensors (or a CPU under ``TRITON_INTERPRET=1``, the harness's interpreter backend
-``harness/fla_seam/interpreter.py``).
-
-A custom op's output may not alias an input or another output (torch checks): ``v`` is never an output,
-placeholders are distinct empty tensors, and an absent conv bias gradient is ``empty(0)``.
+"""FLA 0.6's own forward and backward functions (and fakes) as the kernels of the ``fla`` backend's saveable custom
+operators (outputs: :data:`fla_ac_isolation.ops.SAVEABLE_OPS`). Same numbers as FLA's ``Function`` s, but the L2-normed
+q/k are recomputed in backward, not outputs; grouped ``B``/``C`` are expanded inside; no backend dispatch, no
+``cp_context`` or states; inputs keep their dtypes (no autocast); outputs are contiguous and alias nothing.
 """
 
 from __future__ import annotations
@@ -90,9 +40,7 @@ def _schedule(cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_in
 
 
 def _conv_schedule(chunk_indices: Tensor | None) -> Tensor | None:
-    """The schedule for FLA's conv only while its chunk size is ours; else FLA builds its own (see
-    :func:`~fla_ac_isolation.fla_seam.layout.conv_takes_chunk_indices`). Read inside the op's kernel, which
-    ``torch.compile`` never traces (``inspect.signature`` would break the graph)."""
+    """The schedule for FLA's conv only while its chunk size is ours (read inside the kernel, never traced)."""
     return chunk_indices if conv_takes_chunk_indices() else None
 
 

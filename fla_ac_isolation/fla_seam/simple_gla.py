@@ -1,37 +1,6 @@
-"""Mamba2's SSD core, FLA's simple GLA, without a host synchronisation: FLA's kernels, sized on the host.
-
-FLA 0.6's ``chunk_simple_gla`` synchronises the host in every call it makes for a packed batch:
-
-* its ``Function`` builds the chunk schedule itself (``prepare_chunk_indices``: with host offsets a blocking
-  host-to-device copy, without them a ``repeat_interleave`` that reads a device sum), in the forward and again
-  in the recompute: it takes no ``chunk_indices``;
-* its state passes, ``fla.ops.common.chunk_h.chunk_fwd_h`` (forward, recompute and the backward's rebuild of
-  the states) and ``chunk_bwd_dh`` (backward), size the ``[B, NS, H, K, V]`` state tensor with
-  ``prepare_chunk_offsets(cu_seqlens, 64)[-1].item()``, a device-to-host read, and take no host value.
-
-Each is a host sync per call (counted per layer step in ``docs/benchmarks.md``), where the gated delta rule
-(which takes ``chunk_indices``, and sizes its states from their length) makes none. This module runs the same
-computation with the same FLA kernels and the same arguments, but with sizes known on the host:
-
-* the schedule ``chunk_indices [NT, 2]`` and the per-document first chunk ``chunk_offsets [N + 1]`` are
-  given (``LocalSeqlens.chunk_indices`` / ``.chunk_offsets``: precomputed once per batch, a fresh copy per
-  layer call), or computed with FLA's cached helpers when not;
-* the state count is ``NT = len(chunk_indices)``, a host value, and the state kernels
-  (``chunk_fwd_kernel_h``, ``chunk_bwd_kernel_dh``) are launched here exactly as FLA's wrappers launch them
-  (grid ``cdiv(K, BK) * cdiv(V, BV) * N * H``, ``split_offsets = chunk_offsets``, one split per chunk);
-* the rest is FLA's functions unchanged: ``chunk_local_cumsum``, ``chunk_fwd_o``, ``chunk_bwd_dqkwg``,
-  ``chunk_bwd_dv``, each given ``chunk_indices``.
-
-The numbers are FLA's bit for bit (same kernels, same inputs; the tests compare with ``chunk_simple_gla``
-under Triton's interpreter). Differences from FLA's entry point, without effect on the numbers: FLA's backend
-dispatch of the state passes (``@dispatch('common')``: TileLang or Ascend backends when installed) is not
-taken, the Triton kernels always run; no initial or final state, no ``g_gamma``, states ``[K, V]``.
-
-A padded schedule is accepted (:class:`~fla_ac_isolation.static_seqlens.StaticSeqlens`): rows that point at
-a zero-length document compute nothing and store nothing, and ``NT`` (the grids, the state tensor) is then
-the padded count, fixed across batches.
-
-FLA is imported inside each function, never at import.
+"""Mamba2's SSD core, FLA 0.6's simple GLA, without its per-call host syncs: the schedule is given, the state count
+is ``NT = len(chunk_indices)`` (padded schedules accepted), and FLA's kernels are launched as its wrappers launch
+them (FLA's numbers bit for bit; no backend dispatch, initial/final state or ``g_gamma``).
 """
 
 from __future__ import annotations
@@ -49,13 +18,8 @@ def schedule(
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, chunk_indices: Tensor | None,
     chunk_offsets: Tensor | None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``(chunk_indices [NT, 2], chunk_offsets [N + 1])`` of ``CHUNK_SIZE``-token chunks: the given ones, or
-    FLA's cached ``prepare_chunk_indices`` (from the host offsets when given) and ``prepare_chunk_offsets``.
-
-    ``(None, None)`` without ``cu_seqlens`` (each batch row one sequence). Computing either one here costs
-    what FLA's own call costs (a host-to-device copy, or a device ``repeat_interleave``); pass both to run
-    without a host synchronisation.
-    """
+    """``(chunk_indices [NT, 2], chunk_offsets [N + 1])``: the given ones, else FLA's cached helpers' (a host sync;
+    pass both to avoid it); ``(None, None)`` without ``cu_seqlens``."""
     if cu_seqlens is None:
         return None, None
     from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
@@ -79,12 +43,10 @@ def state_forward(
     k: Tensor, v: Tensor, g_cumsum: Tensor, *, cu_seqlens: Tensor | None, chunk_indices: Tensor | None,
     chunk_offsets: Tensor | None, states_in_fp32: bool,
 ) -> Tensor:
-    """The chunk states ``h [B, NS, H, K, V]`` of simple GLA: FLA's ``chunk_fwd_kernel_h``, launched as
-    ``fla.ops.common.chunk_h.chunk_fwd_h`` launches it, with ``NS = len(chunk_indices)``.
+    """The chunk states ``h [B, NS, H, K, V]``: FLA's ``chunk_fwd_kernel_h`` launched as ``chunk_fwd_h`` does.
 
-    ``k [B, T, H, K]``, ``v [B, T, H, V]`` contiguous; ``g_cumsum [B, T, H]`` fp32, the chunk-local cumsum
-    in log2 units (``chunk_local_cumsum(..., scale=RCP_LN2)``). ``h`` is fp32 with ``states_in_fp32``
-    (the backward's rebuild), else the dtype of ``k``.
+    ``k [B, T, H, K]``, ``v [B, T, H, V]`` contiguous; ``g_cumsum [B, T, H]`` fp32 in log2 units. ``h`` is fp32
+    with ``states_in_fp32``, else the dtype of ``k``.
     """
     import triton
     from fla.ops.common.chunk_h import chunk_fwd_kernel_h
@@ -109,9 +71,8 @@ def state_backward(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, g_cumsum: Tensor, scale: float, *, cu_seqlens: Tensor | None,
     chunk_indices: Tensor | None, chunk_offsets: Tensor | None,
 ) -> Tensor:
-    """The state gradients ``dh [B, NS, H, K, V]`` fp32: FLA's ``chunk_bwd_kernel_dh``, launched as
-    ``fla.ops.common.chunk_h.chunk_bwd_dh`` launches it for simple GLA's backward (fp32 states, no initial or
-    final state), with ``NS = len(chunk_indices)``."""
+    """The state gradients ``dh [B, NS, H, K, V]`` fp32: FLA's ``chunk_bwd_kernel_dh`` launched as ``chunk_bwd_dh``
+    does."""
     import triton
     from fla.ops.common.chunk_h import chunk_bwd_kernel_dh
 
@@ -138,8 +99,7 @@ def simple_gla_forward(
 ) -> tuple[Tensor, Tensor]:
     """``(o [B, T, H, V] in the dtype of q, g_cumsum [B, T, H] fp32)``: FLA's ``ChunkSimpleGLAFunction.forward``.
 
-    ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H]`` (log decay), all contiguous and on the
-    device whose context is current; ``chunk_indices``/``chunk_offsets`` as :func:`schedule` returns them.
+    ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H]`` (log decay), contiguous, on the current device.
     """
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.utils import chunk_local_cumsum
@@ -158,11 +118,8 @@ def simple_gla_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, g_cumsum: Tensor, scale: float, *, cu_seqlens: Tensor | None,
     chunk_indices: Tensor | None, chunk_offsets: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dg)``: FLA's ``ChunkSimpleGLAFunction.backward`` (``chunk_simple_gla_bwd`` and the
-    reverse cumsum of ``dg``); ``dq``/``dk``/``dv`` as FLA's kernels return them, ``dg`` fp32.
-
-    ``do [B, T, H, V]`` contiguous; the rest as :func:`simple_gla_forward` took and returned them.
-    """
+    """``(dq, dk, dv, dg)`` (``dg`` fp32): FLA's ``ChunkSimpleGLAFunction.backward``; ``do [B, T, H, V]``
+    contiguous, the rest as :func:`simple_gla_forward` took and returned them."""
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv
     from fla.ops.utils import chunk_local_cumsum
 
@@ -191,12 +148,9 @@ def _device(t: Tensor):
 
 
 class SimpleGLAFunction(torch.autograd.Function):
-    """Simple GLA as one autograd function: :func:`simple_gla_forward` / :func:`simple_gla_backward`.
+    """Simple GLA as one autograd function, as FLA's ``chunk_simple_gla(q, k, v, g, scale=, cu_seqlens=)``.
 
-    ``apply(q, k, v, g, scale, cu_seqlens, chunk_indices, chunk_offsets) -> o [B, T, H, V]`` (dtype of
-    ``q``); the same inputs, outputs and gradients as FLA's ``chunk_simple_gla(q, k, v, g, scale=scale,
-    cu_seqlens=cu_seqlens)`` (no initial or final state), without its host synchronisations when
-    ``chunk_indices`` and ``chunk_offsets`` are given. Inputs are made contiguous, as FLA's ``input_guard`` does.
+    ``apply(q, k, v, g, scale, cu_seqlens, chunk_indices, chunk_offsets) -> o [B, T, H, V]`` (dtype of ``q``).
     """
 
     @staticmethod
@@ -223,6 +177,5 @@ def simple_gla(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Tensor | None,
     chunk_indices: Tensor | None, chunk_offsets: Tensor | None,
 ) -> Tensor:
-    """:class:`SimpleGLAFunction` ``.apply``, kept out of ``torch.compile`` graphs as FLA's ``chunk_simple_gla`` is
-    (the saveable path, :mod:`~fla_ac_isolation.fla_seam.saveable_kernels`, is the traceable one)."""
+    """:class:`SimpleGLAFunction` ``.apply``, kept out of ``torch.compile`` graphs as FLA's ``chunk_simple_gla`` is."""
     return SimpleGLAFunction.apply(q, k, v, g, scale, cu_seqlens, chunk_indices, chunk_offsets)

@@ -1,15 +1,5 @@
-"""Version facts about the installed FLA: its version, the range this package is tested with, its guards.
-
-* :func:`fla_version` - the installed fla-core (or flash-linear-attention) version, or ``None``.
-* :func:`tested_range` - the fla-core range the project's tests run: the install requirement, read from the
-  installed metadata (``pyproject.toml`` writes it once).
-* :func:`hopper_gdn_guard_active` - whether FLA 0.5.2+ refuses the gated ``chunk_bwd_dqkwg`` backward
-  (gated delta rule, simple GLA) on this machine: Hopper GPUs with Triton >= 3.4 and < 3.7.1 (FLA issue
-  #640, ``fla/ops/common/chunk_o.py``). A GPU test harness may lift it (the project's test support does,
-  announcing it); library code never does.
-* :func:`is_hopper_gdn_refusal` - whether an exception is that refusal (what to install: :data:`HOPPER_GDN_REMEDY`).
-
-Nothing here imports FLA at import time.
+"""Version facts about the installed FLA: its version, the range this package is tested with, and its Hopper
+guard (FLA #640: the gated ``chunk_bwd_dqkwg`` backward refused on Hopper GPUs with Triton in ``[3.4, 3.7.1)``).
 """
 
 from __future__ import annotations
@@ -28,12 +18,7 @@ _GUARD_FILE = os.path.join("fla", "ops", "common", "chunk_o.py")
 
 
 def tested_range() -> str:
-    """The fla-core range this package is tested with and requires, as its installed metadata states it.
-
-    ``pyproject.toml`` writes the range once, as the ``fla-core`` requirement; this reads it back, so the
-    report and the requirement cannot disagree. ``"unknown (...)"`` when fla-ac-isolation's metadata is
-    missing (the source tree imported without an install).
-    """
+    """The fla-core range this package requires (read from its installed metadata), or ``"unknown (...)"``."""
     try:
         requirements = importlib.metadata.requires("fla-ac-isolation") or []
     except importlib.metadata.PackageNotFoundError:
@@ -56,10 +41,7 @@ def fla_version() -> str | None:
 
 
 def hopper_gdn_guard_active() -> bool:
-    """Whether FLA refuses the gated backward here (Hopper GPU, Triton in ``[3.4, 3.7.1)``; FLA #640).
-
-    Reads the flags FLA computes at import in ``fla.ops.common.chunk_o`` (imports FLA's kernels).
-    """
+    """Whether FLA refuses the gated backward here (FLA #640), from the flags of ``fla.ops.common.chunk_o``."""
     import fla.ops.common.chunk_o as chunk_o
 
     return bool(
@@ -70,14 +52,8 @@ def hopper_gdn_guard_active() -> bool:
 
 
 def is_hopper_gdn_refusal(error: BaseException) -> bool:
-    """Whether ``error`` is FLA's #640 refusal, so the environment (Triton on a Hopper GPU) is at fault.
-
-    All three must hold: the guard is active here (:func:`hopper_gdn_guard_active`), ``error`` is a
-    ``RuntimeError`` naming ``#640`` and ``Hopper`` (FLA 0.5.2 and 0.6: "Triton >= 3.4.0 and < 3.7.1 on Hopper
-    GPUs produces incorrect results for gated chunk_bwd_dqkwg (see #640). ..."), and it was raised in
-    ``fla/ops/common/chunk_o.py`` (the innermost frame of its traceback). Never raises: ``False`` where FLA's
-    kernels do not import.
-    """
+    """Whether ``error`` is FLA's #640 refusal: a ``RuntimeError`` naming ``#640`` and ``Hopper``, raised in
+    ``fla/ops/common/chunk_o.py``, with the guard active here. Never raises."""
     if not isinstance(error, RuntimeError) or "#640" not in str(error) or "Hopper" not in str(error):
         return False
     frames = traceback.extract_tb(error.__traceback__)

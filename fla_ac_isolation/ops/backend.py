@@ -1,14 +1,5 @@
-"""The backend choice of :mod:`fla_ac_isolation.ops`: which kernels run a call, checked at the boundary.
-
-* :data:`BACKENDS` / :data:`Backend` - ``"auto"`` (``fla`` for CUDA tensors, ``reference`` otherwise),
-  ``"fla"`` (FLA's Triton kernels) or ``"reference"`` (pure torch).
-* :func:`check_backend`, :func:`resolve_backend` - validate a choice; the concrete backend for a tensor.
-* :func:`check_fla_device` - FLA's Triton kernels get CUDA tensors (or run under Triton's interpreter).
-* :func:`check_saveable` - ``saveable`` is a bool.
-* :func:`check_cp_backend` - context parallelism only on a backend with CP kernels, not as custom operators.
-
-The mixers check their ``backend``/``saveable`` arguments here at construction, and
-:func:`~fla_ac_isolation.swap_mixers` before it swaps anything.
+"""The backend choice of :mod:`fla_ac_isolation.ops` and its checks (also run by the mixers at construction and by
+:func:`~fla_ac_isolation.swap_mixers` before it swaps anything).
 """
 
 from __future__ import annotations
@@ -50,10 +41,10 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> Literal["fla", "refer
 
 
 def check_fla_device(tensor: torch.Tensor) -> None:
-    """Refuse CPU tensors on the ``fla`` backend unless Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``).
+    """Refuse CPU tensors on the ``fla`` backend unless Triton's interpreter runs the kernels.
 
     Raises:
-        ValueError: ``tensor`` is on the CPU outside the interpreter (FLA's kernels have no CPU backend).
+        ValueError: ``tensor`` is on the CPU and ``TRITON_INTERPRET`` is not ``1``.
     """
     if tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(
@@ -77,11 +68,8 @@ def check_cp_backend(cp_context: object | None, backend: str, tensor: torch.Tens
     """Refuse context parallelism on a backend without CP kernels, or through the custom operators.
 
     Raises:
-        NotImplementedError: ``cp_context`` is given and ``backend`` resolves to ``reference`` for ``tensor``
-            (the pure-torch backend computes whole sequences only; FLA's CP kernels are the ``fla`` backend:
-            CUDA, or a CPU under ``TRITON_INTERPRET=1`` with the harness's interpreter backend
-            ``harness/fla_seam/interpreter.py``); ``cp_context`` with ``saveable=True`` (FLA's CP
-            kernels are not wrapped as custom operators).
+        NotImplementedError: ``cp_context`` with ``backend`` resolving to ``reference`` for ``tensor``, or with
+            ``saveable=True``.
     """
     if cp_context is None:
         return

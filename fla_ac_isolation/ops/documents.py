@@ -1,10 +1,5 @@
-"""The documents of a packed batch and their chunks, as FLA's kernels see them: the reference backends' schedule.
-
-:func:`packed_documents` asks FLA's own identity-cached index helpers (through
-:mod:`fla_ac_isolation.fla_seam.layout`) what FLA's kernel wrappers ask in their forward, unless the caller
-hands the schedule over, and checks their answers against the offsets. :mod:`~fla_ac_isolation.ops.reference`
-and :mod:`~fla_ac_isolation.ops.reference_kda` walk the documents it returns, so they hit and miss FLA's cache
-where the kernels do, and a misreplayed schedule raises instead of mixing documents.
+"""The documents of a packed batch and their chunks, as FLA's kernels see them: the reference backends' schedule,
+asked of FLA's identity-cached index helpers as the kernels ask and checked against the offsets.
 """
 
 from __future__ import annotations
@@ -40,20 +35,12 @@ def packed_documents(
     chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
 ) -> list[PackedDocument]:
-    """The documents of a batch and their chunks, as FLA's kernels would see them.
-
-    Without ``cu_seqlens`` the whole time axis is one document (per batch row). With it, the schedule is
-    read from ``chunk_indices`` when given, else from ``prepare_chunk_indices(cu_seqlens, chunk_size,
-    cu_seqlens_cpu=...)`` (``[NT, 2]`` rows of ``(document, chunk index within the document)``), grouped per document by
-    ``chunk_offsets`` when given, else by ``prepare_chunk_offsets(cu_seqlens, chunk_size)``, when ``recurrent``
-    (as FLA's state-passing kernels do). Zero-length documents have no chunks and are left out; so are rows
-    past the token count of a padded schedule (:mod:`fla_ac_isolation.static_seqlens`: rows of a
-    zero-length document).
+    """The documents of a batch and their chunks, as FLA's kernels would see them (one per batch row without
+    ``cu_seqlens``): the schedule is ``chunk_indices`` or FLA's ``prepare_chunk_indices``, grouped per document by
+    ``chunk_offsets`` or ``prepare_chunk_offsets`` when ``recurrent``; empty documents are left out.
 
     Raises:
-        RuntimeError: the helpers' answers contradict the offsets. That cannot happen with consistent
-            inputs; it means a tensor other than the helper's own result reached this code, e.g. a SAC
-            replay misaligned by a ``cu_seqlens`` object shared across checkpointed layers.
+        RuntimeError: the schedule contradicts the offsets (e.g. a SAC replay misaligned by a shared ``cu_seqlens``).
     """
     if cu_seqlens is None:
         return [PackedDocument(0, num_tokens, _chunk_ranges(0, num_tokens, chunk_size))]

@@ -1,39 +1,6 @@
 """Pure-torch varlen operations: the CPU backend of :mod:`fla_ac_isolation.ops` and the parity oracle of its FLA path.
-
-Three operations, each with the arguments of its entry point in :mod:`fla_ac_isolation.ops` (less ``backend``,
-``saveable`` and ``cp_context``). ``causal_conv1d``, ``chunk_gated_delta_rule`` and ``ssd_scan`` are also the
-kernels of the reference backend's saveable custom operators (:mod:`fla_ac_isolation.ops.saveable`).
-
-* :func:`causal_conv1d` - depthwise causal convolution over time (+ optional SiLU), reset at every
-  document start.
-* :func:`chunk_gated_delta_rule` - the gated delta rule of Gated Delta Networks (Yang, Kautz and
-  Hatamizadeh, 2024, arXiv:2412.06464), computed chunk by chunk with the WY/UT form, with optional
-  in-kernel L2 normalisation of q and k and grouped value attention (GVA).
-* :func:`ssd` - the state space duality scan of Mamba2 (Dao and Gu, 2024, arXiv:2405.21060), with the
-  ``dt`` discretisation (``dt_bias``, softplus, clamp), per-head ``A``, grouped ``B``/``C`` and the
-  ``D`` skip.
-
-How documents are found. With ``cu_seqlens`` the tensors are packed (``B == 1``) and every operation
-asks FLA's own index helpers for the chunk schedule, with the arguments FLA's kernel wrappers pass in
-their forward: ``prepare_chunk_indices(cu_seqlens, 64, cu_seqlens_cpu=...)`` (conv, gated delta rule,
-simple GLA; skipped, as FLA skips it, when the caller passes ``chunk_indices``) and
-``prepare_chunk_offsets(cu_seqlens, 64)`` (the state-passing kernels). The helpers are
-memoised by argument identity (``fla.utils.tensor_cache``), so in the forward (and hence in an AC
-recompute) this backend hits and misses that cache where the kernel path does: a ``cu_seqlens`` object
-shared between checkpointed layers misbehaves here as it does on a GPU, and a layer-local one
-(:meth:`~fla_ac_isolation.LayerLocalSeqlens.local`) is safe here for the same reason. (The kernels also
-look the helpers up in their backward; this backend is differentiated by autograd and does not.) The
-schedule is then *used*: each document is processed chunk by chunk as listed, its recurrent state
-starting from zero (:func:`~fla_ac_isolation.ops.documents.packed_documents`). Without ``cu_seqlens`` every
-batch row is one document and no helper is called, as in FLA.
-
-Determinism. Everything runs as ordinary torch ops in a fixed order with fixed shapes, so repeated runs
-(and the forward and recompute of a checkpointed region) are bit-identical on a given machine.
-
-Shapes: ``x [B, T, D]``; q/k ``[B, T, H, K]``; v ``[B, T, HV, V]``; ``g``,
-``beta`` ``[B, T, HV]``; Mamba2 ``x [B, T, H, P]``, ``B``/``C`` ``[B, T, G, N]``, ``dt [B, T, H]``.
-The recurrences are computed in float32 (float64 inputs stay float64) and the outputs returned in the
-input dtype.
+With ``cu_seqlens`` they ask FLA's identity-cached helpers for the schedule as FLA's kernels do (a shared ``cu_seqlens``
+misbehaves here as on a GPU). Float32 compute (float64 stays), deterministic, outputs in the input dtype.
 """
 
 from __future__ import annotations
@@ -77,11 +44,7 @@ def causal_conv1d(
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Depthwise causal convolution along time, restarted at every document.
-
-    Token ``t`` of a document sees itself and the ``W - 1`` tokens before it *in the same document*;
-    positions before the document start count as zeros. Computed as ``F.conv1d`` with ``W - 1`` zeros
-    of left padding, one call per document (per batch when unpacked).
+    """Depthwise causal convolution along time (``F.conv1d`` per document), restarted at every document.
 
     Args:
         x: ``[B, T, D]`` input (``B == 1`` when ``cu_seqlens`` is given).
@@ -91,8 +54,7 @@ def causal_conv1d(
         activation: ``"silu"``/``"swish"`` or ``None``.
         cu_seqlens: optional ``[N + 1]`` int offsets of packed documents.
         cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (handed to FLA's helper, as the kernel does).
-        chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens`` (FLA's argument of that name);
-            used instead of asking ``prepare_chunk_indices``.
+        chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens``, used instead of FLA's helper.
 
     Returns:
         ``[B, T, D]`` in the dtype of ``x``.
@@ -123,11 +85,8 @@ def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _pairwise_decay(log_decay: torch.Tensor) -> torch.Tensor:
-    """``exp(sum_{j < r <= i} a_r)`` for ``j <= i`` and 0 above the diagonal; ``[..., C] -> [..., C, C]``.
-
-    Each entry is summed directly rather than taken as a difference of two cumulative sums, which keeps
-    it accurate when the decay over a chunk is large (differences of large cumulative sums lose digits).
-    """
+    """``exp(sum_{j < r <= i} a_r)`` for ``j <= i``, 0 above; ``[..., C] -> [..., C, C]``. Summed directly, not as
+    a difference of cumsums, which loses digits when a chunk's decay is large."""
     size = log_decay.shape[-1]
     lower = torch.ones(size, size, dtype=torch.bool, device=log_decay.device).tril()
     lower_strict = lower.tril(-1)
@@ -144,19 +103,10 @@ def _gdn_chunk(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of the gated delta rule, state in, (output, state) out.
-
-    Layout ``[B, H, C, *]`` (heads before time), float32, ``q`` already scaled. The per-token recurrence
-
-        S_t = exp(g_t) * S_{t-1} + k_t (x) d_t,   d_t = beta_t * (v_t - exp(g_t) * S_{t-1}^T k_t),
-        o_t = S_t^T q_t
-
-    is solved for the whole chunk at once. With ``G_t`` the in-chunk cumulative log decay,
-    ``d = (I + A)^{-1} (beta * v - beta * exp(G) * k S_0)`` where ``A[i, j] = beta_i exp(G_i - G_j)
-    k_i . k_j`` for ``j < i`` (unit lower-triangular system), then
-    ``o_i = exp(G_i) q_i S_0 + sum_{j <= i} exp(G_i - G_j) (q_i . k_j) d_j`` and
-    ``S_C = exp(G_C) S_0 + sum_j exp(G_C - G_j) k_j (x) d_j``.
-    """
+    """One chunk (``[B, H, C, *]``, ``q`` scaled) of ``S_t = exp(g_t) S_{t-1} + k_t (x) d_t``,
+    ``d_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t)``, ``o_t = S_t^T q_t``, solved at once (WY form): with ``G``
+    the in-chunk cumsum of ``g``, ``d = (I + A)^{-1} beta (v - exp(G) k S_0)``,
+    ``A[i, j] = beta_i exp(G_i - G_j) k_i . k_j`` for ``j < i``."""
     cum = g.cumsum(-1)                                              # G_i, [B, H, C]
     decay = _pairwise_decay(g)                                      # exp(G_i - G_j), 0 for j > i
     eye = torch.eye(q.shape[-2], dtype=q.dtype, device=q.device)
@@ -185,7 +135,7 @@ def chunk_gated_delta_rule(
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The gated delta rule over packed documents, each starting from a zero state.
+    """The gated delta rule (Gated Delta Networks, arXiv:2412.06464) over packed documents, each from a zero state.
 
     Args:
         q: ``[B, T, H, K]`` queries.
@@ -198,8 +148,7 @@ def chunk_gated_delta_rule(
         use_qk_l2norm_in_kernel: L2-normalise q and k (in float32) first, as FLA's flag of that name.
         cu_seqlens: optional ``[N + 1]`` offsets (then ``B == 1``).
         cu_seqlens_cpu: optional host copy of ``cu_seqlens``.
-        chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens``, used instead of asking
-            ``prepare_chunk_indices`` (as FLA does).
+        chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens``, used instead of FLA's helper.
 
     Returns:
         ``[B, T, HV, V]`` in the dtype of ``q``.
@@ -245,12 +194,7 @@ def _ssd_chunk(
     c: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of the SSD scan, state in, (output, state) out.
-
-    Layout ``[B, H, C, *]``, float32; ``x`` is already ``dt * x`` and ``a`` is ``dt * A`` (log decay).
-    With ``G`` the in-chunk cumulative ``a``: ``y_i = exp(G_i) c_i S_0 + sum_{j <= i} exp(G_i - G_j)
-    (c_i . b_j) x_j`` and ``S_C = exp(G_C) S_0 + sum_j exp(G_C - G_j) b_j (x) x_j`` (state ``[N, P]``).
-    """
+    """One chunk (``[B, H, C, *]``; ``x = dt * x``, ``a = dt * A``) of the SSD scan: state in, (output, state) out."""
     cum = a.cumsum(-1)
     decay = _pairwise_decay(a)
     out = (cum.exp().unsqueeze(-1) * c) @ state + ((c @ b.transpose(-1, -2)) * decay) @ x
@@ -275,7 +219,7 @@ def ssd(
     chunk_offsets: torch.Tensor | None = None,
     scan: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The Mamba2 SSD scan over packed documents, each starting from a zero state.
+    """The Mamba2 SSD scan (arXiv:2405.21060) over packed documents, each starting from a zero state.
 
     Per head ``h`` and token ``t`` (``dt`` discretised by :func:`~fla_ac_isolation.op_inputs.discretize_dt`)::
 
@@ -294,10 +238,8 @@ def ssd(
         cu_seqlens: optional ``[N + 1]`` offsets (then ``B == 1``).
         cu_seqlens_cpu: optional host copy of ``cu_seqlens``.
         chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens`` and ``chunk_offsets`` its
-            ``[N + 1]`` first row per document: used instead of asking FLA's helpers, as the ``fla`` backend
-            does (:mod:`fla_ac_isolation.fla_seam.simple_gla`).
-        scan: what computes the scan, called as :func:`ssd_scan` (``None``: :func:`ssd_scan`);
-            ``ops.ssd(..., saveable=True)`` passes its custom operator over :func:`ssd_scan`.
+            ``[N + 1]`` first row per document, used instead of FLA's helpers.
+        scan: called as :func:`ssd_scan` (the default); ``ops.ssd(..., saveable=True)`` passes its operator.
 
     Returns:
         ``[B, T, H, P]`` in the dtype of ``x``.

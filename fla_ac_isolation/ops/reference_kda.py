@@ -1,28 +1,13 @@
-"""Pure-torch Kimi Delta Attention (KDA): the CPU backend of :func:`fla_ac_isolation.ops.chunk_kda` and the
-parity oracle of its ``fla`` backend (FLA's ``chunk_kda``).
-
-Kimi Delta Attention (Kimi Team, 2025, "Kimi Linear: An Expressive, Efficient Attention Architecture",
-arXiv:2510.26692) is the gated delta rule with a decay per key channel instead of per head. Per document,
-head ``h`` and token ``t``, with state ``S [K, V]`` starting at zero::
+"""Pure-torch Kimi Delta Attention (arXiv:2510.26692): the CPU backend of :func:`fla_ac_isolation.ops.chunk_kda` and
+the oracle of FLA's ``chunk_kda``. FLA's ``naive_recurrent_kda``, token by token in float32 (float64 stays float64),
+per document and head from ``S [K, V] = 0``::
 
     S   <- diag(exp(g_t)) S                                  # g_t [K]: log decay per key channel, <= 0
     S   <- S + beta_t k_t (v_t - S^T k_t)^T                  # delta-rule write of strength beta_t
     o_t  = S^T (scale * q_t)
 
-This module follows FLA's ``naive_recurrent_kda`` (``fla/ops/kda/naive.py``, fla-core 0.6.0) token by
-token, in float32 (float64 inputs stay float64), with grouped value attention (value head ``j`` reads key
-head ``j // (HV // H)``) and, with ``use_qk_l2norm_in_kernel``, q and k L2-normalised first as FLA's
-``l2norm_fwd`` does (``x / sqrt(sum(x**2) + 1e-6)``). It is written for clarity and as an oracle, not
-speed: one loop step per token.
-
-Documents and FLA's cache. With ``cu_seqlens`` the input is packed (``B == 1``) and this backend asks
-FLA's identity-cached index helpers what ``chunk_kda``'s forward asks, with the same arguments:
-``prepare_chunk_indices`` by keyword (:func:`~fla_ac_isolation.fla_seam.kda.prepare_kda_chunk_indices`),
-then ``prepare_chunk_offsets(cu_seqlens, 64)``. A ``cu_seqlens`` object shared by checkpointed layers
-therefore misses and hits FLA's cache here as on a GPU, and the per-layer tensors of
-:meth:`~fla_ac_isolation.LayerLocalSeqlens.local` are safe here for the same reason. The schedule is then
-used (:func:`~fla_ac_isolation.ops.documents.packed_documents`): each document's tokens are those its
-chunks cover, so a misreplayed schedule raises instead of mixing documents.
+With ``cu_seqlens`` it asks FLA's cached index helpers what ``chunk_kda``'s forward asks, as
+:mod:`~fla_ac_isolation.ops.reference` does.
 """
 
 from __future__ import annotations
@@ -49,8 +34,7 @@ def kda_recurrence(
     """One document of KDA from a zero state, token by token (FLA's ``naive_recurrent_kda``).
 
     Args:
-        q: ``[B, L, HV, K]`` queries, already scaled (and L2-normalised if wanted) and repeated to the
-            value heads.
+        q: ``[B, L, HV, K]`` queries, already scaled (and L2-normalised) and repeated to the value heads.
         k: ``[B, L, HV, K]`` keys, likewise.
         v: ``[B, L, HV, V]`` values.
         g: ``[B, L, HV, K]`` log decay per key channel.
@@ -85,12 +69,12 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Kimi Delta Attention over packed documents, each from a zero state (module docstring).
+    """Kimi Delta Attention over packed documents, each from a zero state.
 
     Args:
         q: ``[B, T, H, K]`` queries.
         k: ``[B, T, H, K]`` keys.
-        v: ``[B, T, HV, V]`` values; ``HV`` a multiple of ``H``.
+        v: ``[B, T, HV, V]`` values; ``HV`` a multiple of ``H`` (value head ``j`` reads key head ``j // (HV // H)``).
         g: ``[B, T, HV, K]`` log decay per key channel (``<= 0``), float32 preferred.
         beta: ``[B, T, HV]`` write strength in ``(0, 1)``.
         scale: query scale; ``K ** -0.5`` when ``None``.

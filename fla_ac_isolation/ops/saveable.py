@@ -1,30 +1,8 @@
-"""The custom operators behind ``ops(..., saveable=True)``: one table per backend, registered in one loop.
+"""The custom operators behind ``ops(..., saveable=True)``: one :data:`TABLE` row per backend and operation.
 
-Each saveable operation (:data:`~fla_ac_isolation.op_names.SAVEABLE_OP_NAMES`) has one operator per backend in
-the ``fla_ac_isolation`` namespace, each with a fake (meta) kernel and a backward operator
-(``<name>_backward``), all made by :func:`~fla_ac_isolation.saveable_op.register_saveable_op` from a row of
-:data:`TABLE`:
-
-* ``fla``: :data:`fla_ac_isolation.fla_seam.saveable_kernels.KERNELS`, FLA's own forward and backward functions
-  (``causal_conv1d``, ``gated_delta_rule``, ``simple_gla``);
-* ``reference``: the reference functions as forward kernels (``causal_conv1d_reference``:
-  :func:`~fla_ac_isolation.ops.reference.causal_conv1d`; ``gated_delta_rule_reference``:
-  :func:`~fla_ac_isolation.ops.reference.chunk_gated_delta_rule`; ``ssd_scan_reference``:
-  :func:`~fla_ac_isolation.ops.reference.ssd_scan`, the part FLA's simple GLA computes; their arguments taken
-  by position, in the order of their signatures, ``scale`` a float), and no backward function: the backward
-  operator reruns the function on detached copies of the saved inputs under autograd, then
-  ``torch.autograd.grad``. Gradients are returned contiguous (the fakes promise it), so in float32 they
-  can differ from the plain reference's in the last bit (another summation order downstream); the promise is
-  "AC equals no AC bit for bit" within this backend. The reference reads FLA's cached index helpers inside
-  the operator, forward and backward, so a saved operator looks nothing up in the recompute, as on FLA.
-
-So the CPU tests cover what the ``fla`` operators offer on a GPU: a SAC policy can save their outputs
-(:func:`fla_ac_isolation.policies.save_fla_ops`), and ``torch.compile`` traces a mixer without a graph break at
-the call (the reference's ``.tolist()`` calls run inside the kernel, never traced). Which operator a call
-runs, and what the entry point computes around it, is :mod:`fla_ac_isolation.ops`'s business.
-
-* :data:`CALLS` - ``{backend: {operation: operator}}``, the registered operators (callable positionally);
-* :data:`OVERLOADS` - the same as ``OpOverload`` s (what a SAC policy compares against).
+``reference`` rows run the reference functions (arguments by position); their backward operator reruns them on
+detached inputs under autograd. Gradients come back contiguous, so in float32 they may differ in the last bit
+from the plain reference's; AC equals no AC bit for bit within each backend.
 """
 
 from __future__ import annotations
@@ -49,10 +27,8 @@ def _contiguous_like(first: Tensor, *_args) -> Tensor:
 
 
 def _kernel(function: Callable[..., Tensor], **annotations: str) -> Callable[..., Tensor]:
-    """``function`` as an operator's kernel: every parameter positional and without a default (the schema torch
-    infers from the signature: ``Tensor? bias``, not ``Tensor? bias=None``), ``annotations`` replacing the types
-    of the parameters they name, the result contiguous (the fakes promise it). ``function`` itself is unchanged.
-    """
+    """``function`` as an operator's kernel: parameters positional without defaults (for torch's inferred schema),
+    types overridden by ``annotations``, the result contiguous."""
     signature = inspect.signature(function)
     parameters = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD, default=inspect.Parameter.empty,
                             annotation=annotations.get(p.name, p.annotation))
