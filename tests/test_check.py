@@ -216,8 +216,7 @@ def test_the_users_own_divergent_code_is_pointed_at_layer_local_seqlens(capsys, 
     (["--model", f"{EXAMPLE}:nothing"], f"model '{EXAMPLE}:nothing': {EXAMPLE} has no callable 'nothing'"),
     (["--model", "examples/nothing.py:build"], "model 'examples/nothing.py:build': no file examples/nothing.py"),
     (["--model", "build:"], "model must be 'module:callable' or 'path/to/file.py:callable', got 'build:'"),
-    (["--model", "qwen3_next", "--freq", "2"], "check checkpoints every layer: --freq must be 1"),
-], ids=["name", "module", "callable", "file", "form", "freq"])
+], ids=["name", "module", "callable", "file", "form"])
 def test_bad_input_exits_2_naming_what_is_wrong(capsys, argv, message):
     code, out, err = _check(capsys, *argv)
     assert code == 2 and out == ""
@@ -336,3 +335,36 @@ def test_the_spec_refuses_neither_or_both_sources():
         CheckSpec().validate()
     with pytest.raises(CheckInputError, match="give exactly one of"):
         CheckSpec(model="a:b", config="qwen3_next").validate()
+
+
+def test_check_offers_no_freq_it_would_refuse(capsys):
+    """check checkpoints every layer: --freq is not an option of it (its --help offered 1, 2, 4 and refused 2)."""
+    with pytest.raises(SystemExit) as caught:
+        main(["check", "--model", "qwen3_next", "--freq", "2"])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "fla-ac-isolation: error: unrecognized arguments: --freq 2")
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    assert "--freq" not in capsys.readouterr().out
+
+
+def test_a_family_name_means_that_family_in_check_as_in_audit(capsys):
+    """``--model qwen3_5_moe`` (audit's and regress's family name) runs that family's tiny transformers model;
+    a name only check runs is refused by audit naming check."""
+    from fla_ac_isolation.harness.foreign_models import family_model_type
+
+    assert [family_model_type(n) for n in ("qwen3_5_moe", "qwen3_8", "nemotron_h", "kimi_linear", "qwen3_next")] == [
+        "qwen3_5_moe_text", "qwen4_exp_text", "nemotron_h", "kimi_linear", None]
+    code, out, _ = _check(capsys, "--model", "qwen3_5_moe", "--no-verify-fix")
+    lines = out.splitlines()
+    assert lines[0] == ("fla-ac-isolation check: Qwen3_5MoeForCausalLM (--model qwen3_5_moe) | SAC policy "
+                        "save-all-copies | cpu (FLA served by reference_kernels)")
+    assert lines[3].startswith("  exposed  Qwen3_5MoeGatedDeltaNet (transformers) x3") and code == 1
+    with pytest.raises(SystemExit) as caught:
+        main(["audit", "--model", "qwen3_next"])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "fla-ac-isolation audit: error: argument --model: audit runs the built-in tiny models only (qwen3_5_moe, "
+        "qwen3_8, nemotron_h, kimi_linear, fault-stack); 'qwen3_next' is a tiny transformers / "
+        "flash-linear-attention model that check runs: fla-ac-isolation check --model qwen3_next")

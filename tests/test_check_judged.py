@@ -42,8 +42,8 @@ NO_OFFSETS = ("no packed offsets reached FLA: the model's FLA-backed layers (Gat
               "attention_masks (torchtitan), cu_doc_lens (OLMo-core), cu_seqlens (flash-linear-attention's models)")
 MISSPELT_CALL = ("no packed offsets reached FLA: the model's FLA-backed layers (GatedDeltaNet, KimiDeltaAttention) "
                  "called none of FLA's index helpers, so they ran the batch as one sequence and nothing can be "
-                 "checked; the model's call of layers.0.mixer (GatedDeltaNet) (and 3 more layer(s)) passed the "
-                 "offsets as cu_seq_lens=, a keyword GatedDeltaNet does not read: fix the call: pass them as "
+                 "checked; the model's call of layers.0.mixer (GatedDeltaNet) (and 3 more layer(s): "
+                 "KimiDeltaAttention x2, GatedDeltaNet x1) passed the offsets as cu_seq_lens=, a keyword GatedDeltaNet does not read: fix the call: pass them as "
                  "cu_seqlens=")
 NOTHING_JUDGED = ("nothing was judged: the step found no FLA-backed class and its checkpointed regions called none "
                   "of FLA's index helpers, so no packed offsets reached FLA and nothing of the fault could show; "

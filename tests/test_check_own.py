@@ -189,6 +189,20 @@ def test_a_module_not_found_is_told_where_modules_are_looked_up(capsys, tmp_path
                    f"absent_decoder/ package, or give path/to/file.py:callable)\n")
 
 
+def test_a_folder_imported_as_a_namespace_package_is_named_with_the_file_inside_it(capsys, tmp_path, monkeypatch):
+    """``mymodel:plain`` run from the folder above ``mymodel/mymodel.py`` imports the folder (a namespace package):
+    the error says so and names the file to give, where it said only "has no callable"."""
+    (tmp_path / "trial_ns").mkdir()
+    shutil.copy(EXAMPLE, tmp_path / "trial_ns" / "trial_ns.py")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "trial_ns", raising=False)
+    code, lines, err = _check(capsys, "--model", "trial_ns:plain")
+    assert code == 2 and lines == []
+    assert err == (f"fla-ac-isolation check: error: model 'trial_ns:plain': trial_ns has no callable 'plain' "
+                   f"(trial_ns is the folder {tmp_path / 'trial_ns'}, imported as a namespace package, not a module: "
+                   f"run from inside it, or give {tmp_path / 'trial_ns' / 'trial_ns.py'}:plain)\n")
+
+
 # ---------------------------------------------------------------------------- item 6: one meaning of --model
 def test_config_is_a_deprecated_spelling_of_model_name(capsys):
     code, lines, err = _check(capsys, "--config", "qwen4")
@@ -306,6 +320,7 @@ def test_check_autocast_names_the_weight_cast_cache_and_the_checkpointings_fix_e
     assert lines[0] == (f"fla-ac-isolation check: Decoder (--model {EXAMPLE}:isolated) | its own checkpointing | "
                         f"cpu (FLA served by reference_kernels) | autocast bf16")
     assert [line.split()[0] for line in lines if line.startswith("  covered")] == ["covered", "covered"]
+    assert "as given: 0 of 4 checkpointed region(s) aligned, 1 DIVERGENT, 3 not recomputed" in lines  # unjudged
     assert AUTOCAST_DIVERGENT in lines
     assert f"  the step failed: ValueError: {AUTOCAST_ERROR}" in lines
     fix = lines.index("Fix:")

@@ -76,7 +76,11 @@ def _misspelt(step: CheckStep, mixers: list[MixerFinding]) -> str | None:
     if not wrong:
         return None
     path, names, m = wrong[0]
-    more = f" (and {len(wrong) - 1} more layer(s))" if len(wrong) > 1 else ""
+    others = {}
+    for _, _, other in wrong[1:]:
+        others[other.name] = others.get(other.name, 0) + 1
+    listed = ", ".join(f"{k} x{n}" for k, n in others.items())
+    more = f" (and {len(wrong) - 1} more layer(s): {listed})" if others else ""
     return (f"the model's call of {path} ({m.name}){more} passed the offsets as {', '.join(n + '=' for n in names)}, "
             f"a keyword {m.name} does not read: fix the call: pass them as {m.offsets[0]}=")
 

@@ -158,6 +158,15 @@ def _module_not_found_hint(err: BaseException, where: str) -> str:
             f"folder that holds {top}.py or the {top}/ package, or give path/to/file.py:callable)")
 
 
+def _namespace_hint(module: Any, where: str, name: str) -> str:
+    """``where`` imported a folder (a namespace package): say so, and name the file inside it to give."""
+    folder = pathlib.Path(next(iter(module.__path__)))
+    inside = folder / f"{where.rpartition('.')[2]}.py"
+    give = f"{inside}:{name}" if inside.is_file() else f"path/to/file.py:{name}"
+    return (f" ({where} is the folder {folder}, imported as a namespace package, not a module: run from inside it, "
+            f"or give {give})")
+
+
 def load_callable(target: str, argument: str = "model") -> Callable:
     """The callable of ``target``: ``"path/to/file.py:callable"`` (the file, run as a module) or
     ``"module:callable"``, imported with the working directory on ``sys.path`` (first, as pytest and uvicorn
@@ -189,7 +198,8 @@ def load_callable(target: str, argument: str = "model") -> Callable:
         raise CheckInputError(f"{argument} {target!r}: importing {where} failed: {first_line(err)}"
                               f"{_module_not_found_hint(err, where)}") from err
     if not hasattr(module, name):
-        raise CheckInputError(f"{argument} {target!r}: {where} has no callable {name!r}")
+        folder = "" if getattr(module, "__file__", None) else _namespace_hint(module, where, name)
+        raise CheckInputError(f"{argument} {target!r}: {where} has no callable {name!r}{folder}")
     fn = getattr(module, name)
     if not callable(fn):
         shown = f"{where}:{name}" if where.endswith(".py") or "/" in where else f"{where}.{name}"

@@ -14,7 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DOC_LENS", "TRANSFORMERS_TINY", "VOCAB", "ForeignRecipe", "build_tiny", "packed_batch", "tiny_names"]
+__all__ = [
+    "DOC_LENS", "TRANSFORMERS_TINY", "VOCAB", "ForeignRecipe", "build_tiny", "family_model_type", "packed_batch",
+    "tiny_names",
+]
 
 VOCAB = 128
 DOC_LENS = (70, 23, 41)
@@ -91,11 +94,29 @@ def _fla_configs() -> dict[str, type]:
         return {}
 
 
+def family_model_type(name: str) -> str | None:
+    """The transformers ``model_type`` of the tiny model of family ``name`` (:data:`fla_ac_isolation.families.
+    FAMILY_NAMES`: the model of its first upstream class that has one), so that a family name means that family in
+    ``check`` as in ``audit`` and ``regress``; ``None`` for another name."""
+    from fla_ac_isolation.families import FAMILIES
+
+    family = FAMILIES.get(name)
+    if family is None:
+        return None
+    by_class = {r.config.rpartition(".")[2]: t for t, r in TRANSFORMERS_TINY.items()}
+    return next((by_class[u.config.rpartition(".")[2]] for u in family.upstream
+                 if u.config and u.config.rpartition(".")[2] in by_class), None)
+
+
 def tiny_names() -> dict[str, str]:
-    """``{name: "transformers" | "flash-linear-attention"}`` of every name :func:`build_tiny` takes."""
+    """``{name: "transformers" | "flash-linear-attention"}`` of every name :func:`build_tiny` takes: transformers'
+    and FLA's ``model_type`` and config class names, and the family names."""
     names = {}
     for model_type, recipe in TRANSFORMERS_TINY.items():
         names[model_type] = names[recipe.config.rpartition(".")[2]] = "transformers"
+    from fla_ac_isolation.families import FAMILY_NAMES
+
+    names.update({f: "transformers" for f in FAMILY_NAMES if family_model_type(f)})
     for model_type, cls in _fla_configs().items():
         names[model_type] = names[cls.__name__] = "flash-linear-attention"
     return names
@@ -131,7 +152,7 @@ def build_tiny(name: str, seed: int = 0) -> tuple[nn.Module, dict, str]:
         ValueError: an unknown ``name`` (the message lists the names there are).
     """
     by_class = {r.config.rpartition(".")[2]: t for t, r in TRANSFORMERS_TINY.items()}
-    model_type = by_class.get(name, name)
+    model_type = by_class.get(name) or family_model_type(name) or name
     if model_type in TRANSFORMERS_TINY:
         recipe = TRANSFORMERS_TINY[model_type]
         config = _import(recipe.config)(**dict(recipe.fields))

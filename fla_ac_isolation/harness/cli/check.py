@@ -64,8 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``check`` options to ``parser``; their defaults are the spec's (``CheckSpec``'s fields)."""
     from fla_ac_isolation.harness.cli.console import add_policy_arguments
 
-    default = {f.name: f.default for f in dataclasses.fields(CheckSpec)}
-    default["freq"] = 1
+    default = {f.name: f.default for f in dataclasses.fields(CheckSpec)}  # no --freq: every layer is checkpointed
     parser.description = (
         "Run one training step of your model (or of a tiny transformers / flash-linear-attention model) with every "
         "layer checkpointed under a SAC policy, inside ReplayAudit, and print whether each checkpointed layer's "
@@ -73,9 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fault, covered, or leaking across packed documents) and the one-line fix."
     )
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.epilog = ("exit codes: 0 every region aligned (under --ac full: or divergent with the gradients of no AC) "
+                     "and nothing leaks; 1 a region diverged, the step failed under AC, or a mixer leaks; 2 bad input "
+                     "or nothing judged; 3 FLA refuses this environment (its #640 guard)")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="the model to run: a built-in tiny model (a transformers or FLA model_type: "
-                                        "qwen3_next, gated_deltanet, or a config class name: Qwen3NextConfig), or "
+    source.add_argument("--model", help="the model to run: a built-in tiny model (a family: qwen3_5_moe, qwen3_8, "
+                                        "nemotron_h, kimi_linear; a transformers or FLA model_type: qwen3_next, "
+                                        "gated_deltanet; or a config class name: Qwen3NextConfig), or "
                                         "your own, module:callable (from the working directory) or "
                                         "path/to/file.py:callable returning (model, batch): the model (without AC, "
                                         "or checkpointing itself) and one packed batch, a dict of model(**batch)'s "
@@ -99,12 +102,10 @@ def spec_from_arguments(args: argparse.Namespace) -> CheckSpec:
     """The :class:`~fla_ac_isolation.harness.check_runner.CheckSpec` of parsed ``args``, validated.
 
     Raises:
-        CheckInputError: the spec's message for the first rule the arguments break (``--freq`` other than 1).
+        CheckInputError: the spec's message for the first rule the arguments break.
     """
     from fla_ac_isolation.harness.foreign_models import tiny_names
 
-    if args.freq != 1:
-        raise CheckInputError("check checkpoints every layer: --freq must be 1")
     model, config = args.model, args.config
     if model is not None and ":" not in model:
         names = tiny_names()
@@ -119,8 +120,10 @@ def spec_from_arguments(args: argparse.Namespace) -> CheckSpec:
 
 def _step_lines(title: str, step: CheckStep) -> list[str]:
     bad = sum(r.verdict == "divergent" for r in step.regions)
-    head = f"{title}: {len(step.regions) - bad} of {len(step.regions)} checkpointed region(s) aligned"
-    lines = [head + (f", {bad} DIVERGENT" if bad else "")]
+    good = sum(r.verdict == "aligned" for r in step.regions)
+    unjudged = len(step.regions) - bad - good  # not recomputed: the step failed before their backward
+    head = f"{title}: {good} of {len(step.regions)} checkpointed region(s) aligned"
+    lines = [head + (f", {bad} DIVERGENT" if bad else "") + (f", {unjudged} not recomputed" if unjudged else "")]
     width = max((len(r.label) for r in step.regions), default=0)
     for r in step.regions:
         line = f"  {r.label:<{width}}  {r.verdict}"

@@ -34,8 +34,8 @@ def split_modes(value: str) -> tuple[str, ...]:
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser, default: dict, *, own_policy: bool = False) -> None:
-    """``--ac``, ``--policy`` (with ``own_policy`` also ``module:callable`` / ``file.py:callable``) and ``--freq``,
-    with the defaults of ``default``."""
+    """``--ac``, ``--policy`` (with ``own_policy`` also ``module:callable`` / ``file.py:callable``) and, where
+    ``default`` has one, ``--freq``, with the defaults of ``default``."""
     from fla_ac_isolation.policies import POLICIES
 
     parser.add_argument("--ac", choices=("full", "selective"), default=default["ac"], help="activation checkpointing")
@@ -47,8 +47,9 @@ def add_policy_arguments(parser: argparse.ArgumentParser, default: dict, *, own_
     else:
         parser.add_argument("--policy", choices=sorted(POLICIES), default=default["policy"],
                             help="SAC policy (with --ac selective)")
-    parser.add_argument("--freq", type=int, choices=(1, 2, 4), default=default["freq"],
-                        help="checkpoint every N-th block")
+    if "freq" in default:
+        parser.add_argument("--freq", type=int, choices=(1, 2, 4), default=default["freq"],
+                            help="checkpoint every N-th block")
 
 
 def add_model_argument(parser: argparse.ArgumentParser, names: tuple[str, ...], command: str, default: str,
@@ -61,6 +62,13 @@ def add_model_argument(parser: argparse.ArgumentParser, names: tuple[str, ...], 
                 f"{command} runs the built-in tiny models only ({', '.join(names)}), got {value!r}: to run your "
                 f"own model, use: fla-ac-isolation check --model {value}")
         if value not in names:
+            from fla_ac_isolation.harness.foreign_models import tiny_names
+
+            if value in tiny_names():
+                raise argparse.ArgumentTypeError(
+                    f"{command} runs the built-in tiny models only ({', '.join(names)}); {value!r} is a tiny "
+                    f"transformers / flash-linear-attention model that check runs: fla-ac-isolation check --model "
+                    f"{value}")
             raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}, got {value!r}")
         return value
 
