@@ -134,6 +134,57 @@ def test_a_model_whose_blocks_call_layer_local_seqlens_is_covered_by_what_the_st
     assert code == 0 and lines[-1] == "verdict: OK (exit 0)"
 
 
+PARTIAL_MODELS = """
+import importlib.util
+import torch
+from torch.utils.checkpoint import checkpoint
+
+spec = importlib.util.spec_from_file_location("_own_decoder_partial", {example!r})
+od = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(od)
+
+
+class Partial(od.Decoder):  # checkpoints its even blocks only
+    def forward(self, input_ids, labels, cu_seqlens):
+        x = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = (checkpoint(layer, x, cu_seqlens, use_reentrant=False, context_fn=self.context_fn) if i % 2 == 0
+                 else layer(x, cu_seqlens))
+        return torch.nn.functional.cross_entropy(self.head(x)[0, :-1], labels[0, 1:])
+
+
+def partial():
+    torch.manual_seed(0)
+    return Partial(ckpt=True), od._batch()
+
+
+def nested():  # the user's checkpoint_layers around blocks the model checkpoints itself
+    from fla_ac_isolation.policies import checkpoint_layers
+
+    model, batch = od.own_ckpt()
+    checkpoint_layers(model, "selective", od.my_policy)
+    return model, batch
+"""
+
+
+def test_a_model_checkpointing_some_layers_itself_is_told_which_are_not_audited(capsys, tmp_path):
+    import os
+
+    (tmp_path / "partial_models.py").write_text(PARTIAL_MODELS.format(example=os.path.abspath(EXAMPLE)))
+    code, lines, _ = _check(capsys, "--model", f"{tmp_path}/partial_models.py:partial", "--no-verify-fix")
+    assert lines[2:4] == [
+        "the model checkpoints itself: audited as it is (its own policy; --ac and --policy not applied)",
+        "  not checkpointed by the model: layers.1, layers.3 (they run without AC: not audited)"]
+    assert "as given: 1 of 2 checkpointed region(s) aligned, 1 DIVERGENT" in lines and code == 1
+    assert not any(line.startswith("checkpointed twice") for line in lines)
+
+    code, lines, _ = _check(capsys, "--model", f"{tmp_path}/partial_models.py:nested", "--no-verify-fix")
+    assert lines[4] == ("checkpointed twice (a checkpoint inside a checkpoint): layers.0, layers.1, layers.2, "
+                        "layers.3; each level is audited and recomputes")
+    assert "as given: 6 of 8 checkpointed region(s) aligned, 2 DIVERGENT" in lines
+    assert not any(line.startswith("  not checkpointed") for line in lines) and code == 1
+
+
 # ------------------------------------------------------------------------------ item 4: full AC, judged by grads
 def test_full_ac_says_the_gradients_are_right_and_what_sac_would_do_exit_0(capsys):
     code, lines, _ = _check(capsys, "--model", f"{EXAMPLE}:plain", "--ac", "full")

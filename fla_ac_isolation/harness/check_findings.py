@@ -112,6 +112,8 @@ class CheckResult:
         fixed: the same step after ``fix_applied``, or ``None`` (not needed, or no fix this package applies).
         fix_applied: the calls made for ``fixed`` (``"swap_mixers(model)"``, ``"isolate_seqlens(model)"``).
         fixes: the one-line fixes to apply, in order.
+        not_checkpointed: for a model that checkpoints itself, the layers of its layer list that ran with no
+            checkpointed region of theirs (they run without AC and are not audited).
         self_checkpointed: the model checkpoints itself (its blocks call ``checkpoint``): audited as it is,
             under its own policy (``spec.ac`` / ``spec.policy`` are not applied).
     """
@@ -124,6 +126,13 @@ class CheckResult:
     fix_applied: tuple[str, ...] = ()
     fixes: list[str] = field(default_factory=list)
     self_checkpointed: bool = False
+    not_checkpointed: tuple[str, ...] = ()
+
+    @property
+    def twice(self) -> tuple[str, ...]:
+        """The region labels that ran more than once in the step: a checkpoint inside a checkpoint."""
+        labels = [r.label for r in self.as_given.regions]
+        return tuple(dict.fromkeys(x for x in labels if labels.count(x) > 1))
 
     @property
     def leaking(self) -> list[MixerFinding]:

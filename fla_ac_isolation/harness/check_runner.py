@@ -45,6 +45,7 @@ This module holds the order of the check and that rule; the names of the modules
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from fla_ac_isolation.harness.check_findings import CheckResult, CheckStep, MixerFinding, RegionVerdict, survey
 from fla_ac_isolation.harness.check_fix import OWN_CODE_FIX, apply_fix, fixes, observed_covered
@@ -59,6 +60,9 @@ from fla_ac_isolation.harness.check_spec import (
 from fla_ac_isolation.harness.check_step import audited_step, autotune_notice, dry_run
 from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.mixer_plan import classify
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["OWN_CODE_FIX", "CheckEnvironmentError", "CheckInputError", "CheckResult", "CheckSpec", "CheckStep",
            "MixerFinding", "RegionVerdict", "autotune_notice", "load_callable", "load_model", "resolve_policy",
@@ -119,6 +123,23 @@ def _require_judged(step: CheckStep, mixers: list[MixerFinding]) -> None:
         )
 
 
+def _not_checkpointed(model: nn.Module, step: CheckStep) -> tuple[str, ...]:
+    """The paths of the model's layers (its layer list, as ``checkpoint_layers`` finds it) that no region of the
+    step is labelled with, nor holds (a region labelled by a module inside the layer)."""
+    from fla_ac_isolation.checkpointing import _find_layers
+
+    try:
+        layers = _find_layers(model)
+    except ValueError:
+        return ()
+    path = next((p for p, m in model.named_modules() if m is layers), None)
+    if path is None:
+        return ()
+    names = [f"{path}.{k}" if path else str(k) for k, _ in layers.named_children()]
+    labels = [r.label for r in step.regions]
+    return tuple(n for n in names if not any(x == n or x.startswith(n + ".") for x in labels))
+
+
 def run_check(spec: CheckSpec) -> CheckResult:
     """Check the model of ``spec``: survey its FLA-backed classes, audit one step, verify the fix.
 
@@ -144,7 +165,8 @@ def run_check(spec: CheckSpec) -> CheckResult:
     as_given = _step(model, batch, spec, self_checkpointed=self_checkpointed, watch=watch, reference=reference)
     _require_judged(as_given, mixers)
     mixers = observed_covered(mixers, as_given.fresh_offsets)
-    result = CheckResult(spec, type(model).__name__, mixers, as_given, self_checkpointed=self_checkpointed)
+    result = CheckResult(spec, type(model).__name__, mixers, as_given, self_checkpointed=self_checkpointed,
+                         not_checkpointed=_not_checkpointed(model, as_given) if self_checkpointed else ())
     result.fixes = fixes(mixers, as_given)
     if spec.verify_fix and not as_given.aligned:
         fresh, fresh_batch = load_model(spec)

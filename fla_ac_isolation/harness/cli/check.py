@@ -163,8 +163,14 @@ def render(result: CheckResult) -> str:
     amp = f" | autocast {spec.autocast}" if spec.autocast else ""
     lines = [f"fla-ac-isolation check: {result.model} ({what}) | {ac} | {spec.device} ({kernels}){amp}", ""]
     if result.self_checkpointed:
-        lines += ["the model checkpoints itself: audited as it is (its own policy; --ac and --policy not applied)",
-                  ""]
+        lines += ["the model checkpoints itself: audited as it is (its own policy; --ac and --policy not applied)"]
+        if result.not_checkpointed:
+            lines.append(f"  not checkpointed by the model: {', '.join(result.not_checkpointed)} (they run without "
+                         f"AC: not audited)")
+        lines.append("")
+    if result.twice:
+        lines += [f"checkpointed twice (a checkpoint inside a checkpoint): {', '.join(result.twice)}; each level "
+                  f"is audited and recomputes", ""]
     lines.append("FLA-backed classes:" if result.mixers else "FLA-backed classes: none this package knows")
     for m in result.mixers:
         paths = ", ".join(m.paths[:3]) + (", ..." if len(m.paths) > 3 else "")
