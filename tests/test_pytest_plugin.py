@@ -193,3 +193,49 @@ def test_ep2_with_our_gdn_passes_and_with_a_mixer_sharing_its_offsets_fails_as_t
     assert "test_gated_deltanet_under_ep2" not in result.stdout.str()  # it passed (its own assert included)
     assert_printed_as_on_page(result.stdout.str(), PAGE, "$ python -m pytest -q test_mixer_ep2.py", skip=("passed",),
                               varies=("rank",))
+
+
+_FLA_MIXER = """
+import re
+
+from torch import nn
+from fla.layers import GatedDeltaNet
+
+from fla_ac_isolation.harness.pytest_plugin import assert_regression_safe
+
+
+class FLAGatedDeltaNet(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.inner = GatedDeltaNet(hidden_size=config.hidden_size, head_dim=config.linear_key_head_dim,
+                                   num_heads=config.linear_num_key_heads, num_v_heads=config.linear_num_value_heads,
+                                   expand_v=config.linear_value_head_dim / config.linear_key_head_dim,
+                                   layer_idx=layer_idx)
+
+    def forward(self, hidden_states, seqlens):
+        local = seqlens.local()
+        return self.inner(hidden_states, cu_seqlens=local.cu_seqlens)[0]
+
+
+def test_flas_gated_deltanet_under_ep2():
+    found = assert_regression_safe(FLAGatedDeltaNet, device="cpu")
+    texts = {mode: verdict.text for mode, verdict in found.items()}
+    assert re.fullmatch(r"FAILED: rank [01]: RuntimeError: Autograd not support dtype: Int", texts.pop("shared"))
+    assert texts == {"no-ac": "reference", "isolated": "matches (bit for bit)",
+                     "global-disable": "matches (bit for bit)"}
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ep2_serves_flas_kernels_on_a_cpu_for_a_mixer_wrapping_flas_gated_deltanet(pytester):
+    """No ``rank_setup``: the ranks serve FLA's kernels with ``reference_kernels()`` as ``check`` does (without it
+    every mode fails with ``RuntimeError: 0 active drivers ([]). There should only be one.``)."""
+    from fla_ac_isolation.harness.regression import RegressionSpec
+
+    spec = RegressionSpec(mixer="fla_ac_isolation.mixers:Qwen3_5MoeGatedDeltaNet", device="cpu")
+    assert (spec.rank_setup, spec.kernels, spec.serves_fla_on_cpu) == (None, "native", True)
+    assert not RegressionSpec(device="cpu").serves_fla_on_cpu  # the families' own mixers: their reference backend
+    pytester.makepyfile(test_fla_mixer=_FLA_MIXER)
+    result = pytester.runpytest(*RUN, "-q", "-p", "no:warnings")
+    result.assert_outcomes(passed=1)

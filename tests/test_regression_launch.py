@@ -43,3 +43,35 @@ def test_a_failing_one_rank_mode_gives_the_next_mode_a_fresh_process():
     assert result.modes["global-disable"].error is None and result.modes["global-disable"].grad_diffs == [0.0]
     pid = dict(started)
     assert pid["no-ac"] == pid["isolated"] != pid["global-disable"] == pid["shared"]
+
+
+_UNGUARDED = """
+from fla_ac_isolation.harness.regression import RegressionSpec, run_regression
+
+result = run_regression(RegressionSpec(device="cpu", ep=1, steps=1, hidden_size=64, num_layers=1, num_experts=4,
+                                       top_k=2, modes=("no-ac",)))
+print(result.modes["no-ac"].error)
+"""
+
+
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
+    """The rank process re-imports the script (forkserver and spawn do) and its top-level run_regression meets
+    multiprocessing's bootstrapping RuntimeError: the launcher names the guard. The script's own run passes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fla_ac_isolation.harness.regression.launch import UNGUARDED_MAIN
+
+    (tmp_path / "unguarded.py").write_text(_UNGUARDED)
+    root = str(Path(__file__).resolve().parents[1])  # this tree's package, whatever is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    proc = subprocess.run([sys.executable, "unguarded.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = ("launcher: RuntimeError: the regression was started while a process was importing the main module: the "
+            "rank processes re-import it (the spawn and forkserver start methods do), so guard your script's entry "
+            'with `if __name__ == "__main__":`')
+    assert f"launcher: {UNGUARDED_MAIN}" == line
+    assert proc.stdout.splitlines() == [line, "None"]  # the rank's re-import, then the script's own run

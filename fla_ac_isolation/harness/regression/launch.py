@@ -30,7 +30,8 @@ from fla_ac_isolation.harness.regression.spec import (
 from fla_ac_isolation.harness.regression.train import run_mode_on_rank
 from fla_ac_isolation.parallel import ParallelMesh
 
-__all__ = ["FAILURE_GRACE_S", "REFERENCES", "environment_variables", "free_port", "mode_mesh", "run_spawned"]
+__all__ = ["FAILURE_GRACE_S", "REFERENCES", "UNGUARDED_MAIN", "environment_variables", "free_port", "mode_mesh",
+           "run_spawned"]
 
 FAILURE_GRACE_S = 3.0
 """Seconds the surviving ranks of a failed mode get before they are killed."""
@@ -271,6 +272,20 @@ def _execution_order(spec: RegressionSpec) -> list[str]:
     return [m for m in spec.ordered_modes if m not in unsafe] + [m for m in spec.ordered_modes if m in unsafe]
 
 
+_BOOTSTRAPPING = "An attempt has been made to start a new process before the"  # multiprocessing's, in a child
+UNGUARDED_MAIN = ("RuntimeError: the regression was started while a process was importing the main module: the rank "
+                  "processes re-import it (the spawn and forkserver start methods do), so guard your script's entry "
+                  "with `if __name__ == \"__main__\":`")
+"""The launcher's failure for multiprocessing's bootstrapping ``RuntimeError``: a script without the guard."""
+
+
+def _launcher_error(err: Exception) -> str:
+    """A mode's error for the launcher's ``err``: ``launcher: <first line>``, naming the fix of a known one."""
+    if isinstance(err, RuntimeError) and str(err).lstrip().startswith(_BOOTSTRAPPING):
+        return f"launcher: {UNGUARDED_MAIN}"
+    return f"launcher: {first_line(err)}"
+
+
 def run_spawned(
     spec: RegressionSpec,
     on_step: Callable[[str, int], None] | None,
@@ -301,7 +316,7 @@ def run_spawned(
                     else:
                         modes[mode] = _launch_mode(mp_ctx, spec, mode, workdir, notes, hooks)
                 except Exception as err:
-                    modes[mode] = ModeResult(mode, error=f"launcher: {first_line(err)}",
+                    modes[mode] = ModeResult(mode, error=_launcher_error(err),
                                              traceback=traceback.format_exc())
         finally:
             if serial is not None:

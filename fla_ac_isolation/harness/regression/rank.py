@@ -76,7 +76,8 @@ class RankContext:
 
 def setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[str], contextlib.ExitStack]:
     """Device, notes for the report, and the contexts held for the process's life (FLA's interpreter backend,
-    what ``spec.rank_setup`` returned). Hold the returned stack while training.
+    or FLA's kernels served on the CPU for a user's mixer (:attr:`RegressionSpec.serves_fla_on_cpu`), then
+    what ``spec.rank_setup`` returned, entered inside them). Hold the returned stack while training.
 
     Raises:
         RuntimeError: ``kernels="interpreter"`` without ``TRITON_INTERPRET=1`` in this process's environment.
@@ -100,6 +101,10 @@ def setup_process(spec: RegressionSpec, rank: int) -> tuple[torch.device, list[s
         from fla_ac_isolation.harness.fla_seam.interpreter import cpu_cp_kernels
 
         held.enter_context(cpu_cp_kernels())
+    elif spec.serves_fla_on_cpu:  # as `check` does on a CPU: FLA's Triton kernels cannot run there
+        from fla_ac_isolation.harness.reference_kernels import reference_kernels
+
+        held.enter_context(reference_kernels())
     if spec.rank_setup is not None:
         out = spec.rank_setup()
         if hasattr(out, "__enter__"):

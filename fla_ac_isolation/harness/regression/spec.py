@@ -87,7 +87,8 @@ class RegressionSpec:
         kernels: one of :data:`KERNELS`; ``auto``: ``interpreter`` on a CPU under CP with ``backend="fla"``,
             else ``native``. ``interpreter`` needs ``device="cpu"``.
         rank_setup: a module-level function (pickled) called in every rank process before training; a context
-            manager it returns is kept entered for the life of the process. ``None``: nothing.
+            manager it returns is kept entered for the life of the process (inside the default
+            :attr:`serves_fla_on_cpu` serving, which it does not replace). ``None``: nothing.
         env: environment variables set in every rank process before any import; ranks then start with
             ``spawn`` instead of the preloaded fork server (:attr:`rank_env`).
     """
@@ -164,6 +165,14 @@ class RegressionSpec:
     def world(self) -> int:
         """Number of rank processes."""
         return self.mesh.world
+
+    @property
+    def serves_fla_on_cpu(self) -> bool:
+        """Whether every rank serves FLA's kernels on the CPU with
+        :func:`~fla_ac_isolation.harness.reference_kernels.reference_kernels` (as ``check`` does): for a user's
+        ``mixer`` on ``device="cpu"`` with ``kernels="native"``. This package's own mixers pick the reference
+        backend on a CPU themselves."""
+        return self.mixer is not None and self.device == "cpu" and self.kernels == "native"
 
     @property
     def rank_env(self) -> tuple[tuple[str, str], ...]:
