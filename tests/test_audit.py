@@ -121,8 +121,9 @@ def test_raise_mode_stops_at_the_first_divergent_op_with_an_actionable_message()
         "Fix: give each layer its own cu_seqlens (build a LayerLocalSeqlens once per forward and call .local() "
         "inside each layer's forward), or disable FLA's cache (tensor_cache_disabled()).",
         "Under selective AC the saved outputs after this point are replayed into the wrong ops (an error later "
-        "in backward, or silently wrong gradients); under full AC the recompute can save tensors that do not "
-        "match the forward's.",
+        "in backward, or silently wrong gradients); under full AC nothing is replayed by index, so the gradients "
+        "are right unless the recompute computed other values (compare them with a step without AC: "
+        "fla-ac-isolation check --ac full).",
     ]
     # raised before SAC replayed anything: layer 1's recompute (run first) was aligned
     assert [r.verdict for r in audit.regions] == ["divergent", "aligned"]

@@ -215,7 +215,8 @@ def test_the_users_own_divergent_code_is_pointed_at_layer_local_seqlens(capsys, 
                                           "ModuleNotFoundError: No module named 'no_such_module'"),
     (["--model", f"{EXAMPLE}:nothing"], f"model '{EXAMPLE}:nothing': {EXAMPLE} has no callable 'nothing'"),
     (["--model", "examples/nothing.py:build"], "model 'examples/nothing.py:build': no file examples/nothing.py"),
-    (["--model", "build:"], "model must be 'module:callable' or 'path/to/file.py:callable', got 'build:'"),
+    (["--model", "build:"], "model must be 'module:callable', 'path/to/file.py:callable' or a callable returning "
+                            "(model, batch), got 'build:'"),
 ], ids=["name", "module", "callable", "file", "form"])
 def test_bad_input_exits_2_naming_what_is_wrong(capsys, argv, message):
     code, out, err = _check(capsys, *argv)

@@ -102,6 +102,27 @@ def test_a_bad_policy_is_refused_naming_policy_and_what_it_must_be(policy, messa
     assert str(err.value) == message
 
 
+def test_the_spec_takes_the_model_factory_itself_and_names_it_by_module_and_qualname():
+    """``CheckSpec(model=fn)`` as the pytest plugin takes it: the same verdict as its ``file.py:callable``."""
+    from fla_ac_isolation.harness.check_runner import run_check
+    from fla_ac_isolation.harness.cli.check import render
+
+    example = _example()
+    by_function = run_check(CheckSpec(model=example.plain, policy=example.my_policy, verify_fix=False))
+    by_name = run_check(CheckSpec(model=f"{EXAMPLE}:plain", policy=example.my_policy, verify_fix=False))
+    assert by_function.exit_code == by_name.exit_code == 1
+    assert [(r.label, r.verdict, r.first_diff) for r in by_function.as_given.regions] == [
+        (r.label, r.verdict, r.first_diff) for r in by_name.as_given.regions]
+    assert render(by_function).splitlines()[0] == (
+        "fla-ac-isolation check: Decoder (--model _own_decoder:plain) | SAC policy my_policy | cpu (FLA served by "
+        "reference_kernels)")
+    assert by_function.to_dict()["spec"]["model"] == "_own_decoder:plain"
+    with pytest.raises(CheckInputError) as caught:
+        CheckSpec(model=42).validate()
+    assert str(caught.value) == ("model must be 'module:callable', 'path/to/file.py:callable' or a callable returning "
+                                 "(model, batch), got 42")
+
+
 def test_a_bad_policy_flag_exits_2(capsys):
     code, lines, err = _check(capsys, "--model", f"{EXAMPLE}:plain", "--policy", "bogus")
     assert code == 2 and lines == []

@@ -130,6 +130,24 @@ def test_what_the_page_tells_a_user_expecting_a_failure_is_what_pytest_raises():
     assert "`pytest.raises(pytest.fail.Exception, match=...)`" in (ROOT / PAGE).read_text()
 
 
+def test_a_pass_under_full_ac_that_sac_would_fail_warns_with_the_report(recwarn):
+    """``ac="full"``, a recompute divergent with the gradients of no AC: the test passes (exit 0) but the
+    report, which says SAC would misalign, reaches the test output as a warning; an aligned model warns nothing."""
+    from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe
+
+    result = assert_ac_safe("examples/own_decoder.py:plain", ac="full", verify_fix=False)
+    assert result.harmless_under_full_ac and result.exit_code == 0
+    warned = [w for w in recwarn if issubclass(w.category, UserWarning) and "passed under full AC" in str(w.message)]
+    assert len(warned) == 1
+    text = str(warned[0].message)
+    assert text.startswith("fla-ac-isolation check passed under full AC only: fla-ac-isolation check: Decoder ")
+    assert text.endswith("verdict: OK under full AC (exit 0): the gradients are right, but SAC would misalign "
+                         "(see above)")
+    recwarn.clear()
+    assert_ac_safe("examples/own_decoder.py:local", ac="full", verify_fix=False)
+    assert not [w for w in recwarn if "passed under full AC" in str(w.message)]
+
+
 def test_a_refused_input_fails_the_test_with_the_checks_error_and_a_wrong_kind_is_a_type_error():
     import torch
 

@@ -92,8 +92,9 @@ def explain(label: str, where: str | None, idx: int, fwd_op: str, rec_op: str, d
         )
     lines.append(
         "Under selective AC the saved outputs after this point are replayed into the wrong ops (an error "
-        "later in backward, or silently wrong gradients); under full AC the recompute can save tensors "
-        "that do not match the forward's."
+        "later in backward, or silently wrong gradients); under full AC nothing is replayed by index, so the "
+        "gradients are right unless the recompute computed other values (compare them with a step without AC: "
+        "fla-ac-isolation check --ac full)."
     )
     return "\n".join(lines)
 

@@ -159,6 +159,7 @@ class CheckResult:
         """Plain data for JSON: every field, ``aligned`` per step and the exit code."""
         out = asdict(self)
         out["spec"]["policy"] = self.spec.policy_name
+        out["spec"]["model"] = self.spec.model_name
         out["harmless_under_full_ac"] = self.harmless_under_full_ac
         out["as_given"]["aligned"] = self.as_given.aligned
         if self.fixed is not None:

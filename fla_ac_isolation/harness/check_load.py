@@ -53,15 +53,15 @@ def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
 
         model, batch, _ = build_tiny(spec.config, seed=spec.seed)
     else:
-        fn = load_callable(spec.model)
+        fn = spec.model if callable(spec.model) else load_callable(spec.model)
         try:
             got = fn()
         except Exception as err:
-            raise CheckInputError(f"model {spec.model!r}: calling it failed: {first_line(err)}") from err
+            raise CheckInputError(f"model {spec.model_name!r}: calling it failed: {first_line(err)}") from err
         if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], nn.Module)
                 and isinstance(got[1], dict)):
-            raise CheckInputError(f"model {spec.model!r} must return (nn.Module, dict of forward keyword arguments), "
-                                  f"got {type(got).__name__}")
+            raise CheckInputError(f"model {spec.model_name!r} must return (nn.Module, dict of forward keyword "
+                                  f"arguments), got {type(got).__name__}")
         model, batch = got
         _require_offsets(batch)
     device = torch.device(spec.device)

@@ -38,7 +38,8 @@ class CheckSpec:
     """What to check; :meth:`validate` checks every field.
 
     Attributes:
-        model: ``"module:callable"`` or ``"path/to/file.py:callable"`` returning ``(model, batch)``.
+        model: ``"module:callable"`` or ``"path/to/file.py:callable"`` naming a callable that returns
+            ``(model, batch)``, or that callable itself.
         config: a tiny model instead (:func:`fla_ac_isolation.harness.foreign_models.tiny_names`); exactly one of
             the two.
         ac: ``"selective"`` (with ``policy``) or ``"full"``. Ignored for a model that checkpoints itself (its
@@ -58,7 +59,7 @@ class CheckSpec:
             weight-cast cache can misalign a SAC recompute (torch issue #193338); ``None``: no autocast.
     """
 
-    model: str | None = None
+    model: str | Callable | None = None
     config: str | None = None
     ac: str = "selective"
     policy: str | Callable = "save-all-copies"
@@ -76,9 +77,10 @@ class CheckSpec:
         """
         if (self.model is None) == (self.config is None):
             raise CheckInputError("give exactly one of model ('module:callable') and config (a model_type)")
-        if self.model is not None and (not isinstance(self.model, str) or self.model.count(":") != 1
-                                       or not all(self.model.split(":"))):
-            raise CheckInputError(f"model must be 'module:callable' or 'path/to/file.py:callable', got {self.model!r}")
+        if self.model is not None and not callable(self.model) and (
+                not isinstance(self.model, str) or self.model.count(":") != 1 or not all(self.model.split(":"))):
+            raise CheckInputError(f"model must be 'module:callable', 'path/to/file.py:callable' or a callable "
+                                  f"returning (model, batch), got {self.model!r}")
         if self.config is not None:
             from fla_ac_isolation.harness.foreign_models import tiny_names
 
@@ -101,6 +103,14 @@ class CheckSpec:
             raise CheckInputError(f"autocast must be one of {sorted(k for k in AUTOCAST_DTYPES if k)} or None, got "
                                   f"{self.autocast!r}")
         return self
+
+    @property
+    def model_name(self) -> str | None:
+        """How the report names the model: its ``module:callable``, or the callable's ``module:qualname``."""
+        if self.model is None or isinstance(self.model, str):
+            return self.model
+        name = getattr(self.model, "__qualname__", type(self.model).__name__)
+        return f"{getattr(self.model, '__module__', '?')}:{name}"
 
     @property
     def policy_name(self) -> str:

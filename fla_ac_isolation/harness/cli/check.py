@@ -154,7 +154,7 @@ def _verdict_word(result: CheckResult, harmless: bool) -> str:
 def render(result: CheckResult) -> str:
     """The plain-text report of ``result`` (foreign text is printed as it is: no markup is interpreted)."""
     spec = result.spec
-    what = f"--model {spec.config}" if spec.config else f"--model {spec.model}"
+    what = f"--model {spec.config}" if spec.config else f"--model {spec.model_name}"
     if result.self_checkpointed:
         ac = "its own checkpointing"
     else:
