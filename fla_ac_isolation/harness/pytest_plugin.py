@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -13,11 +12,8 @@ import pytest
 
 __all__ = ["assert_ac_safe", "assert_regression_safe", "fla_ac_check", "fla_ac_regression"]
 
-_TARGET = "_fla_ac_check_target"  # the attribute of this module that serves the check a model given as objects
-
-
-def _check_target(model: Any, batch: Any) -> tuple[str, bool]:
-    """``(CheckSpec.model, whether this module's _TARGET attribute was set for it)``."""
+def _check_target(model: Any, batch: Any) -> tuple[str | Callable, bool]:
+    """``(CheckSpec.model, whether it was given as objects, a module or a callable, not as a string)``."""
     from torch import nn
 
     if isinstance(model, str):
@@ -32,15 +28,13 @@ def _check_target(model: Any, batch: Any) -> tuple[str, bool]:
 
         def factory() -> tuple[nn.Module, dict]:  # a fresh copy per call: the check checkpoints it in place
             return copy.deepcopy(given), batch
-    elif callable(model):
+        return factory, True
+    if callable(model):
         if batch is not None:
             raise TypeError("batch must be None when model is a callable (it returns (model, batch))")
-        factory = model
-    else:
-        raise TypeError(f"model must be an nn.Module (with batch), a callable returning (model, batch), or "
-                        f"'module:callable', got {type(model).__name__}")
-    setattr(sys.modules[__name__], _TARGET, factory)
-    return f"{__name__}:{_TARGET}", True
+        return model, True
+    raise TypeError(f"model must be an nn.Module (with batch), a callable returning (model, batch), or "
+                    f"'module:callable', got {type(model).__name__}")
 
 
 def assert_ac_safe(model: Any, batch: dict | None = None, **spec: Any) -> Any:
@@ -76,14 +70,11 @@ def assert_ac_safe(model: Any, batch: dict | None = None, **spec: Any) -> Any:
         result = run_check(CheckSpec(model=target, **spec))
     except CheckInputError as err:
         refused = str(err)  # failed below, outside this handler: the report shows no chained traceback
-    finally:
-        if owned:
-            delattr(sys.modules[__name__], _TARGET)
     if refused is not None:
         pytest.fail(f"fla-ac-isolation check refused the model: {refused}", pytrace=False)
     report = render(result)
-    if owned:  # the check loaded the objects given here, not a callable the reader could run
-        report = report.replace(f"(--model {target})", "(given to assert_ac_safe)", 1)
+    if owned:  # the check ran the objects given here, not a module:callable the reader could run
+        report = report.replace(f"(--model {result.spec.model_name})", "(given to assert_ac_safe)", 1)
     if result.exit_code != 0:
         pytest.fail(report, pytrace=False)
     if result.harmless_under_full_ac:  # passes, but the same model under SAC would not: say so in the test output
