@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "check_activation", "check_conv", "check_groups", "check_heads", "check_kda_gates", "check_packed", "compute_dtype",
-    "discretize_dt",
+    "autocast_caching", "check_activation", "check_conv", "check_groups", "check_heads", "check_kda_gates",
+    "check_packed", "compute_dtype", "discretize_dt",
 ]
 
 
@@ -34,11 +34,18 @@ def check_packed(name: str, t: torch.Tensor, cu_seqlens: torch.Tensor | None) ->
         )
 
 
+def autocast_caching() -> bool:
+    """Whether ``torch.autocast`` is on with its weight-cast cache (a recompute in the same autocast block then
+    skips the forward's ``aten._to_copy``). The audit records it per pass."""
+    if not torch.is_autocast_cache_enabled():
+        return False
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda", "xpu", "mps", "hpu"))
+
+
 def _autocast_replay_hint() -> str:
     """The likely cause of a shape error in a backward under ``torch.autocast`` with its cache on (torch #193338)."""
     in_backward = getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
-    autocast = any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
-    if not (in_backward and autocast and torch.is_autocast_cache_enabled()):
+    if not (in_backward and autocast_caching()):
         return ""
     return ("; this ran in a backward under torch.autocast with its weight-cast cache on: if the layer is "
             "checkpointed with a SAC policy that saves aten._to_copy (torch's create_selective_checkpoint_contexts), "

@@ -12,6 +12,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from fla_ac_isolation.fla_seam.cache import CacheEvent
+from fla_ac_isolation.op_inputs import autocast_caching  # re-exported: the audit records it per pass
 
 __all__ = [
     "CacheDifference",
@@ -45,14 +46,6 @@ _SCOPE_ENTER = torch.ops.profiler._record_function_enter_new.default
 _SCOPE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 FSDP_SCOPE = "FSDP::"
 """Prefix of the ``record_function`` scopes FSDP2 (``fully_shard``) wraps its own work in."""
-
-
-def autocast_caching() -> bool:
-    """Whether ``torch.autocast`` is on with its weight-cast cache (a recompute in the same autocast block then
-    skips the forward's ``aten._to_copy``)."""
-    if not torch.is_autocast_cache_enabled():
-        return False
-    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda", "xpu", "mps", "hpu"))
 
 
 def scope_change(func: Any, args: tuple, depth: int) -> int:
