@@ -44,6 +44,7 @@ This module holds the order of the check and that rule; the names of the modules
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -80,9 +81,7 @@ def _misspelt(step: CheckStep, mixers: list[MixerFinding]) -> str | None:
     if not wrong:
         return None
     path, names, m = wrong[0]
-    others = {}
-    for _, _, other in wrong[1:]:
-        others[other.name] = others.get(other.name, 0) + 1
+    others = Counter(other.name for _, _, other in wrong[1:])  # in the order the layers were called
     listed = ", ".join(f"{k} x{n}" for k, n in others.items())
     more = f" (and {len(wrong) - 1} more layer(s): {listed})" if others else ""
     return (f"the model's call of {path} ({m.name}){more} passed the offsets as {', '.join(n + '=' for n in names)}, "
