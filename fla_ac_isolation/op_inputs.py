@@ -12,13 +12,19 @@ import torch.nn.functional as F
 
 __all__ = [
     "autocast_caching", "check_activation", "check_conv", "check_groups", "check_heads", "check_kda_gates",
-    "check_packed", "compute_dtype", "discretize_dt",
+    "check_packed", "compute_dtype", "discretize_dt", "l2_normalize",
 ]
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """float32 for half/bfloat16/float32 inputs; float64 stays float64 (handy as a test oracle)."""
     return torch.promote_types(t.dtype, torch.float32)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x**2) + eps)`` over the last dim, in the dtype of ``x``: FLA's ``l2norm_fwd`` (its in-kernel
+    L2 norm of q and k; ``eps`` its default)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def check_packed(name: str, t: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:

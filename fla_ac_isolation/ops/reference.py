@@ -19,6 +19,7 @@ from fla_ac_isolation.op_inputs import (
     check_packed,
     compute_dtype,
     discretize_dt,
+    l2_normalize,
 )
 from fla_ac_isolation.ops.documents import PackedDocument, packed_documents
 
@@ -79,11 +80,6 @@ def causal_conv1d(
 
 
 # ------------------------------------------------------------------------------ gated delta rule
-def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum(x**2) + eps)`` over the last dim, FLA's in-kernel L2 norm."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
 def _pairwise_decay(log_decay: torch.Tensor) -> torch.Tensor:
     """``exp(sum_{j < r <= i} a_r)`` for ``j <= i``, 0 above; ``[..., C] -> [..., C, C]``. Summed directly, not as
     a difference of cumsums, which loses digits when a chunk's decay is large."""
@@ -164,7 +160,7 @@ def chunk_gated_delta_rule(
     dtype = compute_dtype(q)
     qf, kf = q.to(dtype), k.to(dtype)
     if use_qk_l2norm_in_kernel:
-        qf, kf = _l2_normalize(qf), _l2_normalize(kf)
+        qf, kf = l2_normalize(qf), l2_normalize(kf)
     if value_heads != heads:
         qf = qf.repeat_interleave(value_heads // heads, dim=2)
         kf = kf.repeat_interleave(value_heads // heads, dim=2)

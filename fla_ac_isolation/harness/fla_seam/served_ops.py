@@ -6,7 +6,6 @@ Recurrent states, ``cp_context`` and KDA's ``use_graph``/``return_intermediate_s
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fla_ac_isolation.ops import reference
+from fla_ac_isolation.op_inputs import l2_normalize
+from fla_ac_isolation.ops import reference, reference_kda
 
 __all__ = [
     "KernelCall",
@@ -119,24 +119,16 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     return (y if residual is None else y + residual), None
 
 
-def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
-
-
 @torch.compiler.disable
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
               return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
               cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
-    """FLA's ``chunk_kda`` (``q/k [B, T, H, K]``, ``g [B, T, HV, K]``), FLA's naive recurrence per document (a
-    per-token loop: keep inputs short) -> ``(o [B, T, HV, V], None)``."""
+    """FLA's ``chunk_kda`` (``q/k [B, T, H, K]``, ``g [B, T, HV, K]``): its gates here, then
+    :func:`fla_ac_isolation.ops.reference_kda.chunk_kda` (FLA's naive recurrence per document, a per-token loop:
+    keep inputs short) -> ``(o [B, T, HV, V], None)``."""
     from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
-    from fla.ops.kda.naive import naive_recurrent_kda
-
-    from fla_ac_isolation.fla_seam.kda import prepare_kda_chunk_indices
-    from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, prepare_chunk_offsets
 
     _unsupported("chunk_kda", initial_state=initial_state is not None, output_final_state=output_final_state,
                  cp_context=cp_context is not None, use_graph=use_graph,
@@ -150,18 +142,13 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         beta = beta.float().sigmoid()
     if allow_neg_eigval:
         beta = beta * 2.0
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2_normalize(q), _l2_normalize(k)
-    if cu_seqlens is None:
-        return naive_recurrent_kda(q, k, v, g, beta, scale=scale)[0], None
-    # by keyword, as chunk_kda's forward asks: FLA's cache keys an entry by its positional count and keyword set,
-    # so a positional lookup would hit the conv's entry for the same offsets where the kernel misses
-    prepare_kda_chunk_indices(cu_seqlens, cu_seqlens_cpu)
-    prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
-    offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
-    pieces = [naive_recurrent_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale=scale)[0]
-              for a, b in itertools.pairwise(offsets) if b > a]
-    return torch.cat(pieces, dim=1).to(q.dtype), None
+    if use_qk_l2norm_in_kernel:  # FLA's l2norm_fwd returns the input dtype
+        q, k = (l2_normalize(t.float()).to(t.dtype) for t in (q, k))
+    # the reference asks FLA's helpers by keyword, as chunk_kda's forward does: FLA's cache keys an entry by its
+    # positional count and keyword set, so a positional lookup would hit the conv's entry for the same offsets
+    return reference_kda.chunk_kda(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=False,
+                                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu), None
+
 
 def swiglu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """FLA's ``swiglu``: ``silu(x) * y``, the activation in float32."""
