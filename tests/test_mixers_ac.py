@@ -16,10 +16,10 @@ tell shared from isolated:
   FLA's miss path runs an int64 ``cumsum`` that the recompute's hit skips, so the layer's own float
   ``cumsum`` (the gate's cumulative decay) is replayed with it: ``Autograd not support dtype: Long``.
   The KDA family has no float ``cumsum`` of its own (FLA's ``chunk_kda`` cumulates the decay inside its
-  kernel, the reference recurs token by token; saving ``cumsum`` leaves its shared path bit-exact), so its
-  fp32 case saves every ``stack``: FLA's miss path stacks the int64 chunk rows, the recompute's hit skips
-  that, and the layer's own float ``stack`` (its per-token outputs) is replayed with them:
-  ``Autograd not support dtype: Long``.
+  kernel, FLA's naive reference recurs token by token; saving ``cumsum`` leaves its shared path bit-exact), so
+  its fp32 case saves every ``sub``: FLA's miss path subtracts the int32 offsets (the document lengths), the
+  recompute's hit skips that, and the layer's own float ``sub`` (the recurrence's ``v_t - S^T k_t``) is
+  replayed with them: ``Autograd not support dtype: Int``.
 """
 
 import pytest
@@ -40,9 +40,9 @@ CASES = {  # case id: (dtype, policy builder, how the shared path fails)
     "fp32-save-cumsum": (torch.float32, lambda: save_ops([torch.ops.aten.cumsum.default]),
                          SharedOutcome(RuntimeError, "Autograd not support dtype: Long")),
 }
-#: The KDA family's fp32 case (module docstring): every ``stack`` saved instead of every ``cumsum``.
-KDA_FP32 = (torch.float32, lambda: save_ops([torch.ops.aten.stack.default]),
-            SharedOutcome(RuntimeError, "Autograd not support dtype: Long"))
+#: The KDA family's fp32 case (module docstring): every ``sub`` saved instead of every ``cumsum``.
+KDA_FP32 = (torch.float32, lambda: save_ops([torch.ops.aten.sub.Tensor]),
+            SharedOutcome(RuntimeError, "Autograd not support dtype: Int"))
 
 
 def _case(family, case: str):
@@ -108,7 +108,7 @@ PRECOMPUTED_SCHEDULE = {
     # the SSD takes the schedule too now, and looks up only prepare_chunk_offsets (a shared object here hands
     # no chunk_offsets): the same shift as in the GDN families, landing on agreeing values under this policy
     "nemotron_h": (74, None),
-    "kimi_linear": (106, SharedOutcome(RuntimeError, "Autograd not support dtype: Int")),  # chunk_kda's own lookup
+    "kimi_linear": (94, SharedOutcome(RuntimeError, "Autograd not support dtype: Int")),  # chunk_kda's own lookup
 }
 
 
