@@ -8,6 +8,7 @@ with an MLP, one ``cu_seqlens`` for every layer, its own policy saving every ``_
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import sys
 
@@ -127,6 +128,39 @@ def test_a_bad_policy_flag_exits_2(capsys):
     code, lines, err = _check(capsys, "--model", f"{EXAMPLE}:plain", "--policy", "bogus")
     assert code == 2 and lines == []
     assert err == f"fla-ac-isolation check: error: policy must be {POLICY_EXPECTED}, got 'bogus'\n"
+
+
+FULL_AC_POLICY_FLAG = ("--policy {} was given with --ac full: full AC recomputes every op and saves none, so a SAC "
+                       "policy has nothing to choose: drop --policy, or use --ac selective to apply it")
+FULL_AC_POLICY_SPEC = ("policy {} was given with ac='full': full AC recomputes every op and saves none, so a SAC "
+                       "policy has nothing to choose: leave policy out, or give ac='selective' to apply it")
+
+
+@pytest.mark.parametrize("policy", ["save-all-copies", f"{EXAMPLE}:my_policy", "bogus"])
+def test_a_policy_flag_with_full_ac_exits_2_before_anything_runs(capsys, policy):
+    """Full AC saves no op: a --policy given with it would be ignored, so it is refused (the default is not)."""
+    code, lines, err = _check(capsys, "--model", f"{EXAMPLE}:plain", "--ac", "full", "--policy", policy)
+    assert code == 2 and lines == []
+    assert err == f"fla-ac-isolation check: error: {FULL_AC_POLICY_FLAG.format(policy)}\n"
+    code, lines, err = _check(capsys, "--model", f"{EXAMPLE}:plain", "--ac", "full", "--policy", policy, "--json")
+    assert code == 2 and json.loads("\n".join(lines)) == {"error": FULL_AC_POLICY_FLAG.format(policy), "exit_code": 2}
+
+
+def test_the_spec_refuses_a_policy_with_full_ac_and_names_the_default_policy_when_none_is_given():
+    from fla_ac_isolation.harness.check_spec import DEFAULT_POLICY
+    from fla_ac_isolation.policies import save_all_copies
+
+    with pytest.raises(CheckInputError) as raised:
+        CheckSpec(model="a:b", ac="full", policy="save-all-copies").validate()
+    assert str(raised.value) == FULL_AC_POLICY_SPEC.format("'save-all-copies'")
+    with pytest.raises(CheckInputError) as raised:
+        CheckSpec(model="a:b", ac="full", policy=_example().my_policy).validate()
+    assert str(raised.value) == FULL_AC_POLICY_SPEC.format("my_policy")
+    assert CheckSpec().policy is None and DEFAULT_POLICY == "save-all-copies"
+    for ac in ("full", "selective"):  # not given: the report still names the default, as before
+        spec = CheckSpec(model="a:b", ac=ac).validate()
+        assert spec.policy is None and spec.policy_name == "save-all-copies"
+    assert resolve_policy(None).__name__ == save_all_copies().__name__ == "save_all_copies"
 
 
 # ------------------------------------------------------------------------- item 2: a model that checkpoints itself
