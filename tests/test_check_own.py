@@ -234,10 +234,61 @@ def test_a_model_checkpointing_some_layers_itself_is_told_which_are_not_audited(
     assert not any(line.startswith("checkpointed twice") for line in lines)
 
     code, lines, _ = _check(capsys, "--model", f"{tmp_path}/partial_models.py:nested", "--no-verify-fix")
-    assert lines[4] == ("checkpointed twice (a checkpoint inside a checkpoint): layers.0, layers.1, layers.2, "
-                        "layers.3; each level is audited and recomputes")
-    assert "as given: 6 of 8 checkpointed region(s) aligned, 2 DIVERGENT" in lines
+    # the model's own checkpoint (outer) runs the layer checkpoint_layers wrapped (inner): both are layers.N
+    assert lines[4] == ("checkpointed twice (a checkpoint inside a checkpoint): outer layers.0 holds inner layers.0, "
+                        "outer layers.1 holds inner layers.1, outer layers.2 holds inner layers.2, outer layers.3 "
+                        "holds inner layers.3; each level is audited and recomputes (below, the outer region is "
+                        "listed first)")
+    start = lines.index("as given: 6 of 8 checkpointed region(s) aligned, 2 DIVERGENT")
+    assert [line.split()[:2] for line in lines[start + 1:start + 5]] == [
+        ["layers.0", "aligned"], ["layers.0", "divergent"], ["layers.1", "aligned"], ["layers.1", "divergent"]]
     assert not any(line.startswith("  not checkpointed") for line in lines) and code == 1
+
+
+class _Checkpointed(torch.nn.Module):
+    """Runs its children in order, each in a checkpoint of its own (a leaf runs a Linear, checkpointed too)."""
+
+    def __init__(self, *children: torch.nn.Module) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(children or [torch.nn.Linear(4, 4)])
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for part in self.parts:
+            x = checkpoint(part, x, use_reentrant=False)
+        return x
+
+
+def test_each_checkpoint_inside_a_checkpoint_names_its_outer_region_in_the_data_and_the_report():
+    from fla_ac_isolation import ReplayAudit
+    from fla_ac_isolation.harness.check_findings import Nesting
+    from fla_ac_isolation.harness.check_runner import CheckResult, CheckStep, RegionVerdict
+    from fla_ac_isolation.harness.cli.check import render
+
+    model = _Checkpointed(_Checkpointed(_Checkpointed(), _Checkpointed(_Checkpointed())))
+    with ReplayAudit(model) as audit:
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    # in forward order; the last two ran again inside the recompute of parts.0, which holds them
+    assert [(r.index, r.label, r.outer) for r in audit.regions] == [
+        (0, "parts.0", None), (1, "parts.0.parts.0", 0), (2, "parts.0.parts.0.parts.0", 1), (3, "parts.0.parts.1", 0),
+        (4, "parts.0.parts.1.parts.0", 3), (5, "parts.0.parts.1.parts.0.parts.0", 4), (6, "parts.0.parts.0", 0),
+        (7, "parts.0.parts.0.parts.0", 6)]
+
+    step = CheckStep(tuple(RegionVerdict(r.label, r.verdict, outer=r.outer) for r in audit.regions))
+    result = CheckResult(CheckSpec(model="a:b", device="cpu"), "M", [], step)
+    assert result.twice == (Nesting("parts.0", ("parts.0.parts.0", "parts.0.parts.1")),
+                            Nesting("parts.0.parts.0", ("parts.0.parts.0.parts.0",)),
+                            Nesting("parts.0.parts.1", ("parts.0.parts.1.parts.0",)),
+                            Nesting("parts.0.parts.1.parts.0", ("parts.0.parts.1.parts.0.parts.0",)))
+    assert render(result).splitlines()[2] == (
+        "checkpointed twice (a checkpoint inside a checkpoint): outer parts.0 holds inner parts.0.parts.0 and "
+        "parts.0.parts.1, outer parts.0.parts.0 holds inner parts.0.parts.0.parts.0, outer parts.0.parts.1 holds "
+        "inner parts.0.parts.1.parts.0, outer parts.0.parts.1.parts.0 holds inner parts.0.parts.1.parts.0.parts.0; "
+        "each level is audited and recomputes (below, the outer region is listed first)")
+    # one layer checkpointed twice, one checkpoint after the other, is not a checkpoint inside a checkpoint
+    result.as_given = CheckStep((RegionVerdict("layers.0", "aligned"), RegionVerdict("layers.0", "aligned")))
+    assert result.twice == () and not any(line.startswith("checkpointed twice") for line in render(result).splitlines())
 
 
 # ------------------------------------------------------------------------------ item 4: full AC, judged by grads

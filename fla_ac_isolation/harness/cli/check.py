@@ -174,8 +174,9 @@ def render(result: CheckResult) -> str:
                          f"AC: not audited)")
         lines.append("")
     if result.twice:
-        lines += [f"checkpointed twice (a checkpoint inside a checkpoint): {', '.join(result.twice)}; each level "
-                  f"is audited and recomputes", ""]
+        nested = ", ".join(f"outer {n.outer} holds inner {' and '.join(n.inner)}" for n in result.twice)
+        lines += [f"checkpointed twice (a checkpoint inside a checkpoint): {nested}; each level is audited and "
+                  f"recomputes (below, the outer region is listed first)", ""]
     lines.append("FLA-backed classes:" if result.mixers else "FLA-backed classes: none this package knows")
     for m in result.mixers:
         paths = ", ".join(m.paths[:3]) + (", ..." if len(m.paths) > 3 else "")
