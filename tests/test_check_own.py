@@ -8,6 +8,7 @@ with an MLP, one ``cu_seqlens`` for every layer, its own policy saving every ``_
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import sys
 
@@ -129,6 +130,39 @@ def test_a_bad_policy_flag_exits_2(capsys):
     assert err == f"fla-ac-isolation check: error: policy must be {POLICY_EXPECTED}, got 'bogus'\n"
 
 
+FULL_AC_POLICY_FLAG = ("--policy {} was given with --ac full: full AC recomputes every op and saves none, so a SAC "
+                       "policy has nothing to choose: drop --policy, or use --ac selective to apply it")
+FULL_AC_POLICY_SPEC = ("policy {} was given with ac='full': full AC recomputes every op and saves none, so a SAC "
+                       "policy has nothing to choose: leave policy out, or give ac='selective' to apply it")
+
+
+@pytest.mark.parametrize("policy", ["save-all-copies", f"{EXAMPLE}:my_policy", "bogus"])
+def test_a_policy_flag_with_full_ac_exits_2_before_anything_runs(capsys, policy):
+    """Full AC saves no op: a --policy given with it would be ignored, so it is refused (the default is not)."""
+    code, lines, err = _check(capsys, "--model", f"{EXAMPLE}:plain", "--ac", "full", "--policy", policy)
+    assert code == 2 and lines == []
+    assert err == f"fla-ac-isolation check: error: {FULL_AC_POLICY_FLAG.format(policy)}\n"
+    code, lines, err = _check(capsys, "--model", f"{EXAMPLE}:plain", "--ac", "full", "--policy", policy, "--json")
+    assert code == 2 and json.loads("\n".join(lines)) == {"error": FULL_AC_POLICY_FLAG.format(policy), "exit_code": 2}
+
+
+def test_the_spec_refuses_a_policy_with_full_ac_and_names_the_default_policy_when_none_is_given():
+    from fla_ac_isolation.harness.check_spec import DEFAULT_POLICY
+    from fla_ac_isolation.policies import save_all_copies
+
+    with pytest.raises(CheckInputError) as raised:
+        CheckSpec(model="a:b", ac="full", policy="save-all-copies").validate()
+    assert str(raised.value) == FULL_AC_POLICY_SPEC.format("'save-all-copies'")
+    with pytest.raises(CheckInputError) as raised:
+        CheckSpec(model="a:b", ac="full", policy=_example().my_policy).validate()
+    assert str(raised.value) == FULL_AC_POLICY_SPEC.format("my_policy")
+    assert CheckSpec().policy is None and DEFAULT_POLICY == "save-all-copies"
+    for ac in ("full", "selective"):  # not given: the report still names the default, as before
+        spec = CheckSpec(model="a:b", ac=ac).validate()
+        assert spec.policy is None and spec.policy_name == "save-all-copies"
+    assert resolve_policy(None).__name__ == save_all_copies().__name__ == "save_all_copies"
+
+
 # ------------------------------------------------------------------------- item 2: a model that checkpoints itself
 def test_a_model_that_checkpoints_itself_is_audited_as_it_is_and_the_report_says_so(capsys):
     code, lines, _ = _check(capsys, "--model", f"{EXAMPLE}:own_ckpt")
@@ -200,10 +234,61 @@ def test_a_model_checkpointing_some_layers_itself_is_told_which_are_not_audited(
     assert not any(line.startswith("checkpointed twice") for line in lines)
 
     code, lines, _ = _check(capsys, "--model", f"{tmp_path}/partial_models.py:nested", "--no-verify-fix")
-    assert lines[4] == ("checkpointed twice (a checkpoint inside a checkpoint): layers.0, layers.1, layers.2, "
-                        "layers.3; each level is audited and recomputes")
-    assert "as given: 6 of 8 checkpointed region(s) aligned, 2 DIVERGENT" in lines
+    # the model's own checkpoint (outer) runs the layer checkpoint_layers wrapped (inner): both are layers.N
+    assert lines[4] == ("checkpointed twice (a checkpoint inside a checkpoint): outer layers.0 holds inner layers.0, "
+                        "outer layers.1 holds inner layers.1, outer layers.2 holds inner layers.2, outer layers.3 "
+                        "holds inner layers.3; each level is audited and recomputes (below, the outer region is "
+                        "listed first)")
+    start = lines.index("as given: 6 of 8 checkpointed region(s) aligned, 2 DIVERGENT")
+    assert [line.split()[:2] for line in lines[start + 1:start + 5]] == [
+        ["layers.0", "aligned"], ["layers.0", "divergent"], ["layers.1", "aligned"], ["layers.1", "divergent"]]
     assert not any(line.startswith("  not checkpointed") for line in lines) and code == 1
+
+
+class _Checkpointed(torch.nn.Module):
+    """Runs its children in order, each in a checkpoint of its own (a leaf runs a Linear, checkpointed too)."""
+
+    def __init__(self, *children: torch.nn.Module) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(children or [torch.nn.Linear(4, 4)])
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for part in self.parts:
+            x = checkpoint(part, x, use_reentrant=False)
+        return x
+
+
+def test_each_checkpoint_inside_a_checkpoint_names_its_outer_region_in_the_data_and_the_report():
+    from fla_ac_isolation import ReplayAudit
+    from fla_ac_isolation.harness.check_findings import Nesting
+    from fla_ac_isolation.harness.check_runner import CheckResult, CheckStep, RegionVerdict
+    from fla_ac_isolation.harness.cli.check import render
+
+    model = _Checkpointed(_Checkpointed(_Checkpointed(), _Checkpointed(_Checkpointed())))
+    with ReplayAudit(model) as audit:
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    # in forward order; the last two ran again inside the recompute of parts.0, which holds them
+    assert [(r.index, r.label, r.outer) for r in audit.regions] == [
+        (0, "parts.0", None), (1, "parts.0.parts.0", 0), (2, "parts.0.parts.0.parts.0", 1), (3, "parts.0.parts.1", 0),
+        (4, "parts.0.parts.1.parts.0", 3), (5, "parts.0.parts.1.parts.0.parts.0", 4), (6, "parts.0.parts.0", 0),
+        (7, "parts.0.parts.0.parts.0", 6)]
+
+    step = CheckStep(tuple(RegionVerdict(r.label, r.verdict, outer=r.outer) for r in audit.regions))
+    result = CheckResult(CheckSpec(model="a:b", device="cpu"), "M", [], step)
+    assert result.twice == (Nesting("parts.0", ("parts.0.parts.0", "parts.0.parts.1")),
+                            Nesting("parts.0.parts.0", ("parts.0.parts.0.parts.0",)),
+                            Nesting("parts.0.parts.1", ("parts.0.parts.1.parts.0",)),
+                            Nesting("parts.0.parts.1.parts.0", ("parts.0.parts.1.parts.0.parts.0",)))
+    assert render(result).splitlines()[2] == (
+        "checkpointed twice (a checkpoint inside a checkpoint): outer parts.0 holds inner parts.0.parts.0 and "
+        "parts.0.parts.1, outer parts.0.parts.0 holds inner parts.0.parts.0.parts.0, outer parts.0.parts.1 holds "
+        "inner parts.0.parts.1.parts.0, outer parts.0.parts.1.parts.0 holds inner parts.0.parts.1.parts.0.parts.0; "
+        "each level is audited and recomputes (below, the outer region is listed first)")
+    # one layer checkpointed twice, one checkpoint after the other, is not a checkpoint inside a checkpoint
+    result.as_given = CheckStep((RegionVerdict("layers.0", "aligned"), RegionVerdict("layers.0", "aligned")))
+    assert result.twice == () and not any(line.startswith("checkpointed twice") for line in render(result).splitlines())
 
 
 # ------------------------------------------------------------------------------ item 4: full AC, judged by grads

@@ -1,6 +1,7 @@
 """The ``fla-ac-isolation`` command: its help says what each subcommand does; ``doctor`` lists the versions and
 the FLA-backed classes of the installed libraries."""
 
+import argparse
 import importlib.metadata
 import sys
 import types
@@ -23,6 +24,45 @@ def test_top_level_help_gives_each_subcommand_its_line(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for name, module in (("doctor", doctor), ("regress", regress), ("audit", audit), ("check", check)):
         assert f"{name} {module.HELP}" in text
+
+
+FULL_AC_POLICY = ("--policy torchtitan was given with --ac full: full AC recomputes every op and saves none, so a "
+                  "SAC policy has nothing to choose: drop --policy, or use --ac selective to apply it")
+POLICY_HELP = "(default: save-all-copies); refused with --ac full, which recomputes every op and saves none"
+
+
+def _unwrapped(text: str) -> str:
+    """``--help`` text on one line (argparse wraps at spaces and after hyphens)."""
+    return " ".join(text.split()).replace("- ", "-")
+
+
+@pytest.mark.parametrize("command", ["audit", "regress"])
+def test_audit_and_regress_refuse_a_policy_flag_with_full_ac_and_keep_their_default_policy(capsys, command):
+    """They share check's --ac / --policy flags: a --policy given with --ac full (which saved nothing under it)
+    exits 2; not given, the spec's default policy applies as before."""
+    assert main([command, "--ac", "full", "--policy", "torchtitan"]) == 2
+    out, err = capsys.readouterr()
+    printed = err if command == "audit" else out  # regress prints its errors on its rich console
+    assert " ".join(printed.split()) == f"fla-ac-isolation {command}: error: {FULL_AC_POLICY}"
+
+    module = {"audit": audit, "regress": regress}[command]
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+
+    def spec(*argv):
+        return module.spec_from_arguments(parser.parse_args(list(argv)))
+
+    assert spec().policy == spec("--ac", "full").policy == "save-all-copies"
+    assert (spec("--ac", "full").ac, spec("--policy", "torchtitan").policy) == ("full", "torchtitan")
+    assert f"SAC policy of --ac selective {POLICY_HELP}" in _unwrapped(parser.format_help())
+
+
+def test_checks_help_says_its_policy_is_for_selective_ac_only(capsys):
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    assert ("SAC policy of --ac selective: a name, or your own policy function (ctx, op, *args, **kwargs) -> "
+            f"CheckpointPolicy as module:callable or path/to/file.py:callable {POLICY_HELP}") in _unwrapped(
+        capsys.readouterr().out)
 
 
 def test_doctor_reports_every_library_the_checks_run_on():

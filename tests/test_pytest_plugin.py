@@ -168,6 +168,24 @@ def test_a_refused_input_fails_the_test_with_the_checks_error_and_a_wrong_kind_i
     assert not hasattr(plugin, "_fla_ac_check_target")  # the model served to the check is not kept
 
 
+def test_a_policy_with_full_ac_fails_the_test_before_the_model_runs():
+    """Full AC saves no op: ``assert_ac_safe(ac="full", policy=...)`` would ignore the policy, so it is refused."""
+    import torch
+
+    from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe
+
+    class Untouchable(torch.nn.Module):
+        def forward(self, **batch):
+            raise AssertionError("the model ran")
+
+    with pytest.raises(pytest.fail.Exception) as info:
+        assert_ac_safe(Untouchable(), {"cu_seqlens": torch.tensor([0, 4])}, ac="full", policy="save-d2h-copies")
+    assert str(info.value) == (
+        "fla-ac-isolation check refused the model: policy 'save-d2h-copies' was given with ac='full': full AC "
+        "recomputes every op and saves none, so a SAC policy has nothing to choose: leave policy out, or give "
+        "ac='selective' to apply it")
+
+
 # ------------------------------------------------------------------------------- the EP=2 regression
 def test_a_mixer_defined_inside_a_function_is_refused_before_any_rank_starts():
     from torch import nn

@@ -77,10 +77,12 @@ class PassRecorder(TorchDispatchMode):
                 raise RuntimeError("ReplayAudit: a recompute started for a region whose forward was not recorded")
             region.recomputes.append(p)
             self._forward_ops = region.forward.ops
+        self._session.running.append(region)  # a region whose forward starts now is inside this one
         self._stack = stack
         try:
             return super().__enter__()
         except BaseException:
+            self._session.pass_ended(region)
             stack.close()
             raise
 
@@ -89,6 +91,7 @@ class PassRecorder(TorchDispatchMode):
             super().__exit__(exc_type, exc, tb)
         finally:
             p = self._pass
+            self._session.pass_ended(self._region)
             self._collect_events()
             p.done = True
             p.complete = exc_type is None

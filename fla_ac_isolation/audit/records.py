@@ -122,6 +122,7 @@ class Region:
     label: str | None
     forward: Pass | None = None
     recomputes: list[Pass] = field(default_factory=list)
+    outer: int | None = None  # the index of the region whose forward or recompute ran when this one's forward began
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ class RegionReport:
         message: the explanation and fix for a divergent region (``None`` otherwise).
         autocast_cast: the first differing op is a cast skipped because of ``torch.autocast``'s weight-cast cache
             (torch issue #193338), not FLA.
+        outer: the ``index`` of the region whose forward (or recompute) ran this one's forward (a checkpoint inside
+            a checkpoint), or ``None``.
     """
 
     index: int
@@ -56,6 +58,7 @@ class RegionReport:
     recompute_error: str | None
     message: str | None
     autocast_cast: bool = False
+    outer: int | None = None
 
     @property
     def aligned(self) -> bool:
@@ -74,7 +77,7 @@ def region_report(region: Region) -> RegionReport:
     if rec is None:
         return RegionReport(
             region.index, region.label or f"region #{region.index}", "not recomputed", len(fwd.ops), None,
-            False, None, None, None, None, (), fwd_cache, {}, None, None,
+            False, None, None, None, None, (), fwd_cache, {}, None, None, outer=region.outer,
         )
     i = rec.first_diff
     diffs: tuple[CacheDifference, ...] = ()
@@ -104,6 +107,7 @@ def region_report(region: Region) -> RegionReport:
         recompute_error=rec.error,
         message=message,
         autocast_cast=i is not None and autocast_skipped_cast(fwd_op, rec_op, rec.autocast_cache),
+        outer=region.outer,
     )
 
 

@@ -25,6 +25,8 @@ class AuditSession:
         probe: FLA's cache probe while the ``with`` block is active, else ``None``.
         regions: every region whose forward was recorded, in forward order (index = position).
         unaudited: checkpointed regions that could not be looked into.
+        running: the regions whose forward or recompute is running now, outermost first (a checkpoint inside
+            a checkpoint runs its forward inside the outer one's forward, and again inside its recompute).
     """
 
     on_divergence: OnDivergence
@@ -33,15 +35,22 @@ class AuditSession:
     probe: Any = None
     regions: list[Region] = field(default_factory=list)
     unaudited: list[UnauditedRegion] = field(default_factory=list)
+    running: list[Region] = field(default_factory=list)
 
     def probe_events(self) -> list[CacheEvent] | None:
         """The live event list of the active FLA cache probe, or ``None`` (no shared probe: no FLA telemetry)."""
         return None if self.probe is None else self.probe.events
 
     def add_region(self, region: Region, label_from: Any) -> None:
-        """Number, name (if unnamed), tag and keep ``region``, whose forward just started."""
+        """Number, name (if unnamed), tag and keep ``region``, whose forward just started inside the forward or
+        recompute of the innermost region running (:attr:`Region.outer`), if any."""
         index = len(self.regions)
         label = region.label if region.label is not None else self.namer.label_for(label_from, index)
         region.label = self.namer.tagged(label)
         region.index = index
+        region.outer = self.running[-1].index if self.running else None
         self.regions.append(region)
+
+    def pass_ended(self, region: Region) -> None:
+        """A pass of ``region`` ended (it ran, or raised): it no longer holds the regions that start."""
+        self.running = [r for r in self.running if r is not region]

@@ -6,7 +6,7 @@ the whole result with its exit code (:class:`CheckResult`; rendered by ``fla_ac_
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -15,7 +15,7 @@ from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer
 from fla_ac_isolation.harness.check_spec import CheckSpec
 from fla_ac_isolation.mixer_plan import DROP_IN, EXPOSED, LEAKING, PlannedMixer, classify
 
-__all__ = ["CheckResult", "CheckStep", "MixerFinding", "RegionVerdict", "survey"]
+__all__ = ["CheckResult", "CheckStep", "MixerFinding", "Nesting", "RegionVerdict", "survey"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,9 @@ class MixerFinding:
 @dataclass(frozen=True)
 class RegionVerdict:
     """One checkpointed region: ``aligned``, ``divergent`` (first differing op, the FLA helpers whose cache state
-    differed, the module running there) or ``not recomputed``."""
+    differed, the module running there) or ``not recomputed``; ``outer``: the position in the step's regions of
+    the region whose forward (or recompute) ran this one's forward (a checkpoint inside a checkpoint), or
+    ``None``."""
 
     label: str
     verdict: str
@@ -66,6 +68,15 @@ class RegionVerdict:
     fla_helpers: tuple[str, ...] = ()
     where: str | None = None
     autocast_cast: bool = False  # the divergent op is a cast torch.autocast's weight-cast cache skipped
+    outer: int | None = None
+
+
+class Nesting(NamedTuple):
+    """A checkpoint inside a checkpoint (:attr:`CheckResult.twice`): the label of the outer region and those of
+    the regions whose forward ran directly inside its forward or recompute, in the order they ran."""
+
+    outer: str
+    inner: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -129,10 +140,16 @@ class CheckResult:
     not_checkpointed: tuple[str, ...] = ()
 
     @property
-    def twice(self) -> tuple[str, ...]:
-        """The region labels that ran more than once in the step: a checkpoint inside a checkpoint."""
-        labels = [r.label for r in self.as_given.regions]
-        return tuple(dict.fromkeys(x for x in labels if labels.count(x) > 1))
+    def twice(self) -> tuple[Nesting, ...]:
+        """The checkpoints inside a checkpoint of the step (:attr:`RegionVerdict.outer`): each region holding
+        others, with the labels of the regions directly inside it (once each: an inner checkpoint runs again in
+        the outer one's recompute), in forward order; an equal nesting is named once."""
+        regions = self.as_given.regions
+        held: dict[int, dict[str, None]] = {}
+        for r in regions:
+            if r.outer is not None:
+                held.setdefault(r.outer, {})[r.label] = None
+        return tuple(dict.fromkeys(Nesting(regions[i].label, tuple(inner)) for i, inner in sorted(held.items())))
 
     @property
     def leaking(self) -> list[MixerFinding]:

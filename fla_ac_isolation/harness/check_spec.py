@@ -19,7 +19,11 @@ from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.policies import POLICIES
 
-__all__ = ["CheckEnvironmentError", "CheckInputError", "CheckSpec", "load_callable", "resolve_policy"]
+__all__ = ["DEFAULT_POLICY", "CheckEnvironmentError", "CheckInputError", "CheckSpec", "load_callable",
+           "resolve_policy"]
+
+DEFAULT_POLICY = "save-all-copies"
+"""The SAC policy of selective AC when :attr:`CheckSpec.policy` is not given (the field's most sensitive on a CPU)."""
 
 
 class CheckInputError(ValueError):
@@ -44,11 +48,12 @@ class CheckSpec:
             the two.
         ac: ``"selective"`` (with ``policy``) or ``"full"``. Ignored for a model that checkpoints itself (its
             factory's model already calls ``checkpoint``): it is audited as it is, with its own policy.
-        policy: the SAC policy: a name (:data:`fla_ac_isolation.policies.POLICIES`), ``"module:callable"`` /
-            ``"path/to/file.py:callable"`` naming the user's own policy function, or that function itself: a
-            function as ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` takes it,
-            ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` (one with a ``fresh()`` method is renewed for
-            every checkpointed call).
+        policy: the SAC policy of ``ac="selective"``: a name (:data:`fla_ac_isolation.policies.POLICIES`),
+            ``"module:callable"`` / ``"path/to/file.py:callable"`` naming the user's own policy function, or that
+            function itself: a function as ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` takes
+            it, ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` (one with a ``fresh()`` method is renewed for
+            every checkpointed call). ``None`` (not given): :data:`DEFAULT_POLICY`. Refused with ``ac="full"``:
+            full AC saves no op, so a policy would be ignored.
         device: ``cpu``, ``cuda`` or ``auto`` (``cuda`` when a GPU is visible).
         seed: the tiny model's weights and batch (``config`` only).
         verify_fix: when the model diverges, run the fix on a fresh model too.
@@ -62,7 +67,7 @@ class CheckSpec:
     model: str | Callable | None = None
     config: str | None = None
     ac: str = "selective"
-    policy: str | Callable = "save-all-copies"
+    policy: str | Callable | None = None
     device: str = "auto"
     seed: int = 0
     verify_fix: bool = True
@@ -89,6 +94,10 @@ class CheckSpec:
                 raise CheckInputError(f"config must be one of {sorted(names)}, got {self.config!r}")
         if self.ac not in ("full", "selective"):
             raise CheckInputError(f"ac must be 'full' or 'selective', got {self.ac!r}")
+        if self.ac == "full" and self.policy is not None:
+            raise CheckInputError(f"policy {_shown(self.policy)} was given with ac='full': full AC recomputes every "
+                                  f"op and saves none, so a SAC policy has nothing to choose: leave policy out, or "
+                                  f"give ac='selective' to apply it")
         if self.ac == "selective":
             resolve_policy(self.policy)
         try:
@@ -114,7 +123,10 @@ class CheckSpec:
 
     @property
     def policy_name(self) -> str:
-        """How the report names the policy: its name, its ``module:callable``, or the function's name."""
+        """How the report names the policy: its name, its ``module:callable``, or the function's name
+        (:data:`DEFAULT_POLICY` when not given)."""
+        if self.policy is None:
+            return DEFAULT_POLICY
         if isinstance(self.policy, str):
             return self.policy
         return getattr(self.policy, "__qualname__", None) or type(self.policy).__name__
@@ -129,8 +141,9 @@ POLICY_EXPECTED = ("one of {names}, 'module:callable' or 'path/to/file.py:callab
 
 
 def resolve_policy(policy: Any) -> Callable:
-    """The SAC policy function of ``policy`` (:attr:`CheckSpec.policy`): a named policy is built fresh, a
-    ``module:callable`` is imported (:func:`load_callable`), a function is returned as it is.
+    """The SAC policy function of ``policy`` (:attr:`CheckSpec.policy`): a named policy is built fresh (``None``:
+    :data:`DEFAULT_POLICY`), a ``module:callable`` is imported (:func:`load_callable`), a function is returned as
+    it is.
 
     Raises:
         CheckInputError: naming ``policy`` and what it must be: an unknown name, a target that cannot be
@@ -139,6 +152,8 @@ def resolve_policy(policy: Any) -> Callable:
     from fla_ac_isolation.policies import sac_context_fn
 
     expected = POLICY_EXPECTED.format(names=sorted(POLICIES))
+    if policy is None:
+        policy = DEFAULT_POLICY
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]()
     if isinstance(policy, str):

@@ -234,7 +234,7 @@ def audited_step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpo
             seen.remove()
     regions = tuple(
         RegionVerdict(r.label, r.verdict, r.first_diff, r.forward_op, r.recompute_op,
-                      tuple(d.helper for d in r.fla), r.where, r.autocast_cast)
+                      tuple(d.helper for d in r.fla), r.where, r.autocast_cast, r.outer)
         for r in audit.regions
     )
     calls = sum(n for r in audit.regions for counts in r.forward_cache.values() for n in counts.values())

@@ -47,7 +47,8 @@ def assert_ac_safe(model: Any, batch: dict | None = None, **spec: Any) -> Any:
         batch: ONE packed batch, the keyword arguments of ``model(**batch)`` (which returns the loss), holding its
             offsets (``cu_seqlens``, ``cu_seq_lens_q``, ...).
         **spec: other fields of :class:`~fla_ac_isolation.harness.check_runner.CheckSpec` (``ac``, ``policy``,
-            ``device``, ``verify_fix``).
+            ``device``, ``verify_fix``); ``policy`` only with ``ac="selective"`` (the default): with
+            ``ac="full"`` the check refuses it (full AC saves no op), before the model runs.
 
     Returns:
         The :class:`~fla_ac_isolation.harness.check_runner.CheckResult` of a passing check.

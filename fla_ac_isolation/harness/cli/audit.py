@@ -12,7 +12,7 @@ import dataclasses
 import sys
 
 from fla_ac_isolation.harness.audit_runner import AUDIT_MODELS, AUDIT_MODES, AuditRun, AuditSpec, run_audit
-from fla_ac_isolation.harness.cli.console import add_model_argument, add_policy_arguments, split_modes
+from fla_ac_isolation.harness.cli.console import add_model_argument, add_policy_arguments, given_policy, split_modes
 from fla_ac_isolation.ops import BACKENDS
 
 __all__ = ["HELP", "add_arguments", "run", "spec_from_arguments"]
@@ -52,12 +52,15 @@ def spec_from_arguments(args: argparse.Namespace) -> AuditSpec:
     """The validated :class:`~fla_ac_isolation.harness.audit_runner.AuditSpec` of parsed ``args``.
 
     Raises:
-        ValueError: the spec's message for the first rule the arguments break.
+        ValueError: the spec's message for the first rule the arguments break; ``--policy`` given with
+            ``--ac full`` (:func:`~fla_ac_isolation.harness.cli.console.given_policy`).
     """
+    policy = given_policy(args)
     return AuditSpec(
-        model=args.model, modes=split_modes(args.modes), ac=args.ac, policy=args.policy, freq=args.freq,
+        model=args.model, modes=split_modes(args.modes), ac=args.ac, freq=args.freq,
         backend=args.backend, device=args.device, hidden_size=args.hidden_size, num_layers=args.layers,
         num_experts=args.experts, top_k=args.top_k, seed=args.seed, early_stop=not args.no_early_stop,
+        **({} if policy is None else {"policy": policy}),  # not given: the spec's default
     ).validate()
 
 

@@ -9,7 +9,8 @@ flags into its spec and prints the result, or its JSON (``--json``).
 ``--model`` names the model to run, as in ``audit`` and ``regress``: a built-in tiny model (a transformers or
 FLA ``model_type``, as ``--config`` took it; ``--config`` still works, deprecated), or your own,
 ``module:callable`` (imported from the working directory) or ``path/to/file.py:callable``. ``--policy`` takes a
-named policy or your own SAC policy function the same two ways.
+named policy or your own SAC policy function the same two ways; it is the policy of ``--ac selective`` and
+refused with ``--ac full`` (which saves no op: the policy would be ignored).
 
 Example::
 
@@ -47,6 +48,7 @@ from fla_ac_isolation.harness.check_runner import (
     autotune_notice,
     run_check,
 )
+from fla_ac_isolation.harness.check_spec import DEFAULT_POLICY
 from fla_ac_isolation.harness.environment import resolve_device
 
 __all__ = ["HELP", "add_arguments", "render", "run", "spec_from_arguments"]
@@ -84,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "or checkpointing itself) and one packed batch, a dict of model(**batch)'s "
                                         "keywords")
     source.add_argument("--config", help="deprecated spelling of --model NAME (a built-in tiny model)")
-    add_policy_arguments(parser, default, own_policy=True)
+    add_policy_arguments(parser, {**default, "policy": DEFAULT_POLICY}, own_policy=True)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=default["device"],
                         help="cpu: FLA's kernels served by fla_ac_isolation.harness.reference_kernels; cuda: FLA's own")
     parser.add_argument("--seed", type=int, default=default["seed"], help="the tiny model's weights and batch")
@@ -102,8 +104,10 @@ def spec_from_arguments(args: argparse.Namespace) -> CheckSpec:
     """The :class:`~fla_ac_isolation.harness.check_runner.CheckSpec` of parsed ``args``, validated.
 
     Raises:
-        CheckInputError: the spec's message for the first rule the arguments break.
+        CheckInputError: the spec's message for the first rule the arguments break (``--policy`` with
+            ``--ac full``: :data:`~fla_ac_isolation.harness.cli.console.FULL_AC_POLICY`).
     """
+    from fla_ac_isolation.harness.cli.console import given_policy
     from fla_ac_isolation.harness.foreign_models import tiny_names
 
     model, config = args.model, args.config
@@ -113,7 +117,8 @@ def spec_from_arguments(args: argparse.Namespace) -> CheckSpec:
             raise CheckInputError(f"--model must be a built-in tiny model (one of {sorted(names)}) or your own, "
                                   f"'module:callable' or 'path/to/file.py:callable', got {model!r}")
         model, config = None, model
-    return CheckSpec(model=model, config=config, ac=args.ac, policy=args.policy, device=args.device,
+    policy = given_policy(args, CheckInputError)  # None: the default policy (--ac selective); refused with full
+    return CheckSpec(model=model, config=config, ac=args.ac, policy=policy, device=args.device,
                      seed=args.seed, verify_fix=not args.no_verify_fix,
                      first_config=args.first_config, autocast=args.autocast).validate()
 
@@ -169,8 +174,9 @@ def render(result: CheckResult) -> str:
                          f"AC: not audited)")
         lines.append("")
     if result.twice:
-        lines += [f"checkpointed twice (a checkpoint inside a checkpoint): {', '.join(result.twice)}; each level "
-                  f"is audited and recomputes", ""]
+        nested = ", ".join(f"outer {n.outer} holds inner {' and '.join(n.inner)}" for n in result.twice)
+        lines += [f"checkpointed twice (a checkpoint inside a checkpoint): {nested}; each level is audited and "
+                  f"recomputes (below, the outer region is listed first)", ""]
     lines.append("FLA-backed classes:" if result.mixers else "FLA-backed classes: none this package knows")
     for m in result.mixers:
         paths = ", ".join(m.paths[:3]) + (", ..." if len(m.paths) > 3 else "")

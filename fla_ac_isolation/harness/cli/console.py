@@ -8,7 +8,11 @@ from typing import Any
 
 from fla_ac_isolation.harness.extras import require
 
-__all__ = ["add_model_argument", "add_policy_arguments", "console", "escape", "split_modes"]
+__all__ = ["FULL_AC_POLICY", "add_model_argument", "add_policy_arguments", "console", "escape", "given_policy",
+           "split_modes"]
+
+FULL_AC_POLICY = ("--policy {policy} was given with --ac full: full AC recomputes every op and saves none, so a SAC "
+                  "policy has nothing to choose: drop --policy, or use --ac selective to apply it")
 
 
 def console(what: str) -> Any:
@@ -35,21 +39,38 @@ def split_modes(value: str) -> tuple[str, ...]:
 
 def add_policy_arguments(parser: argparse.ArgumentParser, default: dict, *, own_policy: bool = False) -> None:
     """``--ac``, ``--policy`` (with ``own_policy`` also ``module:callable`` / ``file.py:callable``) and, where
-    ``default`` has one, ``--freq``, with the defaults of ``default``."""
+    ``default`` has one, ``--freq``, with the defaults of ``default`` (``default["policy"]``: the policy of
+    ``--ac selective`` when ``--policy`` is not given). ``--policy`` has no parsed default: read it with
+    :func:`given_policy`, which refuses it with ``--ac full``."""
     from fla_ac_isolation.policies import POLICIES
 
     parser.add_argument("--ac", choices=("full", "selective"), default=default["ac"], help="activation checkpointing")
+    shared = (f"(default: {default['policy']}); refused with --ac full, which recomputes every op and saves none")
     if own_policy:
-        parser.add_argument("--policy", default=default["policy"], metavar="{" + ",".join(sorted(POLICIES)) + "} or "
-                            "module:callable", help="SAC policy (with --ac selective): a name, or your own policy "
+        parser.add_argument("--policy", default=argparse.SUPPRESS, metavar="{" + ",".join(sorted(POLICIES)) + "} or "
+                            "module:callable", help="SAC policy of --ac selective: a name, or your own policy "
                             "function (ctx, op, *args, **kwargs) -> CheckpointPolicy as module:callable or "
-                            "path/to/file.py:callable")
+                            f"path/to/file.py:callable {shared}")
     else:
-        parser.add_argument("--policy", choices=sorted(POLICIES), default=default["policy"],
-                            help="SAC policy (with --ac selective)")
+        parser.add_argument("--policy", choices=sorted(POLICIES), default=argparse.SUPPRESS,
+                            help=f"SAC policy of --ac selective {shared}")
     if "freq" in default:
         parser.add_argument("--freq", type=int, choices=(1, 2, 4), default=default["freq"],
                             help="checkpoint every N-th block")
+
+
+def given_policy(args: argparse.Namespace, error: type[ValueError] = ValueError) -> str | None:
+    """The ``--policy`` of parsed ``args``; ``None`` when it was not given (the command's default policy applies
+    under ``--ac selective``).
+
+    Raises:
+        error: ``--policy`` was given with ``--ac full`` (:data:`FULL_AC_POLICY`): full AC saves no op, so the
+            policy would be ignored.
+    """
+    policy = getattr(args, "policy", None)
+    if policy is not None and args.ac == "full":
+        raise error(FULL_AC_POLICY.format(policy=policy))
+    return policy
 
 
 def add_model_argument(parser: argparse.ArgumentParser, names: tuple[str, ...], command: str, default: str,

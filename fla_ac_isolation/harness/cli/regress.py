@@ -13,7 +13,14 @@ import dataclasses
 import os
 
 from fla_ac_isolation.families import FAMILY_NAMES
-from fla_ac_isolation.harness.cli.console import add_model_argument, add_policy_arguments, console, escape, split_modes
+from fla_ac_isolation.harness.cli.console import (
+    add_model_argument,
+    add_policy_arguments,
+    console,
+    escape,
+    given_policy,
+    split_modes,
+)
 from fla_ac_isolation.harness.extras import require
 from fla_ac_isolation.harness.modes import ALL_MODES
 from fla_ac_isolation.ops import BACKENDS
@@ -133,17 +140,20 @@ def spec_from_arguments(args: argparse.Namespace):
     unset stay unset, for the spec to resolve).
 
     Raises:
-        ValueError: the spec's message for the first rule the arguments break.
+        ValueError: the spec's message for the first rule the arguments break; ``--policy`` given with
+            ``--ac full`` (:func:`~fla_ac_isolation.harness.cli.console.given_policy`).
     """
     from fla_ac_isolation.harness.regression.spec import RegressionSpec
 
+    policy = given_policy(args)
     return RegressionSpec(
         model=args.model, ep=args.ep, cp=args.cp, cp_layout=args.layout, pp=args.pp, microbatches=args.microbatches,
         schedule=args.schedule, steps=args.steps, ac=args.ac,
-        policy=args.policy, freq=args.freq, backend=args.backend, device=args.device, dtype=args.dtype,
+        freq=args.freq, backend=args.backend, device=args.device, dtype=args.dtype,
         hidden_size=args.hidden_size, num_layers=args.layers, num_experts=args.experts, top_k=args.top_k,
         seed=args.seed, lr=args.lr, modes=None if args.modes is None else split_modes(args.modes),
         timeout_s=args.timeout, early_stop=not args.no_early_stop,
+        **({} if policy is None else {"policy": policy}),  # not given: the spec's default
     ).validate()
 
 
