@@ -34,10 +34,20 @@ def test_both_specs_refuse_a_shared_field_with_one_message(spec, change, message
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_full_ac_does_not_read_the_policy_and_selective_builds_a_fresh_one(spec):
-    assert spec(device="cpu", ac="full", policy="not-a-policy").validate().ac == "full"
+def test_full_ac_refuses_a_given_policy_and_selective_builds_a_fresh_one(spec):
+    """A policy given with full AC would be ignored (full AC saves no op): refused, as check refuses it. Not given,
+    it is the default policy under selective AC and nothing under full AC."""
+    for policy in ("save-all-copies", "not-a-policy"):
+        with pytest.raises(ValueError) as raised:
+            spec(device="cpu", ac="full", policy=policy).validate()
+        assert str(raised.value) == (
+            f"policy {policy!r} was given with ac='full': full AC recomputes every op and saves none, so a SAC "
+            "policy has nothing to choose: leave policy out, or give ac='selective' to apply it")
+    full, selective = spec(device="cpu", ac="full").validate(), spec(device="cpu").validate()
+    assert (full.policy, selective.policy, selective.policy_name) == (None, None, "save-all-copies")
     from fla_ac_isolation.harness.spec_fields import sac_policy
 
+    assert sac_policy("full", None) is None and sac_policy("selective", None).__name__ == "save_all_copies"
     assert sac_policy("full", "save-all-copies") is None
     first, second = sac_policy("selective", "save-all-copies"), sac_policy("selective", "save-all-copies")
     assert first.__name__ == save_all_copies().__name__ == "save_all_copies" and first is not second

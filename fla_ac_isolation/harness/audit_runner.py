@@ -13,7 +13,7 @@ from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.harness.extras import MissingExtraError, require
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.harness.modes import MODES, Mode, get_mode
-from fla_ac_isolation.harness.spec_fields import check_checkpointing, check_counts, check_seed, sac_policy
+from fla_ac_isolation.harness.spec_fields import check_checkpointing, check_counts, check_seed, policy_name, sac_policy
 from fla_ac_isolation.ops.backend import check_backend
 
 __all__ = ["AUDIT_MODELS", "AUDIT_MODES", "FAULT_STACK", "AuditResult", "AuditRun", "AuditSpec", "audit_mode",
@@ -35,7 +35,9 @@ class AuditSpec:
         model: one of :data:`AUDIT_MODELS` (the families need the ``ep`` extra; ``fault-stack`` the core install).
         modes: a non-empty subset of :data:`AUDIT_MODES`, run in this order.
         ac: ``"full"`` or ``"selective"`` checkpointing.
-        policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`), used with ``ac="selective"``.
+        policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`) of ``ac="selective"``; ``None``:
+            :data:`~fla_ac_isolation.harness.spec_fields.DEFAULT_POLICY`. Refused with ``ac="full"``, which saves
+            no op.
         freq: checkpoint every ``freq``-th block.
         backend: the families' mixer backend, ``auto`` | ``fla`` | ``reference``.
         device: ``cpu``, ``cuda``, or ``auto`` (``cuda`` when a GPU is visible). The fault stack runs on the CPU.
@@ -48,7 +50,7 @@ class AuditSpec:
     model: str = "qwen3_5_moe"
     modes: tuple[str, ...] = ("shared", "isolated")
     ac: str = "selective"
-    policy: str = "save-all-copies"
+    policy: str | None = None
     freq: int = 1
     backend: str = "auto"
     device: str = "auto"
@@ -84,6 +86,12 @@ class AuditSpec:
     def policy_fn(self):
         """The SAC policy (``ac="selective"``), or ``None`` for full AC."""
         return sac_policy(self.ac, self.policy)
+
+    @property
+    def policy_name(self) -> str:
+        """The name of the SAC policy of ``ac="selective"``
+        (:data:`~fla_ac_isolation.harness.spec_fields.DEFAULT_POLICY` when not given)."""
+        return policy_name(self.policy)
 
 
 @dataclass

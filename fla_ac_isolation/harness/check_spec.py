@@ -17,12 +17,12 @@ from typing import Any
 
 from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.harness.failures import first_line
+from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY, FULL_AC_POLICY
 from fla_ac_isolation.policies import POLICIES
 
 __all__ = ["DEFAULT_POLICY", "CheckEnvironmentError", "CheckInputError", "CheckSpec", "load_callable",
            "resolve_policy"]
 
-DEFAULT_POLICY = "save-all-copies"
 """The SAC policy of selective AC when :attr:`CheckSpec.policy` is not given (the field's most sensitive on a CPU)."""
 
 
@@ -95,9 +95,7 @@ class CheckSpec:
         if self.ac not in ("full", "selective"):
             raise CheckInputError(f"ac must be 'full' or 'selective', got {self.ac!r}")
         if self.ac == "full" and self.policy is not None:
-            raise CheckInputError(f"policy {_shown(self.policy)} was given with ac='full': full AC recomputes every "
-                                  f"op and saves none, so a SAC policy has nothing to choose: leave policy out, or "
-                                  f"give ac='selective' to apply it")
+            raise CheckInputError(FULL_AC_POLICY.format(policy=_shown(self.policy)))
         if self.ac == "selective":
             resolve_policy(self.policy)
         try:

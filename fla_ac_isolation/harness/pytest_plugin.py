@@ -90,7 +90,7 @@ def _regression_lines(result: Any, found: dict) -> list[str]:
 
     spec = result.spec
     lines = [f"fla-ac-isolation regress: {spec.model} with mixer {spec.mixer} | EP={spec.ep} | "
-             f"{'full AC' if spec.ac == 'full' else 'SAC policy ' + spec.policy} | {spec.device}, {spec.dtype}"]
+             f"{'full AC' if spec.ac == 'full' else 'SAC policy ' + spec.policy_name} | {spec.device}, {spec.dtype}"]
     width = max(len(name) for name in found)
     for name, verdict in found.items():
         role = " (required)" if name in REQUIRED else " (unsafe)" if name != "no-ac" else ""

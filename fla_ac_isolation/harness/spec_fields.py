@@ -6,20 +6,36 @@ from typing import Any
 
 from fla_ac_isolation.policies import POLICIES, Policy
 
-__all__ = ["check_checkpointing", "check_counts", "check_seed", "sac_policy"]
+__all__ = ["DEFAULT_POLICY", "FULL_AC_POLICY", "check_checkpointing", "check_counts", "check_seed", "policy_name",
+           "sac_policy"]
+
+DEFAULT_POLICY = "save-all-copies"
+"""The SAC policy of ``ac="selective"`` when a spec gives none (``policy=None``)."""
+
+FULL_AC_POLICY = ("policy {policy} was given with ac='full': full AC recomputes every op and saves none, so a SAC "
+                  "policy has nothing to choose: leave policy out, or give ac='selective' to apply it")
+"""Why a policy given with full AC is refused (``{policy}``: the policy as the message shows it)."""
 
 
 def check_checkpointing(ac: Any, policy: Any) -> None:
-    """``ac`` is ``"full"`` or ``"selective"``; with ``"selective"``, ``policy`` is a key of
-    :data:`fla_ac_isolation.policies.POLICIES`.
+    """``ac`` is ``"full"`` or ``"selective"``; ``policy`` is ``None`` (:data:`DEFAULT_POLICY`) or, with
+    ``"selective"`` only, a key of :data:`fla_ac_isolation.policies.POLICIES`.
 
     Raises:
-        ValueError: naming ``ac`` or ``policy`` and the accepted values.
+        ValueError: naming ``ac`` or ``policy`` and the accepted values; a policy given with ``ac="full"``
+            (:data:`FULL_AC_POLICY`).
     """
     if ac not in ("full", "selective"):
         raise ValueError(f"ac must be 'full' or 'selective', got {ac!r}")
-    if ac == "selective" and policy not in POLICIES:
+    if ac == "full" and policy is not None:
+        raise ValueError(FULL_AC_POLICY.format(policy=repr(policy)))
+    if ac == "selective" and policy is not None and policy not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+
+
+def policy_name(policy: str | None) -> str:
+    """The name of the SAC policy ``policy`` (``None``: :data:`DEFAULT_POLICY`)."""
+    return DEFAULT_POLICY if policy is None else policy
 
 
 def check_counts(spec: Any, names: tuple[str, ...]) -> None:
@@ -40,6 +56,7 @@ def check_seed(seed: Any) -> None:
         raise ValueError(f"seed must be an int, got {seed!r}")
 
 
-def sac_policy(ac: str, policy: str) -> Policy | None:
-    """A new instance of the SAC policy named ``policy`` with ``ac="selective"``, ``None`` for full AC."""
-    return POLICIES[policy]() if ac == "selective" else None
+def sac_policy(ac: str, policy: str | None) -> Policy | None:
+    """A new instance of the SAC policy named ``policy`` (``None``: :data:`DEFAULT_POLICY`) with
+    ``ac="selective"``, ``None`` for full AC."""
+    return POLICIES[policy_name(policy)]() if ac == "selective" else None

@@ -13,6 +13,7 @@ import sys
 
 from fla_ac_isolation.harness.audit_runner import AUDIT_MODELS, AUDIT_MODES, AuditRun, AuditSpec, run_audit
 from fla_ac_isolation.harness.cli.console import add_model_argument, add_policy_arguments, given_policy, split_modes
+from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY
 from fla_ac_isolation.ops import BACKENDS
 
 __all__ = ["HELP", "add_arguments", "run", "spec_from_arguments"]
@@ -32,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     add_model_argument(parser, AUDIT_MODELS, "audit", default["model"],
                        "a built-in tiny family, or the FLA-helper fault stack")
-    add_policy_arguments(parser, default)
+    add_policy_arguments(parser, {**default, "policy": DEFAULT_POLICY})
     parser.add_argument("--modes", default=",".join(default["modes"]),
                         help="comma-separated subset of " + ", ".join(AUDIT_MODES))
     parser.add_argument("--backend", choices=BACKENDS, default=default["backend"],
@@ -65,7 +66,7 @@ def spec_from_arguments(args: argparse.Namespace) -> AuditSpec:
 
 
 def _print_run(spec: AuditSpec, run: AuditRun, quiet: bool) -> None:
-    what = "full AC" if spec.ac == "full" else f"SAC policy {spec.policy}"
+    what = "full AC" if spec.ac == "full" else f"SAC policy {spec.policy_name}"
     head = f"== {spec.model} | {run.mode} | {what} | freq {spec.freq}"
     if run.failure is not None:
         print(f"{head}: FAILED: {run.failure}\n")

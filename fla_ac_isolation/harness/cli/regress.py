@@ -23,6 +23,7 @@ from fla_ac_isolation.harness.cli.console import (
 )
 from fla_ac_isolation.harness.extras import require
 from fla_ac_isolation.harness.modes import ALL_MODES
+from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY
 from fla_ac_isolation.ops import BACKENDS
 from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES
 
@@ -75,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pipeline schedule with --pp (the zero-bubble ones only with --ac full)")
     parser.add_argument("--steps", type=int, default=default["steps"],
                         help="AdamW steps per mode (default 3; 2 with --cp or --pp)")
-    add_policy_arguments(parser, default)
+    add_policy_arguments(parser, {**default, "policy": DEFAULT_POLICY})
     parser.add_argument("--backend", choices=BACKENDS, default=default["backend"],
                         help="mixer backend (auto: FLA kernels on CUDA and for --cp on a CPU, else the reference)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=default["device"],

@@ -37,7 +37,7 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
     console = console or Console()
     spec = result.spec
     found = verdicts(result, rtol)
-    ac = "full" if spec.ac == "full" else f"selective, policy {spec.policy}"
+    ac = "full" if spec.ac == "full" else f"selective, policy {spec.policy_name}"
     title = (
         f"{spec.model}  {parallelism(spec)}  AC {ac}, every {spec.freq} block(s)  backend={spec.backend}  "
         f"{spec.device}/{spec.dtype}  hidden={spec.hidden_size}  {spec.num_experts} experts top-{spec.top_k}"
@@ -193,7 +193,7 @@ def write_plot(result: RegressionResult, path: str, rtol: float | None = None) -
         if mode.error is not None and steps:
             ax.plot([steps[-1] + 0.5], [mode.losses[-1]], "x", color=color, markersize=10)
     spec = result.spec
-    policy = f" ({spec.policy})" if spec.ac == "selective" else ""
+    policy = f" ({spec.policy_name})" if spec.ac == "selective" else ""
     ax.set_title(f"{spec.model}, {parallelism(spec)}, AC {spec.ac}{policy}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")

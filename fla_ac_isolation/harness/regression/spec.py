@@ -16,7 +16,7 @@ from fla_ac_isolation.families import FAMILIES
 from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.harness.modes import ALL_MODES, CP_MODES, MODE_NAMES
 from fla_ac_isolation.harness.regression.results import ModeResult, RegressionResult
-from fla_ac_isolation.harness.spec_fields import check_checkpointing, check_counts, check_seed
+from fla_ac_isolation.harness.spec_fields import check_checkpointing, check_counts, check_seed, policy_name
 from fla_ac_isolation.ops.backend import check_backend
 from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES, ParallelMesh, check_schedule
 
@@ -65,7 +65,9 @@ class RegressionSpec:
         schedule: a key of :data:`fla_ac_isolation.parallel.SCHEDULES`; the zero-bubble ones need ``ac="full"``.
         steps: AdamW steps per mode; ``None``: 3, or 2 with ``cp > 1`` or ``pp > 1``.
         ac: ``"full"`` or ``"selective"`` checkpointing for the AC modes.
-        policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`), used with ``ac="selective"``.
+        policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`) of ``ac="selective"``; ``None``:
+            :data:`~fla_ac_isolation.harness.spec_fields.DEFAULT_POLICY`. Refused with ``ac="full"``, which saves
+            no op.
         freq: checkpoint every ``freq``-th block.
         backend: ``auto`` | ``fla`` | ``reference``. ``auto`` on a CPU under CP, for a family with
             :attr:`Family.fla_cp <fla_ac_isolation.families.Family.fla_cp>`, becomes ``fla`` (run by Triton's
@@ -103,7 +105,7 @@ class RegressionSpec:
     schedule: str = "1f1b"
     steps: int | None = None
     ac: str = "selective"
-    policy: str = "save-all-copies"
+    policy: str | None = None
     freq: int = 1
     backend: str = "auto"
     device: str = "auto"
@@ -337,9 +339,17 @@ class RegressionSpec:
         first = (CP1_REFERENCE,) if self.cp > 1 else (PP1_REFERENCE,) if self.pp > 1 else ()
         return (*first, "no-ac", *(m for m in order if m in wanted))
 
+    @property
+    def policy_name(self) -> str:
+        """The name of the SAC policy of ``ac="selective"``
+        (:data:`~fla_ac_isolation.harness.spec_fields.DEFAULT_POLICY` when not given)."""
+        return policy_name(self.policy)
+
     def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON data; ``rank_setup`` as ``"module:function"``."""
+        """The fields as JSON data; ``policy`` named (:attr:`policy_name`), ``rank_setup`` as
+        ``"module:function"``."""
         out = asdict(self)
+        out["policy"] = self.policy_name
         setup = self.rank_setup
         out["rank_setup"] = None if setup is None else f"{setup.__module__}:{setup.__qualname__}"
         return out
