@@ -23,8 +23,6 @@ from fla_ac_isolation.policies import POLICIES
 __all__ = ["DEFAULT_POLICY", "CheckEnvironmentError", "CheckInputError", "CheckSpec", "load_callable",
            "resolve_policy"]
 
-"""The SAC policy of selective AC when :attr:`CheckSpec.policy` is not given (the field's most sensitive on a CPU)."""
-
 
 class CheckInputError(ValueError):
     """What the check was given cannot be checked: the spec, the callable, what it returned, or the model's

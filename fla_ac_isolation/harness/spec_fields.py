@@ -10,7 +10,8 @@ __all__ = ["DEFAULT_POLICY", "FULL_AC_POLICY", "check_checkpointing", "check_cou
            "sac_policy"]
 
 DEFAULT_POLICY = "save-all-copies"
-"""The SAC policy of ``ac="selective"`` when a spec gives none (``policy=None``)."""
+"""The SAC policy of ``ac="selective"`` when a spec gives none (``policy=None``): the field's most sensitive on a
+CPU."""
 
 FULL_AC_POLICY = ("policy {policy} was given with ac='full': full AC recomputes every op and saves none, so a SAC "
                   "policy has nothing to choose: leave policy out, or give ac='selective' to apply it")

@@ -13,7 +13,6 @@ import sys
 
 from fla_ac_isolation.harness.audit_runner import AUDIT_MODELS, AUDIT_MODES, AuditRun, AuditSpec, run_audit
 from fla_ac_isolation.harness.cli.console import add_model_argument, add_policy_arguments, given_policy, split_modes
-from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY
 from fla_ac_isolation.ops import BACKENDS
 
 __all__ = ["HELP", "add_arguments", "run", "spec_from_arguments"]
@@ -33,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     add_model_argument(parser, AUDIT_MODELS, "audit", default["model"],
                        "a built-in tiny family, or the FLA-helper fault stack")
-    add_policy_arguments(parser, {**default, "policy": DEFAULT_POLICY})
+    add_policy_arguments(parser, default)
     parser.add_argument("--modes", default=",".join(default["modes"]),
                         help="comma-separated subset of " + ", ".join(AUDIT_MODES))
     parser.add_argument("--backend", choices=BACKENDS, default=default["backend"],
@@ -56,12 +55,10 @@ def spec_from_arguments(args: argparse.Namespace) -> AuditSpec:
         ValueError: the spec's message for the first rule the arguments break; ``--policy`` given with
             ``--ac full`` (:func:`~fla_ac_isolation.harness.cli.console.given_policy`).
     """
-    policy = given_policy(args)
     return AuditSpec(
-        model=args.model, modes=split_modes(args.modes), ac=args.ac, freq=args.freq,
+        model=args.model, modes=split_modes(args.modes), ac=args.ac, policy=given_policy(args), freq=args.freq,
         backend=args.backend, device=args.device, hidden_size=args.hidden_size, num_layers=args.layers,
         num_experts=args.experts, top_k=args.top_k, seed=args.seed, early_stop=not args.no_early_stop,
-        **({} if policy is None else {"policy": policy}),  # not given: the spec's default
     ).validate()
 
 

@@ -39,13 +39,14 @@ def split_modes(value: str) -> tuple[str, ...]:
 
 def add_policy_arguments(parser: argparse.ArgumentParser, default: dict, *, own_policy: bool = False) -> None:
     """``--ac``, ``--policy`` (with ``own_policy`` also ``module:callable`` / ``file.py:callable``) and, where
-    ``default`` has one, ``--freq``, with the defaults of ``default`` (``default["policy"]``: the policy of
-    ``--ac selective`` when ``--policy`` is not given). ``--policy`` has no parsed default: read it with
-    :func:`given_policy`, which refuses it with ``--ac full``."""
+    ``default`` has one, ``--freq``, with the defaults of ``default``. ``--policy`` has no parsed default (the
+    specs' ``None``, :data:`~fla_ac_isolation.harness.spec_fields.DEFAULT_POLICY` under ``--ac selective``): read
+    it with :func:`given_policy`, which refuses it with ``--ac full``."""
+    from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY
     from fla_ac_isolation.policies import POLICIES
 
     parser.add_argument("--ac", choices=("full", "selective"), default=default["ac"], help="activation checkpointing")
-    shared = (f"(default: {default['policy']}); refused with --ac full, which recomputes every op and saves none")
+    shared = (f"(default: {DEFAULT_POLICY}); refused with --ac full, which recomputes every op and saves none")
     if own_policy:
         parser.add_argument("--policy", default=argparse.SUPPRESS, metavar="{" + ",".join(sorted(POLICIES)) + "} or "
                             "module:callable", help="SAC policy of --ac selective: a name, or your own policy "

@@ -23,7 +23,6 @@ from fla_ac_isolation.harness.cli.console import (
 )
 from fla_ac_isolation.harness.extras import require
 from fla_ac_isolation.harness.modes import ALL_MODES
-from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY
 from fla_ac_isolation.ops import BACKENDS
 from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES
 
@@ -76,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pipeline schedule with --pp (the zero-bubble ones only with --ac full)")
     parser.add_argument("--steps", type=int, default=default["steps"],
                         help="AdamW steps per mode (default 3; 2 with --cp or --pp)")
-    add_policy_arguments(parser, {**default, "policy": DEFAULT_POLICY})
+    add_policy_arguments(parser, default)
     parser.add_argument("--backend", choices=BACKENDS, default=default["backend"],
                         help="mixer backend (auto: FLA kernels on CUDA and for --cp on a CPU, else the reference)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=default["device"],
@@ -146,15 +145,13 @@ def spec_from_arguments(args: argparse.Namespace):
     """
     from fla_ac_isolation.harness.regression.spec import RegressionSpec
 
-    policy = given_policy(args)
     return RegressionSpec(
         model=args.model, ep=args.ep, cp=args.cp, cp_layout=args.layout, pp=args.pp, microbatches=args.microbatches,
-        schedule=args.schedule, steps=args.steps, ac=args.ac,
+        schedule=args.schedule, steps=args.steps, ac=args.ac, policy=given_policy(args),
         freq=args.freq, backend=args.backend, device=args.device, dtype=args.dtype,
         hidden_size=args.hidden_size, num_layers=args.layers, num_experts=args.experts, top_k=args.top_k,
         seed=args.seed, lr=args.lr, modes=None if args.modes is None else split_modes(args.modes),
         timeout_s=args.timeout, early_stop=not args.no_early_stop,
-        **({} if policy is None else {"policy": policy}),  # not given: the spec's default
     ).validate()
 
 
