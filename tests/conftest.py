@@ -8,24 +8,25 @@ import pytest
 import torch
 from helpers import CORE_FAMILIES, FAMILIES, HF_KERNEL_FUNCS, MixerFamily
 
+from fla_ac_isolation.harness.transformers_kernels import torch_function
+
 
 @pytest.fixture
 def hf_torch_path(monkeypatch):
-    """Force transformers' mixers onto their torch fallbacks, on CPU and everywhere else.
+    """Force transformers' mixers onto their torch implementations, on CPU and everywhere else.
 
-    transformers 5.24 binds FLA's ``chunk_gated_delta_rule`` (and mamba_ssm / causal_conv1d when
-    installed) at import time through ``use_kernel_func_from_hub_with_fallback``; FLA's Triton kernels then
-    fail on CPU ("0 active drivers"). The modeling module's global names (``torch_chunk_gated_delta_rule``,
-    ``causal_conv1d_fn``, ``mamba2_chunk_scan``, ...) are what each mixer's forward calls, and each is a
-    ``functools.wraps`` wrapper whose ``__wrapped__`` is transformers' own torch implementation, so we
-    point the global names at ``__wrapped__`` for the duration of the test.
+    transformers binds FLA's ``chunk_gated_delta_rule`` (and mamba_ssm / causal_conv1d when installed) at
+    import time through ``use_kernel_func_from_hub_with_fallback``; FLA's Triton kernels then fail on CPU ("0
+    active drivers", transformers <= 5.24). The modeling module's global names (``torch_chunk_gated_delta_rule``,
+    ``causal_conv1d_fn``, ``mamba2_chunk_scan``, ...) are what each mixer's forward calls; each is pointed at the
+    torch function behind it (:func:`~fla_ac_isolation.harness.transformers_kernels.torch_function`) for the test.
     """
     for family in FAMILIES.values():
         module = importlib.import_module(family.hf_module)
         for name in HF_KERNEL_FUNCS:
-            fn = getattr(module, name, None)
-            if fn is not None and hasattr(fn, "__wrapped__"):
-                monkeypatch.setattr(module, name, fn.__wrapped__)
+            fn = torch_function(getattr(module, name, None))
+            if fn is not None:
+                monkeypatch.setattr(module, name, fn)
     return FAMILIES
 
 

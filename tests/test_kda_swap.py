@@ -40,6 +40,7 @@ from helpers import (
 from helpers import shipped_kda_on_cpu as shipped_on_cpu
 
 from fla_ac_isolation import restore_mixers, swap_mixers
+from fla_ac_isolation.harness.transformers_kernels import torch_function
 from fla_ac_isolation.local_seqlens import LocalSeqlens
 from fla_ac_isolation.policies import save_all_copies
 
@@ -57,7 +58,7 @@ def transformers_torch_kda(case):
     """transformers' own torch KDA (its ``chunk_kimi_delta_attention`` fallback) in place of FLA's kernel."""
     modeling = case.modeling
     saved = modeling.chunk_kimi_delta_attention
-    modeling.chunk_kimi_delta_attention = saved.__wrapped__
+    modeling.chunk_kimi_delta_attention = torch_function(saved)
     try:
         yield
     finally:

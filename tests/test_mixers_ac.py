@@ -28,6 +28,7 @@ from helpers import HIDDEN, PACKED_LENS, Block, SharedOutcome, loss_and_grads
 from torch import nn
 
 from fla_ac_isolation.harness.modes import SharedSeqlens
+from fla_ac_isolation.harness.transformers_kernels import transformers_version
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies, save_ops
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
@@ -107,7 +108,8 @@ PRECOMPUTED_SCHEDULE = {
     "qwen3_8": (95, None),
     # the SSD takes the schedule too now, and looks up only prepare_chunk_offsets (a shared object here hands
     # no chunk_offsets): the same shift as in the GDN families, landing on agreeing values under this policy
-    "nemotron_h": (74, None),
+    # (transformers >= 5.25 clamps dt to config.time_step_limit, (0, inf) here: no clamp op, one op earlier)
+    "nemotron_h": (74 if transformers_version() < (5, 25) else 73, None),
     "kimi_linear": (94, SharedOutcome(RuntimeError, "Autograd not support dtype: Int")),  # chunk_kda's own lookup
 }
 

@@ -2,8 +2,9 @@
 
 Where foreign code finds FLA (fla-core 0.6): package attributes (OLMo-core imports them inside its dispatch
 functions), FLA's synthesised alias modules (``fla.modules.convolution`` is a copy, not a re-export), a
-binding made at import (torchtitan's ``_fla_chunk_gated_delta_rule``), the closure cell of transformers'
-kernel wrapper, and ``FusedRMSNormGated.forward`` on the class. On exit each holds FLA's object again, behind
+binding made at import (torchtitan's ``_fla_chunk_gated_delta_rule``), transformers' kernel functions (the
+closure cell of its wrapper without the ``kernels`` package, up to 5.24; with it, from 5.25, its function module
+kernelized to the stand-in), and ``FusedRMSNormGated.forward`` on the class. On exit each holds FLA's object again, behind
 one guard per entry point (repeated blocks never stack them): a region checkpointed inside the block whose
 backward runs after it recomputes through the guard, which names the fix instead of torch's SAC storage error.
 """
@@ -22,6 +23,7 @@ from helpers import olmo_hybrid
 from fla_ac_isolation.harness.fla_seam import serving
 from fla_ac_isolation.harness.foreign_models import build_tiny
 from fla_ac_isolation.harness.reference_kernels import reference_kernels
+from fla_ac_isolation.harness.transformers_kernels import hub_name, implementation_cell
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -37,14 +39,16 @@ def _bindings() -> dict[str, object]:
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
     conv_ops = importlib.import_module("fla.modules.conv.causal_conv1d")  # torchtitan's: FLA's ops module
-    cell = inspect.getclosurevars(hf.torch_chunk_gated_delta_rule).nonlocals["implementation"]
-    return {
+    found = {}
+    if implementation_cell(hf.torch_chunk_gated_delta_rule) is not None:  # transformers <= 5.24 without kernels
+        found["transformers closure"] = inspect.getclosurevars(hf.torch_chunk_gated_delta_rule).nonlocals[
+            "implementation"]
+    return {**found,
         "fla.ops.gated_delta_rule.chunk_gated_delta_rule": gdn_package.chunk_gated_delta_rule,
         "fla.ops.kda.chunk_kda": kda_package.chunk_kda,
         "fla.modules.convolution.causal_conv1d": conv_alias.causal_conv1d,
         "fla.modules.conv.causal_conv1d.causal_conv1d": conv_ops.causal_conv1d,
         "torchtitan._fla_chunk_gated_delta_rule": titan._fla_chunk_gated_delta_rule,
-        "transformers closure": cell,
         "FusedRMSNormGated.forward": FusedRMSNormGated.__dict__["forward"],
     }
 
@@ -60,8 +64,13 @@ def test_every_lookup_is_served_inside_and_restored_on_exit_even_after_an_error(
     fla_functions = {v.__module__ + "." + v.__qualname__ for v in fla.values()}
     assert "fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule" in fla_functions
 
+    hf_function = importlib.import_module("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
+                                          ).torch_chunk_gated_delta_rule
+    kernelized = hub_name(hf_function) is not None  # transformers >= 5.25 (or `kernels` installed)
+    assert kernelized == (implementation_cell(hf_function) is None)
     with pytest.raises(KeyError, match="raised inside"), reference_kernels() as served:
         inside = _bindings()
+        forward_inside = vars(hf_function).get("forward")
         late = types.ModuleType("imported_inside_the_block")  # binds whatever FLA's package holds now
         late.chunk = inside["fla.ops.gated_delta_rule.chunk_gated_delta_rule"]
         sys.modules[late.__name__] = late
@@ -73,8 +82,14 @@ def test_every_lookup_is_served_inside_and_restored_on_exit_even_after_an_error(
             f"fla_ac_isolation.harness.fla_seam.served_ops.{name}"
             for name in ("chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "rms_norm_gated_forward")
         }
-        assert "closure of transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.torch_chunk_gated_delta_rule" \
-            in served.places
+        hf_place = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.torch_chunk_gated_delta_rule"
+        if kernelized:  # its forward ran the stand-in inside, its own one again after
+            assert f"kernelized {hf_place}" in served.places and f"closure of {hf_place}" not in served.places
+            assert forward_inside.__func__.__module__ == "fla_ac_isolation.harness.transformers_kernels"
+            assert "forward" not in vars(hf_function)
+        else:
+            assert f"closure of {hf_place}" in served.places and f"kernelized {hf_place}" not in served.places
+            assert forward_inside is None
         after = _bindings()
         # every binding holds FLA's object again, behind its guard (functools.wraps: __wrapped__ is FLA's)
         assert all(after[k].fla_entry_point is fla[k] and after[k].__wrapped__ is fla[k] for k in fla), after
@@ -93,6 +108,7 @@ def test_every_lookup_is_served_inside_and_restored_on_exit_even_after_an_error(
 
 def test_served_kernels_keep_packed_documents_apart_in_olmo_cores_gated_deltanet():
     """OLMo-core's GDN hands cu_doc_lens to three FLA convs and FLA's gated delta rule (float64)."""
+    pytest.importorskip("olmo_core", reason="OLMo-core needs torch < 2.14: not on CI's latest stack")
     gdn = olmo_hybrid(("gdn",)).blocks["0"].attention.double()
     x = torch.randn(1, 48, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     cu = torch.tensor([0, 20, 29, 48], dtype=torch.int32)

@@ -84,17 +84,18 @@ class RegionNamer:
         return path or f"{number} ({type(module).__name__})"
 
     def where(self, label: str) -> str | None:
-        """Path of the innermost module running now (inside a recompute), for messages."""
+        """Path of the innermost running module (inside a recompute) that belongs to the model, for messages:
+        a module called without being registered in it (transformers' ``kernels`` function modules) is skipped."""
         running = running_modules()
         if not running:
             return None
         root = self._model_ref() if self._model_ref is not None else None
         if root is not None:
-            path = self._path_in(root, running[0])
+            path = next((p for p in (self._path_in(root, m) for m in running) if p), None)
             if path:
                 return path
-        sub = self._path_in(running[-1], running[0])  # inside the region's own module
         label = self._untagged.get(label, label)  # the module path, without the region tag
+        sub = next((s for s in (self._path_in(running[-1], m) for m in running[:-1]) if s), None)
         return f"{label}.{sub}" if sub else label
 
     def _path_in(self, root: nn.Module, module: nn.Module) -> str | None:

@@ -54,6 +54,21 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * grouped.flatten(-2).to(input_dtype)
 
 
+def _time_step_limit(config: Any) -> tuple[float, float]:
+    """The dt clamp of transformers' ``NemotronHMamba2Mixer``: ``(time_step_min, inf)`` up to transformers 5.24,
+    ``config.time_step_limit`` from 5.25 (its modeling file changed; the config holds both fields in each)."""
+    try:
+        from importlib.metadata import version
+
+        major, minor = (int(part) for part in version("transformers").split(".")[:2])
+    except Exception:  # no transformers: the config is the user's own
+        major, minor = 0, 0
+    if (major, minor) >= (5, 25) and hasattr(config, "time_step_limit"):
+        low, high = config.time_step_limit
+        return float(low), float(high)
+    return config_field(config, "time_step_min"), math.inf
+
+
 class NemotronHMamba2Mixer(nn.Module):
     """Mamba2 mixer of Nemotron-H, packed-sequence safe; drop-in for transformers' class of that name.
 
@@ -61,7 +76,8 @@ class NemotronHMamba2Mixer(nn.Module):
         config: ``NemotronHConfig``: ``hidden_size`` (``D``), ``mamba_num_heads`` (``H``), ``mamba_head_dim``
             (``P``), ``n_groups`` (``G``), ``ssm_state_size`` (``N``), ``conv_kernel`` (``W``),
             ``use_conv_bias``, ``use_bias``, ``mamba_hidden_act``, ``chunk_size`` (kept; both backends chunk
-            by 64 tokens), ``time_step_min``, ``layer_norm_epsilon``, ``layer_types``.
+            by 64 tokens), ``time_step_min`` (transformers <= 5.24) or ``time_step_limit`` (>= 5.25: the dt clamp
+            follows the installed transformers), ``layer_norm_epsilon``, ``layer_types``.
         layer_idx: index of the layer.
         initialize_mixer_weights: run :meth:`init_nemotron_h_weights`.
         backend: ``"auto"`` | ``"fla"`` | ``"reference"``.
@@ -102,7 +118,7 @@ class NemotronHMamba2Mixer(nn.Module):
         self.activation = config_field(config, "mamba_hidden_act")
         self.n_groups = config_field(config, "n_groups")
         self.chunk_size = config_field(config, "chunk_size")
-        self.time_step_limit = (config_field(config, "time_step_min"), math.inf)
+        self.time_step_limit = _time_step_limit(config)
         if self.num_heads % self.n_groups:
             raise ValueError(f"mamba_num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
         if self.activation not in ("silu", "swish"):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import inspect
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,10 +21,10 @@ from transformers import (
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
 )
-from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 from transformers.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
 from fla_ac_isolation import families, foreign_classes
+from fla_ac_isolation.harness.transformers_kernels import torch_fallback
 from fla_ac_isolation.ops import reference
 from fla_ac_isolation.policies import sac_context_fn, save_all_copies, save_ops
 
@@ -124,29 +122,13 @@ QWEN = [name for name, model in MODEL_FAMILIES.items() if model.family.layer == 
 # ------------------------------------------------------------------------------------ which path ran
 @contextlib.contextmanager
 def hf_torch_fallback(family: ModelFamily) -> Iterator[None]:
-    """Make transformers' mixers of ``family`` run transformers' pure-torch GDN, as without FLA installed.
-
-    transformers' decorator ``use_kernel_func_from_hub_with_fallback`` picks FLA when ``import fla``
-    succeeds; re-applying it to the undecorated torch function while ``sys.modules["fla"] is None`` yields
-    the wrapper transformers builds without FLA (torch function, refusing ``cu_seqlens``). Nemotron-H's
-    functions already fall back (no mamba_ssm here), so nothing changes for it.
-    """
-    modeling = importlib.import_module(family.modeling)
+    """Make transformers' mixers of ``family`` run transformers' pure-torch GDN, as without FLA installed
+    (:func:`fla_ac_isolation.harness.transformers_kernels.torch_fallback`: transformers >= 5.25 does so by itself
+    on a CPU). Nemotron-H's functions already fall back (no mamba_ssm here), so nothing changes for it."""
     names = {"torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
              "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule"}
-    saved = {name: getattr(modeling, name) for name in names if hasattr(modeling, name)}
-    hidden = sys.modules.get("fla")
-    sys.modules["fla"] = None  # `import fla` raises ImportError while transformers resolves the kernel
-    try:
-        for name, fn in saved.items():
-            setattr(modeling, name, use_kernel_func_from_hub_with_fallback(names[name], "fla")(inspect.unwrap(fn)))
-    finally:
-        sys.modules["fla"] = hidden
-    try:
+    with torch_fallback(importlib.import_module(family.modeling), names):
         yield
-    finally:
-        for name, fn in saved.items():
-            setattr(modeling, name, fn)
 
 
 def _fla_chunk_gated_delta_rule_on_cpu(q, k, v, g, beta, initial_state=None, output_final_state=False,

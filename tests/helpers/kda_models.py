@@ -23,6 +23,7 @@ from torch import nn
 from transformers import DataCollatorWithFlattening
 
 from fla_ac_isolation import families, foreign_classes
+from fla_ac_isolation.harness.transformers_kernels import hub_name, implementation_cell, kernelized_serving
 from fla_ac_isolation.ops import reference_kda
 
 VOCAB = 128
@@ -175,12 +176,21 @@ def _fla_chunk_kda_on_cpu(calls: ServedCalls):
 @contextlib.contextmanager
 def shipped_kda_on_cpu(case: KDAModel) -> Iterator[ServedCalls]:
     """Run transformers' own KDA mixers of ``case`` on CPU: its wrapper around FLA's ``chunk_kda`` kept (and with
-    it the keyword filter), FLA's implementation replaced by our reference. Yields the calls that reached it."""
+    it the keyword filter), FLA's implementation replaced by our reference. Yields the calls that reached it.
+
+    Without the ``kernels`` package (transformers <= 5.24) the spy goes in the wrapper's ``implementation`` cell;
+    with it (>= 5.25) the function module is kernelized to the spy, called with the keywords FLA's ``chunk_kda``
+    takes (:mod:`fla_ac_isolation.harness.transformers_kernels`)."""
     wrapper = case.modeling.chunk_kimi_delta_attention
-    cells = dict(zip(wrapper.__code__.co_freevars, wrapper.__closure__ or ()))
-    cell = cells["implementation"]
-    assert getattr(cell.cell_contents, "__module__", "").startswith("fla."), cell.cell_contents  # FLA was bound
     calls = ServedCalls()
+    cell = implementation_cell(wrapper)
+    if cell is None:
+        assert hub_name(wrapper) == "chunk_kda", wrapper
+        with kernelized_serving({"chunk_kda": _fla_chunk_kda_on_cpu(calls)}, []) as served:
+            assert [s.module for s in served if s.module is wrapper], served
+            yield calls
+        return
+    assert getattr(cell.cell_contents, "__module__", "").startswith("fla."), cell.cell_contents  # FLA was bound
     saved = cell.cell_contents
     cell.cell_contents = _fla_chunk_kda_on_cpu(calls)
     try:

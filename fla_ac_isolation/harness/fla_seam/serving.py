@@ -1,8 +1,10 @@
 """FLA's Triton entry points served by the stand-ins of :mod:`~.served_ops` inside a block, wherever foreign code
-looked them up (module attributes found by identity, closure cells of transformers' kernel wrappers): foreign
-models on a CPU. On exit FLA's entry points come back behind a guard that raises on CPU-only tensors, so run the
-backward of a region checkpointed inside the block inside it too. FLA's other kernels (GLA, ...) and fused losses
-(use ``fuse_cross_entropy=False``) are not served."""
+looked them up (module attributes found by identity, closure cells of transformers' kernel wrappers, and
+transformers' ``kernels`` function modules through ``kernelize``:
+:mod:`~fla_ac_isolation.harness.transformers_kernels`): foreign models on a CPU. On exit FLA's entry points come
+back behind a guard that raises on CPU-only tensors, so run the backward of a region checkpointed inside the
+block inside it too. FLA's other kernels (GLA, ...) and fused losses (use ``fuse_cross_entropy=False``) are not
+served."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from fla_ac_isolation.fla_seam import features
+from fla_ac_isolation.harness import transformers_kernels
 from fla_ac_isolation.harness.fla_seam import served_ops
 from fla_ac_isolation.harness.fla_seam.served_ops import KernelCall, ServedKernels, recording
 
@@ -195,8 +198,15 @@ def reference_kernels() -> Iterator[ServedKernels]:
             patches.undo.append(("attr", cls, "forward", old if old is forward else guard))
             cls.forward = forward
             served.places.append(f"{cls.__module__}.{cls.__qualname__}.forward")
-        with recording(served):
-            yield served
+        hub = {"chunk_gated_delta_rule": served_ops.chunk_gated_delta_rule, "chunk_kda": served_ops.chunk_kda}
+        with transformers_kernels.kernelized_serving(hub, served.places), recording(served):
+            try:
+                yield served
+            except ValueError as err:
+                if transformers_kernels.PACKED_REFUSAL in str(err):
+                    err.add_note("reference_kernels() served no transformers kernel function for this call: "
+                                 "transformers ran its torch path, which refuses packed inputs")
+                raise
     finally:
         patches.restore()
         _point_back_at_fla(adapters, keep)
