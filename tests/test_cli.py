@@ -66,6 +66,35 @@ def test_checks_help_says_its_policy_is_for_selective_ac_only(capsys):
         capsys.readouterr().out)
 
 
+def test_doctor_says_which_installed_upstream_is_newer_than_ci_has_passed_with(monkeypatch):
+    """The table's own versions pass; one release above it (or a newer torch build) is named, the others not."""
+    from fla_ac_isolation.harness import environment, tested_versions
+
+    installed = dict(environment.versions())
+    monkeypatch.setattr(environment, "versions", lambda: installed)
+    for name, version in tested_versions.CI_PASSED.items():
+        installed[name] = version
+    report = environment_report()
+    assert report["CI has passed with"].endswith("(nothing installed here is newer)")
+    assert "NEWER" not in " ".join(report.values())
+
+    installed.update({"transformers": "5.26.0", "torch": "2.16.0.dev20261201+cu132", "fla-core": "0.6.0"})
+    report = environment_report()
+    assert report["transformers"] == "5.26.0 NEWER than CI has passed with (5.25.0): untested"
+    assert report["torch"] == "2.16.0.dev20261201+cu132 NEWER than CI has passed with (2.15.0): untested"
+    assert report["fla (fla-core)"] == "0.6.0 (tested: <0.7,>=0.5.2)"
+    assert report["CI has passed with"].endswith("(newer here, untested: torch, transformers)")
+    assert "NEWER" not in report["torch features"]
+
+
+def test_release_numbers_compare_as_numbers_and_refuse_a_name():
+    from fla_ac_isolation.harness.tested_versions import release
+
+    assert release("2.13.0+cpu") == (2, 13, 0) and release("5.9.1") < release("5.25.0")
+    with pytest.raises(ValueError, match=r"version must start with a release number \(e.g. '2.13.0'\), got 'dev'"):
+        release("dev")
+
+
 def test_doctor_reports_every_library_the_checks_run_on():
     report = environment_report()
     assert report["OLMo-core (ai2-olmo-core)"] == importlib.metadata.version("ai2-olmo-core")

@@ -23,6 +23,7 @@ from fla_ac_isolation.foreign_classes import (
     UpstreamMixer,
     fla_layer_mixer,
 )
+from fla_ac_isolation.harness.tested_versions import CI_PASSED, newer_than_tested
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -217,6 +218,14 @@ def _device() -> str:
     return "cpu (no CUDA device)"
 
 
+_VERSION_ROWS = {
+    "torch": "torch", "fla (fla-core)": "fla-core",
+    "flash-linear-attention (fla.layers, fla.models)": "flash-linear-attention", "triton": "triton",
+    "transformers": "transformers", "torchtitan": "torchtitan", "OLMo-core (ai2-olmo-core)": "ai2-olmo-core",
+}
+"""The report's version rows, by the distribution each shows."""
+
+
 def environment_report() -> dict[str, str]:
     """The whole report as ``{label: text}``."""
     installed = versions()
@@ -233,6 +242,13 @@ def environment_report() -> dict[str, str]:
         "SAC replay semantics": sac_replay_semantics(),
         "audit sees checkpoints": audit_self_probe().line(),
     }
+    newer = newer_than_tested(installed)
+    for label, dist in _VERSION_ROWS.items():
+        if dist in newer:
+            shown[label] += f" NEWER than CI has passed with ({newer[dist]}): untested"
+    shown["CI has passed with"] = (
+        "; ".join(f"{name} {version}" for name, version in CI_PASSED.items())
+        + (f" (newer here, untested: {', '.join(newer)})" if newer else " (nothing installed here is newer)"))
     for feature in TORCH_FEATURES:
         if not feature.available:
             shown[f"missing: {feature.name}"] = feature.reason() + (
