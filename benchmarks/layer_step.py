@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from fla_ac_isolation.families import family_for_layer
+from fla_ac_isolation.mixers import family_drop_in
 
 __all__ = [
     "MIB",
@@ -69,7 +70,7 @@ def build_layer(kind: str, hidden: int, dtype: torch.dtype, device: str, backend
     :func:`fla_ac_isolation.families.layer_fields` at model width ``hidden``."""
     family = family_for_layer(kind)
     config = family.config_class()(**family.layer_fields(hidden))
-    layer = family.mixer_class()(config, layer_idx=0, backend=backend, saveable=saveable)
+    layer = family_drop_in(family)(config, layer_idx=0, backend=backend, saveable=saveable)
     return layer.to(device=device, dtype=dtype)
 
 

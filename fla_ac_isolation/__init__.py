@@ -2,7 +2,7 @@
 
 Every public name (``__all__``) is imported on first access, so ``import fla_ac_isolation`` imports nothing else,
 not even torch (pytest imports this package through its plugin in every run). The drop-in mixers live in
-:mod:`fla_ac_isolation.mixers`; 0.3's top-level mixer names and harness paths still resolve, with a warning.
+:mod:`fla_ac_isolation.mixers`.
 """
 
 from __future__ import annotations
@@ -35,25 +35,12 @@ _LAZY = {
     "LeakingMixerWarning": "fla_ac_isolation.isolate",
 }
 
-# 0.3 top-level names kept as deprecated aliases (not in __all__): name -> module that defines it now
-_DEPRECATED = {
-    "Qwen3_5MoeGatedDeltaNet": "fla_ac_isolation.mixers",
-    "Qwen3_8FlashNextGatedDeltaNet": "fla_ac_isolation.mixers",
-    "NemotronHMamba2Mixer": "fla_ac_isolation.mixers",
-}
-
 __all__ = [*_LAZY]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in _DEPRECATED:
-        import warnings
-
-        warnings.warn(f"fla_ac_isolation.{name} is deprecated since 0.4.0; import it from {_DEPRECATED[name]}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(_DEPRECATED[name]), name)
     raise AttributeError(f"module 'fla_ac_isolation' has no attribute {name!r}")
 
 

@@ -5,11 +5,9 @@ regression's tiny decoder, CP capability and layer widths. Other libraries' FLA-
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
-
-from torch import nn
 
 from fla_ac_isolation.foreign_classes import ForeignClass, LeakingMixer, UpstreamMixer, named
 
@@ -89,7 +87,7 @@ class Family:
     Attributes:
         name: registry key, also the ``--model`` name of the regression and the audit.
         title: the model's name in prose (``"Qwen3.5-MoE"``).
-        mixer: our drop-in's class name in :mod:`fla_ac_isolation.mixers`.
+        mixer: our drop-in's class name in :mod:`fla_ac_isolation.mixers` (for the family's own upstream class).
         upstream: the classes our mixer replaces, first the family's own (whose config class configures ours).
         layer: the kind of FLA-backed mixer, one of :data:`LAYERS`.
         fla_cp: under context parallelism its mixers run FLA's CP kernels (else head-parallel or no CP).
@@ -104,10 +102,10 @@ class Family:
     fla_cp: bool
     tiny: TinyRecipe
 
-    def mixer_class(self, upstream: UpstreamMixer | None = None) -> type[nn.Module]:
-        """Our drop-in's class, or the one replacing ``upstream`` (imports :mod:`fla_ac_isolation.mixers`)."""
-        name = upstream.replacement if upstream is not None and upstream.replacement else self.mixer
-        return getattr(importlib.import_module("fla_ac_isolation.mixers"), name)
+    def drop_in_name(self, upstream: UpstreamMixer | None = None) -> str:
+        """The name of our drop-in replacing ``upstream`` (default: the family's own class) in
+        :mod:`fla_ac_isolation.mixers`."""
+        return upstream.replacement if upstream is not None and upstream.replacement else self.mixer
 
     def config_class(self) -> type:
         """The transformers config class of the family's own upstream mixer (imports transformers).
@@ -125,20 +123,24 @@ class Family:
 _HF = "transformers.models"
 
 
-def _hf(folder: str, name: str) -> UpstreamMixer:
-    """transformers' class ``name`` of ``models/<folder>``, as ``FLA_BACKED_MIXERS`` names it."""
+def _hf(folder: str, name: str, own_drop_in: bool = False) -> UpstreamMixer:
+    """transformers' class ``name`` of ``models/<folder>``, as ``FLA_BACKED_MIXERS`` names it; with
+    ``own_drop_in``, replaced by a drop-in of the same name (not the family's own)."""
     found = named(f"{_HF}.{folder}.modeling_{folder}.{name}")
     if not isinstance(found, UpstreamMixer):
         raise TypeError(f"{found.qualified} is named as leaking, not as handing FLA its offsets")
-    return found
+    return dataclasses.replace(found, replacement=name) if own_drop_in else found
 
 
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
+        # Qwen3.5-MoE, and every other transformers Gated DeltaNet: same path, each class its own drop-in
         Family(
             "qwen3_5_moe", "Qwen3.5-MoE", "Qwen3_5MoeGatedDeltaNet",
-            (_hf("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"), _hf("qwen3_5", "Qwen3_5GatedDeltaNet")),
+            (_hf("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"), _hf("qwen3_5", "Qwen3_5GatedDeltaNet", True),
+             _hf("qwen3_next", "Qwen3NextGatedDeltaNet", True), _hf("olmo_hybrid", "OlmoHybridGatedDeltaNet", True),
+             _hf("lara_mini", "LaraMiniGatedDeltaNet", True)),
             layer="gdn", fla_cp=True, tiny=TinyRecipe("qwen"),
         ),
         Family(

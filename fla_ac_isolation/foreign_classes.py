@@ -22,6 +22,7 @@ __all__ = [
     "UpstreamMixer",
     "fla_layer_mixer",
     "foreign_mixer",
+    "is_drop_in",
     "named",
 ]
 
@@ -242,9 +243,17 @@ def fla_layer_mixer(cls: type, sources: dict | None = None) -> UpstreamMixer | L
     return None
 
 
+def is_drop_in(cls: type) -> bool:
+    """``cls`` is (or subclasses, as FSDP2's wrapper class does) a drop-in of :mod:`fla_ac_isolation.mixers`, which
+    subclass the classes they replace (read by name: nothing is imported)."""
+    return any(c.__module__ == "fla_ac_isolation.mixers" and "replaced" in vars(c) for c in cls.__mro__)
+
+
 def foreign_mixer(module: nn.Module, sources: dict | None = None) -> tuple[UpstreamMixer | LeakingMixer, type] | None:
     """``(entry, matched class of its MRO)`` for ``module``: named classes first, then the FLA rule; ``None`` when
-    not a known FLA-backed mixer (our own drop-ins included)."""
+    not a known FLA-backed mixer (our own drop-ins included, though they subclass the classes they replace)."""
+    if is_drop_in(type(module)):
+        return None
     for entry in (*FLA_BACKED_MIXERS, *LEAKING_MIXERS):
         cls = entry.in_hierarchy(module)
         if cls is not None:

@@ -4,13 +4,12 @@
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from fla_ac_isolation.families import drop_in_for
-from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer, foreign_mixer
+from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer, foreign_mixer, is_drop_in
 from fla_ac_isolation.offsets_hook import is_isolated
 
 __all__ = ["DROP_IN", "EXPOSED", "HOOKED", "LEAKING", "STATUSES", "PlannedMixer", "classify"]
@@ -53,13 +52,6 @@ class PlannedMixer:
         return self.entry is not None and drop_in_for(self.entry) is not None
 
 
-def _is_drop_in(cls: type) -> bool:
-    """``cls`` is a public class of :mod:`fla_ac_isolation.mixers` (not a sub-module such as a gate or norm)."""
-    if not cls.__module__.startswith("fla_ac_isolation.mixers"):
-        return False
-    return getattr(importlib.import_module("fla_ac_isolation.mixers"), cls.__qualname__, None) is cls
-
-
 def classify(model: nn.Module) -> tuple[PlannedMixer, ...]:
     """The plan of ``model``: every module of a known FLA-backed class or of our drop-ins, in ``named_modules()``
     order (modules of no known class are left out).
@@ -73,7 +65,7 @@ def classify(model: nn.Module) -> tuple[PlannedMixer, ...]:
     plan = []
     for path, module in model.named_modules():
         cls = type(module)
-        if _is_drop_in(cls):
+        if is_drop_in(cls):
             plan.append(PlannedMixer(path, f"{cls.__module__}.{cls.__qualname__}", DROP_IN, None, cls, module))
             continue
         found = foreign_mixer(module, sources)

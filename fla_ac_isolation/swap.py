@@ -1,5 +1,7 @@
-"""``swap_mixers``: replace a transformers (or OLMo-core) model's mixers, in place, by this package's drop-ins
-(:mod:`fla_ac_isolation.mixers`), which isolate the offsets in their own forward (``docs/swap.md``).
+"""``swap_mixers``: turn a model's supported mixers (transformers', OLMo-core's, flash-linear-attention's) into this
+package's drop-ins, in place (``docs/swap.md``): each module's class becomes the drop-in subclassing it
+(:mod:`fla_ac_isolation.mixers`), which keeps documents apart in its own forward; its tensors, submodules and
+attributes stay as they are.
 
 Only exact classes of :data:`SUPPORTED_MIXERS` are swapped (a subclass may change ``forward``). OLMo-core's
 ``GatedDeltaNet`` and ``KimiDeltaAttention`` are not: :func:`~fla_ac_isolation.isolate_seqlens` fixes them in place.
@@ -8,20 +10,12 @@ Only exact classes of :data:`SUPPORTED_MIXERS` are swapped (a subclass may chang
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
-import torch
 from torch import nn
 
 from fla_ac_isolation.families import Family, UpstreamMixer, upstream_mixers
-from fla_ac_isolation.mixers.lending import (
-    keep_original,
-    original_of,
-    release_original,
-    share_tensors,
-    strip_tensors,
-)
 from fla_ac_isolation.ops.backend import check_backend
+from fla_ac_isolation.packed_positions import install_packed_positions, remove_packed_positions
 
 __all__ = ["SUPPORTED_MIXERS", "restore_mixers", "swap_mixers"]
 
@@ -37,42 +31,14 @@ def _looked_for() -> str:
     return ", ".join(t.qualified for t in SUPPORTED_MIXERS)
 
 
-# ------------------------------------------------------------------------------------------ discovery
-def _config_for(model: nn.Module, path: str, mixer: nn.Module, config: Any) -> Any:
-    """The (text) config a mixer was built from: ``config``, the mixer's own, or its nearest ancestor's."""
-    found = config if config is not None else getattr(mixer, "config", None)
-    if found is None:
-        parts = path.split(".")
-        for depth in range(len(parts) - 1, -1, -1):
-            ancestor = model.get_submodule(".".join(parts[:depth]))
-            found = getattr(ancestor, "config", None)
-            if found is not None:
-                break
-    if found is None:
-        raise ValueError(
-            f"swap_mixers found no config for {path!r} ({type(mixer).__name__}): neither it nor a module above it "
-            "has a `config`; pass swap_mixers(model, config=...) (the model's text config)"
-        )
-    get_text_config = getattr(found, "get_text_config", None)
-    return get_text_config(decoder=True) if callable(get_text_config) else found
-
-
 def _check_swappable(path: str, mixer: nn.Module) -> None:
-    """Refuse mixers that FSDP2, TP or accelerate already hold by reference (hooks) or have sharded (DTensor)."""
-    for name, sub in mixer.named_modules():
-        hooked = [
-            attr
-            for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-            if getattr(sub, attr, None)
-        ]
-        if hasattr(sub, "_hf_hook"):
-            hooked.append("_hf_hook (accelerate)")
-        if hooked:
-            where = f"{path}.{name}" if name else path
-            raise ValueError(
-                f"swap_mixers cannot swap {path!r}: {where!r} carries module hooks ({', '.join(hooked)}); "
-                "call swap_mixers before wrapping or dispatching the model (FSDP, accelerate device_map, ...)"
-            )
+    """Refuse a mixer whose ``forward`` is replaced on the instance (accelerate's hooks, ``kernelize``: a class change
+    would not reach it) or whose parameters are sharded (DTensor: our path does not know TP)."""
+    if "forward" in vars(mixer):
+        raise ValueError(
+            f"swap_mixers cannot swap {path!r}: its forward is replaced on the instance ({vars(mixer)['forward']!r}, "
+            "e.g. accelerate's device_map hooks or kernels' kernelize); call swap_mixers before dispatching or "
+            "kernelizing the model")
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed: nothing can be sharded
@@ -85,39 +51,18 @@ def _check_swappable(path: str, mixer: nn.Module) -> None:
         )
 
 
-def _install(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, leaf = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, leaf, module)
+def swap_mixers(model: nn.Module, backend: str = "auto", *, saveable: bool = False) -> list[str]:
+    """Turn, in place, every supported mixer of ``model`` into this package's drop-in for its class.
 
-
-def _build(family: Family, upstream: UpstreamMixer, original: nn.Module, config: Any, backend: str,
-           path: str) -> nn.Module:
-    cls = family.mixer_class(upstream)
-    if upstream.config is None:  # configured by its attributes (OLMo-core): the replacement reads them
-        config = cls.config_from(original)
-    layer_idx = getattr(original, "layer_idx", None)
-    with torch.device("meta"):
-        new = cls(config, layer_idx, backend=backend)
-    share_tensors(original, new, f"swap_mixers({path!r})")
-    new.train(original.training)
-    return new
-
-
-# ---------------------------------------------------------------------------------------------- API
-def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) -> list[str]:
-    """Replace, in place, every supported transformers mixer of ``model`` with this package's drop-in.
-
-    The replacement shares the existing parameter and buffer objects (nothing copied or re-initialised, same
-    ``state_dict()`` keys, an existing optimizer still works). All mixers are swapped, or on an error none.
-    Swap after init and before FSDP/TP/PEFT/accelerate dispatch.
+    Each module's class becomes the drop-in (a subclass of its own class: :mod:`fla_ac_isolation.mixers`); its
+    parameters, buffers, hooks and attributes stay the same objects (same ``state_dict()``, an existing optimizer
+    still works). All are swapped, or on an error none. Swap before FSDP/TP/accelerate dispatch or ``kernelize``.
 
     Args:
         model: a module holding supported mixers (transformers models, an OLMo-core ``Transformer`` with
             ``NemotronMamba2Mixer`` blocks, FLA's ``Mamba2ForCausalLM``), on any device including ``meta``.
         backend: ``"auto"`` (FLA on CUDA tensors, the pure-torch reference elsewhere), ``"fla"`` or ``"reference"``.
-        config: the text config the mixers were built from; when ``None``, found on the mixer or the nearest module
-            above it (unused for OLMo-core's and FLA's Mamba2).
+        saveable: the drop-ins' ops as custom operators a SAC policy can save (``save_fla_ops``).
 
     Returns:
         The module paths swapped; ``[]`` with a ``UserWarning`` when only this package's mixers are found.
@@ -125,10 +70,10 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
         ValueError: a bad ``backend``; ``model`` is itself a mixer; no supported or swapped mixer found; a mixer
-            carries module hooks or DTensor parameters; no ``config`` found; the replacement refuses the config (a
-            missing field or an unsupported value, ``layer_types`` shorter than a mixer's ``layer_idx``).
-        RuntimeError: the replacement does not declare the original's parameters and buffers (names, kinds,
-            shapes), e.g. ``config`` belongs to another model.
+            whose forward is replaced on the instance or whose parameters are DTensors; the drop-in refuses the
+            module's configuration (e.g. an activation other than SiLU).
+        NotImplementedError: ``saveable=True`` for a drop-in without saveable operators (KDA).
+        ImportError: the drop-in's library cannot be imported (it was imported to build the model: not expected).
 
     Example::
 
@@ -137,21 +82,24 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
             "use_reentrant": False, "context_fn": sac_context_fn(save_all_copies())})
     """
+    from fla_ac_isolation.mixers import DropIn, family_drop_in
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_backend(backend)
-    ours = tuple({family.mixer_class(upstream) for upstream, family in upstream_mixers()})
-    found: list[tuple[str, nn.Module, Family, UpstreamMixer]] = []
+    found: list[tuple[str, nn.Module, type[DropIn]]] = []
     swapped_before: list[str] = []  # swapped earlier, or built from fla_ac_isolation.mixers directly
     for path, module in model.named_modules():
-        if original_of(module) is not None or isinstance(module, ours):
+        if isinstance(module, DropIn):
             swapped_before.append(path)
             continue
         match = _family_of(module)
         if match is not None:
             if not path:
                 raise ValueError("swap_mixers needs the model (or a module) containing the mixer, not the mixer itself")
-            found.append((path, module, match[1], match[0]))
+            upstream, family = match
+            _check_swappable(path, module)
+            found.append((path, module, family_drop_in(family, upstream)))
     if not found:
         if swapped_before:
             warnings.warn(
@@ -163,22 +111,21 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, config: Any = None) 
         raise ValueError(
             f"swap_mixers found no supported mixer in {type(model).__name__}; looked for {_looked_for()}"
         )
-
-    replacements = []
-    for path, original, family, upstream in found:  # build all first: an error leaves the model untouched
-        _check_swappable(path, original)
-        found_config = None if upstream.config is None else _config_for(model, path, original, config)
-        new = _build(family, upstream, original, found_config, backend, path)
-        replacements.append((path, original, new))
-    for path, original, new in replacements:
-        strip_tensors(original)
-        keep_original(new, original)
-        _install(model, path, new)
-    return [path for path, _, _ in replacements]
+    done: list[nn.Module] = []
+    try:
+        for _, module, cls in found:
+            cls.adopt(module, backend, saveable)
+            done.append(module)
+    except Exception:
+        for module in done:
+            module.release()
+        raise
+    install_packed_positions(model, [path for path, _, _ in found])
+    return [path for path, _, _ in found]
 
 
 def restore_mixers(model: nn.Module) -> list[str]:
-    """Undo :func:`swap_mixers`: put the original mixers back on the tensors the swapped ones hold now (no copy).
+    """Undo :func:`swap_mixers`: each drop-in becomes its replaced class again, in place (same tensors).
 
     Args:
         model: the module :func:`swap_mixers` was called on, or any module containing swapped mixers.
@@ -189,25 +136,21 @@ def restore_mixers(model: nn.Module) -> list[str]:
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
         ValueError: ``model`` is itself a swapped mixer (pass the module containing it).
-        RuntimeError: a swapped mixer's parameter/buffer names or kinds no longer match the original's; the
-            mixers before it (``named_modules()`` order) are restored already.
     """
+    from fla_ac_isolation.mixers import DropIn
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if original_of(model) is not None:
+    if isinstance(model, DropIn):
         raise ValueError(
             "restore_mixers needs the model (or a module) containing the swapped mixer, not the swapped mixer itself"
         )
     restored = []
     for path, module in list(model.named_modules()):
-        original = original_of(module)
-        if original is None:
-            continue
-        share_tensors(module, original, f"restore_mixers({path!r})")
-        original.train(module.training)
-        release_original(module)
-        _install(model, path, original)
-        restored.append(path)
+        if isinstance(module, DropIn):
+            module.release()
+            restored.append(path)
+    remove_packed_positions(model)
     if not restored:
         warnings.warn(
             f"restore_mixers: {type(model).__name__} holds no swapped mixer; nothing to restore", stacklevel=2

@@ -29,9 +29,8 @@ CONV_LEAK = ("           its short conv runs transformers' torch causal_conv1d_f
 #: The op at which transformers' Qwen3-Next GDN's recompute leaves its forward (model.layers.0): 5.25's
 #: forward runs ten more ops before FLA's call (torch.tensor_split of q, k, v, beta, g for cached decoding).
 QWEN3_NEXT_DIVERGENT_OP = {(5, 23): 75, (5, 24): 75, (5, 25): 85}
-CONV_FIX = ("  Qwen3NextGatedDeltaNet, to keep packed documents apart: no drop-in here: install causal_conv1d (CUDA) "
-            "and pass seq_idx (DataCollatorWithFlattening(return_seq_idx=True)), or expect documents to mix in the "
-            "conv")
+CONV_FIX = ("  Qwen3NextGatedDeltaNet, to keep packed documents apart: use swap_mixers(model) (drop-in "
+            "fla_ac_isolation.mixers.Qwen3NextGatedDeltaNet)")
 
 
 @pytest.fixture
@@ -64,7 +63,8 @@ def test_check_on_the_pages_models_names_the_exposed_class_the_divergence_and_th
     assert code == 1
     lines = out.splitlines()
     assert lines[-1] == verdict
-    assert "with isolate_seqlens(model): 4 of 4 checkpointed region(s) aligned" in lines
+    fixed_by = "swap_mixers" if callable_name == "qwen3_next" else "isolate_seqlens"  # a drop-in ends the conv leak
+    assert f"with {fixed_by}(model): 4 of 4 checkpointed region(s) aligned" in lines
     assert "as given: 3 of 4 checkpointed region(s) aligned, 1 DIVERGENT" in lines
     divergent = next(line for line in lines if "divergent at op" in line)
     assert divergent.startswith("  model.layers.0  divergent at op #") and f" in {where}: recompute ran " in divergent
@@ -85,7 +85,8 @@ def test_check_json_has_the_survey_both_steps_and_the_exit_code(capsys, causal_c
     (mixer,) = result["mixers"]
     assert mixer["name"] == "Qwen3NextGatedDeltaNet" and mixer["status"] == "exposed"
     assert mixer["paths"] == [f"model.layers.{i}.linear_attn" for i in range(3)]
-    assert mixer["offsets"] == ["cu_seq_lens_q", "cu_seq_lens_k"] and mixer["fix"] == "isolate_seqlens(model)"
+    assert mixer["offsets"] == ["cu_seq_lens_q", "cu_seq_lens_k"]
+    assert mixer["fix"] == "isolate_seqlens(model) (or swap_mixers(model): a drop-in replaces it)"
     assert mixer["why"] is None and mixer["leak_fix"] is None  # causal_conv1d imports: its conv keeps them apart
     assert result["as_given"]["aligned"] is False
     assert result["as_given"]["error"] == "NotImplementedError: \"histogram_cpu\" not implemented for 'Int'"
@@ -94,7 +95,8 @@ def test_check_json_has_the_survey_both_steps_and_the_exit_code(capsys, causal_c
     assert first["where"] == "model.layers.0.linear_attn"
     assert first["fla_helpers"] == ["prepare_chunk_indices", "prepare_chunk_offsets"]
     assert result["fix_applied"] == ["isolate_seqlens(model)"] and result["fixed"]["aligned"] is True
-    assert result["fixes"] == ["Qwen3NextGatedDeltaNet: isolate_seqlens(model)"]
+    assert result["fixes"] == ["Qwen3NextGatedDeltaNet: isolate_seqlens(model) (or swap_mixers(model): a drop-in "
+                               "replaces it)"]
     assert result["spec"]["device"] == "cpu" and result["spec"]["policy"] == "save-all-copies"
 
 
@@ -104,7 +106,7 @@ def test_a_gdn_whose_conv_leaks_and_that_has_a_drop_in_is_fixed_by_swap_mixers(c
 
     (mixer,) = result["mixers"]
     assert mixer["name"] == "Qwen3_5GatedDeltaNet" and mixer["status"] == "exposed"
-    assert mixer["leak_fix"] == "use swap_mixers(model) (drop-in fla_ac_isolation.mixers.Qwen3_5MoeGatedDeltaNet)"
+    assert mixer["leak_fix"] == "use swap_mixers(model) (drop-in fla_ac_isolation.mixers.Qwen3_5GatedDeltaNet)"
     assert result["fix_applied"] == ["swap_mixers(model)"] and result["fixed"]["aligned"] is True
     assert code == 1 and result["exit_code"] == 1
 

@@ -120,9 +120,8 @@ def test_doctor_lists_each_installed_fla_backed_class_with_its_status(capsys, mo
 
     assert all(r.installed for r in rows.values())  # CI installs every library with FLA-backed classes
     assert rows[("transformers", "Qwen3NextGatedDeltaNet")].status == (
-        CONV_LEAK + "no drop-in here: install causal_conv1d (CUDA) and pass seq_idx (DataCollatorWithFlattening("
-        "return_seq_idx=True)), or expect documents to mix in the conv; the AC fault: covered by isolate_seqlens "
-        "(cu_seq_lens_q, cu_seq_lens_k)")
+        CONV_LEAK + "use swap_mixers(model) (drop-in fla_ac_isolation.mixers.Qwen3NextGatedDeltaNet); the AC fault: "
+        "covered by isolate_seqlens (cu_seq_lens_q, cu_seq_lens_k)")
     assert rows[("transformers", "Qwen3_5MoeGatedDeltaNet")].status == (
         CONV_LEAK + "use swap_mixers(model) (drop-in fla_ac_isolation.mixers.Qwen3_5MoeGatedDeltaNet); the AC "
         "fault: covered by isolate_seqlens (cu_seq_lens_q, cu_seq_lens_k)")
@@ -150,7 +149,7 @@ def test_doctor_says_transformers_gdns_are_covered_where_causal_conv1d_imports(m
     rows = {(r.framework, r.name): r for r in fla_backed_classes()}
 
     assert rows[("transformers", "Qwen3NextGatedDeltaNet")].status == (
-        "covered by isolate_seqlens (cu_seq_lens_q, cu_seq_lens_k)")
+        "covered by isolate_seqlens (cu_seq_lens_q, cu_seq_lens_k); swap_mixers has a drop-in")
     assert rows[("transformers", "Qwen3_5MoeGatedDeltaNet")].status == (
         "covered by isolate_seqlens (cu_seq_lens_q, cu_seq_lens_k); swap_mixers has a drop-in")
     assert environment_report()["causal_conv1d"] == "importable"

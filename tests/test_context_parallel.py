@@ -300,7 +300,7 @@ def test_gdn_mixer_checks_the_cp_config_before_any_kernel(config, message):
 
 
 def test_mamba2_head_parallel_needs_heads_divisible_by_the_cp_degree():
-    from fla_ac_isolation.mixers.nemotron_h_cp import head_shard
+    from fla_ac_isolation.mixers.mamba2_cp import head_shard
 
     mixer = FAMILIES["nemotron_h"].build()  # 4 heads, 2 B/C groups
     with pytest.raises(ValueError) as info:

@@ -39,8 +39,7 @@ def _entry(qualified):
     ("remedy", "remedy", "olmo_core.nn.attention.recurrent.NemotronMamba2Mixer",
      "use swap_mixers(model) (drop-in fla_ac_isolation.mixers.OlmoNemotronMamba2Mixer)"),
     ("leak_remedy", "leak_remedy", "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
-     "no drop-in here: install causal_conv1d (CUDA) and pass seq_idx (DataCollatorWithFlattening("
-     "return_seq_idx=True)), or expect documents to mix in the conv"),
+     "use swap_mixers(model) (drop-in fla_ac_isolation.mixers.Qwen3NextGatedDeltaNet)"),
     ("leak_remedy", "leak_remedy", "torchtitan.models.qwen3_5.model.GatedDeltaNet", None),
 ])
 def test_a_03_method_warns_naming_the_function_and_answers_as_it(method, function, qualified, expected):

@@ -64,7 +64,8 @@ ISOLATED = [  # tiny model, mixer class, shipped under save-all-copies in fp32, 
     ("lara_mini", "LaraMiniGatedDeltaNet", HISTC, INT, LATENT),
     ("gated_deltanet", "GatedDeltaNet", LATENT, INT, LATENT),  # flash-linear-attention's GatedDeltaNetForCausalLM
 ]
-SWAPPABLE = ("qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text")  # swap_mixers has a drop-in for their mixer
+# swap_mixers has a drop-in for their mixer (every transformers GDN from 0.5; 0.4 had none for the last three)
+SWAPPABLE = ("qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text", "qwen3_next", "olmo_hybrid", "lara_mini")
 
 
 def _outcome(step) -> str:
@@ -141,20 +142,27 @@ def test_flas_kda_model_diverges_shipped_and_isolate_seqlens_matches_no_ac_bit_f
 
 
 @pytest.mark.parametrize(("name", "mixer"), [row[:2] for row in ISOLATED[:6]], ids=[row[1] for row in ISOLATED[:6]])
-def test_transformers_gdn_folders_leak_through_their_torch_conv_which_isolation_keeps(name, mixer):
+def test_transformers_gdn_folders_leak_through_their_torch_conv_which_isolation_keeps_and_the_drop_in_ends(
+        name, mixer):
     """Without the causal_conv1d package transformers runs its torch conv fallback, which is never told where
-    documents end: 3 tokens of the previous document reach each document's first outputs."""
+    documents end: 3 tokens of the previous document reach each document's first outputs. Every one of the six
+    classes has a drop-in (issue 38), whose conv restarts at each document."""
     model, _, framework = build_tiny(name)
     shipped = leak(model.eval(), framework)
     isolate_seqlens(model)
     isolated = leak(model, framework)
+    fresh, _, _ = build_tiny(name)
+    swap_mixers(fresh)
+    swapped = leak(fresh.eval(), framework)
 
     assert shipped[0] < 1e-5 and min(shipped[1:]) > 0.04, shipped  # measured 0.044 to 0.106
     assert isolated == shipped  # fresh offsets change nothing here: the conv never receives them
+    assert max(swapped) < 1e-5, swapped  # float32 rounding of the chunked scans (measured <= 1.1e-7)
 
 
-CONV_DROP_IN = {"qwen3_5_text": "Qwen3_5MoeGatedDeltaNet", "qwen3_5_moe_text": "Qwen3_5MoeGatedDeltaNet",
-                "qwen4_exp_text": "Qwen3_8FlashNextGatedDeltaNet"}
+CONV_DROP_IN = {"qwen3_5_text": "Qwen3_5GatedDeltaNet", "qwen3_5_moe_text": "Qwen3_5MoeGatedDeltaNet",
+                "qwen4_exp_text": "Qwen3_8FlashNextGatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet",
+                "olmo_hybrid": "OlmoHybridGatedDeltaNet", "lara_mini": "LaraMiniGatedDeltaNet"}
 
 
 @pytest.mark.parametrize(("name", "mixer"), [row[:2] for row in ISOLATED[:6]], ids=[row[1] for row in ISOLATED[:6]])

@@ -5,19 +5,11 @@ transformers runs its torch path here (the ``hf_torch_path`` fixture). Tolerance
 output 1e-5, gradients 5e-5 times ``max(1, |grad|)`` (transformers' chunked torch KDA against our recurrence).
 """
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from helpers import FAMILIES, HIDDEN, PACKED_LENS, bailing_hybrid_config, glm5_next_config, kimi_linear_config
 
-from fla_ac_isolation.local_seqlens import LocalSeqlens
-from fla_ac_isolation.mixers import (
-    BailingHybridDeltaAttention,
-    Glm5NextTextLinearAttention,
-    KimiDeltaAttention,
-    KimiLinearDeltaAttention,
-)
+from fla_ac_isolation.mixers import BailingHybridDeltaAttention, Glm5NextTextLinearAttention, KimiLinearDeltaAttention
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -85,14 +77,19 @@ def test_init_follows_transformers_init_weights():
     assert torch.equal(Glm5NextTextLinearAttention(glm5_next_config(), 0).forget_gate.A_log, torch.zeros(4))
 
 
-def test_the_core_with_default_gates_is_kimi_linears_layer():
-    config = kimi_linear_config()
-    torch.manual_seed(0)
-    core = KimiDeltaAttention(config, 0)
-    torch.manual_seed(0)
-    kimi = KimiLinearDeltaAttention(config, 0)
-    assert [(k, v.shape) for k, v in core.state_dict().items()] == [(k, v.shape) for k, v in kimi.state_dict().items()]
-    assert all(torch.equal(v, kimi.state_dict()[k]) for k, v in core.state_dict().items())
+def test_the_drop_ins_are_transformers_classes_with_our_forward():
+    """Each drop-in subclasses the class it replaces: same parameters, names, order and values from one seed."""
+    for ours, name, config in ((KimiLinearDeltaAttention, "kimi_linear", kimi_linear_config),
+                               (Glm5NextTextLinearAttention, "glm5_next", glm5_next_config),
+                               (BailingHybridDeltaAttention, "bailing_hybrid", bailing_hybrid_config)):
+        replaced = FAMILIES[name].upstream.resolve()
+        assert issubclass(ours, replaced) and ours.replaced is replaced
+        torch.manual_seed(0)
+        mine = ours(config(), 0)
+        torch.manual_seed(0)
+        theirs = replaced(config(), 0)
+        assert [(k, v.shape, v.dtype) for k, v in mine.state_dict().items()] == [
+            (k, v.shape, v.dtype) for k, v in theirs.state_dict().items()]
 
 
 # ------------------------------------------------------------------------------------------------ refusals
@@ -103,29 +100,16 @@ def test_a_conv_activation_fla_does_not_offer_is_refused():
         KimiLinearDeltaAttention(config, 0)
 
 
-@pytest.mark.parametrize(
-    ("cls", "missing"),
-    [(KimiLinearDeltaAttention, "linear_num_heads"), (Glm5NextTextLinearAttention, "linear_lower_bound"),
-     (BailingHybridDeltaAttention, "kda_safe_gate")],
-)
-def test_a_missing_config_field_is_named(cls, missing):
-    config = SimpleNamespace(hidden_size=HIDDEN, linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
-                             hidden_act="silu", rms_norm_eps=1e-6, linear_lower_bound=-5.0, kda_safe_gate=True,
-                             kda_lower_bound=-5.0)
-    delattr(config, missing)
-    with pytest.raises(ValueError, match=f"config \\(SimpleNamespace\\) has no field '{missing}'"):
-        cls(config, 0)
-
-
-def test_context_parallel_seqlens_are_refused(monkeypatch):
-    """No CP path: a ``LocalSeqlens`` carrying FLA's CP context is refused before any computation."""
-    import fla_ac_isolation.mixers.kda as kda_module
+def test_context_parallel_seqlens_are_refused():
+    """No CP path: offsets built with cp= are refused before any computation."""
+    from fla_ac_isolation.parallel import CPConfig
 
     mixer = FAMILIES["kimi_linear"].build()
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    monkeypatch.setattr(kda_module, "resolve_seqlens", lambda *a, **k: LocalSeqlens(cu, cu, 4, None, object()))
+    cp = CPConfig(world_size=2, rank=0, conv_kernel_size=4)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    seqlens = LayerLocalSeqlens(cu, cu_seqlens_cpu=cu, cp=cp)
     with pytest.raises(NotImplementedError, match="KimiLinearDeltaAttention has no context-parallel path"):
-        mixer(torch.randn(1, 4, HIDDEN), LayerLocalSeqlens.from_seq_lens([4]))
+        mixer(torch.randn(1, 4, HIDDEN), seqlens)
 
 
 @pytest.mark.parametrize("name", KDA)

@@ -40,8 +40,8 @@ from helpers import (
 from helpers import shipped_kda_on_cpu as shipped_on_cpu
 
 from fla_ac_isolation import restore_mixers, swap_mixers
+from fla_ac_isolation.harness.modes import SharedSeqlens
 from fla_ac_isolation.harness.transformers_kernels import torch_function
-from fla_ac_isolation.local_seqlens import LocalSeqlens
 from fla_ac_isolation.policies import save_all_copies
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -204,14 +204,12 @@ def test_a_drop_in_handing_fla_the_shared_offsets_fails_under_bf16_sac(name, mon
     """Mutation: the drop-in without its isolation, i.e. handing FLA transformers' one ``cu_seq_lens_q`` object
     (as every layer gets it), inherits FLA's cache fault: the recompute of the first KDA layer skips FLA's
     int32 -> int64 casts and a later saved cast is replayed with FLA's int tensor."""
-    import fla_ac_isolation.mixers.kda as kda_module
-
-    def shared(seqlens, hidden_states, *, cu_seq_lens_q=None, max_length_q=None, seq_idx=None):
-        return None if cu_seq_lens_q is None else LocalSeqlens(cu_seq_lens_q, None, int(max_length_q))
+    import fla_ac_isolation.mixers.offsets_keywords as offsets_keywords
 
     case = KDA_MODELS[name]
     model = case.model().to(torch.bfloat16)
     swap_mixers(model)
-    monkeypatch.setattr(kda_module, "resolve_seqlens", shared)
+    # the drop-ins' offsets come from SharedSeqlens (the harness's unsafe mode): .local() hands out one object
+    monkeypatch.setattr(offsets_keywords, "LayerLocalSeqlens", SharedSeqlens)
     with pytest.raises(RuntimeError, match="Autograd not support dtype: Int"):
         _no_ac_and_sac(model, case)

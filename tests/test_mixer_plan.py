@@ -44,7 +44,7 @@ def _model() -> nn.Module:
         "olmo": _stand_in(OLMO_GDN)(),         # hands offsets to FLA; hooked below
         "kimi": _stand_in(KIMI)(),             # drops the offsets; a drop-in exists
         "mamba": mamba,                        # FLA's Mamba2: the FLA rule says it drops them; FlaMamba2 replaces it
-        "ours": FlaMamba2(FlaMamba2.config_from(mamba), 0),  # this package's drop-in
+        "ours": FlaMamba2(num_heads=8, head_dim=16, hidden_size=64, state_size=16, n_groups=2, chunk_size=16),  # ours
         "mlp": nn.Linear(4, 4),
     })
     return nn.ModuleDict({"blocks": blocks})
@@ -69,7 +69,7 @@ def test_each_module_is_classified_with_its_exact_status():
         ("blocks.olmo", OLMO_GDN, "hooked", False),
         ("blocks.kimi", KIMI, "leaking", True),
         ("blocks.mamba", "fla.layers.mamba2.Mamba2", "leaking", True),
-        ("blocks.ours", "fla_ac_isolation.mixers.fla_mamba2.FlaMamba2", "drop-in", False),
+        ("blocks.ours", "fla_ac_isolation.mixers.FlaMamba2", "drop-in", False),
     ]
     assert [p.covered for p in plan] == [False, False, True, False, False, True]
     assert plan[1].entry is named(QWEN3_5)  # the registry's own entry, not a copy

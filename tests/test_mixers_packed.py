@@ -52,17 +52,34 @@ def test_packed_gradients_equal_per_document(family):
         assert (grad - g_alone[name]).abs().max().item() <= TOL * scale, name
 
 
-def test_cu_seq_lens_q_keyword_is_isolated_like_seqlens(family):
+def _offsets_calls(seqlens: LayerLocalSeqlens) -> dict[str, dict]:
+    """Every way a caller hands a drop-in the same packed offsets: ours, FLA's, transformers' (both forms)."""
+    local = seqlens.local()
+    seq_idx = torch.repeat_interleave(torch.arange(len(PACKED_LENS)), torch.tensor(PACKED_LENS))[None].int()
+    return {
+        "seqlens": {"seqlens": seqlens},
+        "cu_seqlens (FLA)": {"cu_seqlens": local.cu_seqlens, "cu_seqlens_cpu": local.cu_seqlens_cpu},
+        "cu_seq_lens_q (transformers)": {"cu_seq_lens_q": local.cu_seqlens, "cu_seq_lens_k": local.cu_seqlens,
+                                         "max_length_q": max(PACKED_LENS)},
+        "seq_idx (transformers)": {"seq_idx": seq_idx},
+        "seqlens and cu_seq_lens_q": {"seqlens": seqlens, "cu_seq_lens_q": local.cu_seqlens},
+    }
+
+
+def test_every_offsets_keyword_keeps_documents_apart_and_no_keyword_mixes_them(family):
+    """Issue 37: 0.4's drop-ins took cu_seqlens= (FLA's keyword) into **kwargs and ran the row as one sequence (0.88
+    off the right output in a user's model). Each keyword now gives the seqlens= output bit for bit; the control
+    without offsets is that one sequence, which differs from the documents run alone."""
     mixer = family.build(seed=3)
     x = _packed_input(2)
     seqlens = LayerLocalSeqlens.from_seq_lens(PACKED_LENS)
-    cu = seqlens.local().cu_seqlens
     with torch.no_grad():
-        via_seqlens = mixer(x, seqlens)
-        via_kwarg = mixer(x, cu_seq_lens_q=cu, max_length_q=max(PACKED_LENS), position_ids=None)
-        both = mixer(x, seqlens, cu_seq_lens_q=cu)  # transformers forwards it too; seqlens wins
-    assert torch.equal(via_seqlens, via_kwarg)
-    assert torch.equal(via_seqlens, both)
+        outputs = {name: mixer(x, **kw) for name, kw in _offsets_calls(seqlens).items()}
+        one_sequence, alone = mixer(x), _per_document(mixer, x)
+    for name, out in outputs.items():
+        assert torch.equal(out, outputs["seqlens"]), name
+    assert (outputs["seqlens"] - alone).abs().max().item() <= TOL
+    assert (one_sequence - alone).abs().max().item() > 1e-3
 
 
 def test_each_forward_localises_its_offsets_once(family):

@@ -6,7 +6,7 @@ importable it would call FLA's Triton kernels, which have no CPU backend.
 
 import pytest
 import torch
-from helpers import FAMILIES, HIDDEN, qwen3_8_config
+from helpers import HIDDEN, qwen3_8_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -121,14 +121,3 @@ def test_transformers_attributes_are_mirrored(family):
                      "layer_norm_epsilon"):
             assert getattr(ours, name) == getattr(theirs, name), name
         assert ours.norm.activation == theirs.norm.activation
-
-
-def test_multimodal_config_is_reduced_to_its_text_config():
-    from helpers import qwen3_5_moe_config
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
-
-    from fla_ac_isolation.mixers import Qwen3_5MoeGatedDeltaNet
-
-    config = Qwen3_5MoeConfig(text_config=qwen3_5_moe_config().to_dict())
-    assert Qwen3_5MoeGatedDeltaNet(config, 0).hidden_size == HIDDEN
-    assert FAMILIES["qwen3_5_moe"].build().hidden_size == HIDDEN

@@ -158,11 +158,3 @@ def test_a_0_3_top_level_name_resolves_without_a_warning(name):
     assert name in fla_ac_isolation.__all__
 
 
-@pytest.mark.parametrize("name", MIXERS_0_3)
-def test_a_0_3_top_level_mixer_resolves_to_the_mixers_class_with_a_warning(name):
-    import fla_ac_isolation.mixers
-
-    with pytest.warns(DeprecationWarning, match="fla_ac_isolation.mixers"):
-        value = getattr(fla_ac_isolation, name)
-    assert value is getattr(fla_ac_isolation.mixers, name)
-    assert name not in fla_ac_isolation.__all__

@@ -93,24 +93,14 @@ def test_saveable_operations_have_one_list_of_names():
     assert all(tuple(table) == SAVEABLE_OP_NAMES for table in (*saveable.TABLE.values(), *saveable.OVERLOADS.values()))
 
 
-# 0.3's top-level mixer names: 0.4 keeps the drop-in mixers in fla_ac_isolation.mixers only (all or none at the top
-# level: none), and the three old names resolve with a DeprecationWarning naming the new place
-DEPRECATED_TOP_LEVEL = {
-    "Qwen3_5MoeGatedDeltaNet": "fla_ac_isolation.mixers.qwen3_5_moe",
-    "Qwen3_8FlashNextGatedDeltaNet": "fla_ac_isolation.mixers.qwen3_8",
-    "NemotronHMamba2Mixer": "fla_ac_isolation.mixers.nemotron_h",
-}
+# 0.3's top-level mixer names, deprecated in 0.4, are gone in 0.5: the drop-ins live in fla_ac_isolation.mixers
+@pytest.mark.parametrize("name", ["Qwen3_5MoeGatedDeltaNet", "Qwen3_8FlashNextGatedDeltaNet", "NemotronHMamba2Mixer"])
+def test_a_0_3_top_level_mixer_name_is_gone(name):
+    import fla_ac_isolation.mixers
 
-
-@pytest.mark.parametrize("name", sorted(DEPRECATED_TOP_LEVEL))
-def test_a_0_3_top_level_mixer_name_warns_and_is_the_mixers_class(name):
-    import importlib
-
-    with pytest.warns(DeprecationWarning, match=rf"fla_ac_isolation\.{name} is deprecated since 0\.4\.0; import it "
-                                                r"from fla_ac_isolation\.mixers$"):
-        cls = getattr(fla_ac_isolation, name)
-    assert cls is getattr(importlib.import_module(DEPRECATED_TOP_LEVEL[name]), name)
-    assert name not in fla_ac_isolation.__all__ and name not in dir(fla_ac_isolation)
+    with pytest.raises(AttributeError, match=rf"^module 'fla_ac_isolation' has no attribute '{name}'$"):
+        getattr(fla_ac_isolation, name)
+    assert getattr(fla_ac_isolation.mixers, name).__name__ == name
 
 
 def test_all_is_the_library_calls_and_no_mixer():

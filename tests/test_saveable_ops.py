@@ -168,7 +168,7 @@ def test_bad_input_is_refused_before_the_operator_runs(call, error, match, monke
 def test_mixers_take_saveable_keep_their_state_dict_and_refuse_non_bools(core_family):
     if core_family.family.name == "kimi_linear":  # KDA has no custom operator: refused, not ignored
         assert core_family.build(backend="reference").saveable is False
-        with pytest.raises(NotImplementedError, match="saveable=True is not implemented for Kimi Delta Attention"):
+        with pytest.raises(NotImplementedError, match="saveable=True is not implemented for KimiLinearDeltaAttention"):
             core_family.build(backend="reference", saveable=True)
         with pytest.raises(TypeError, match="saveable must be True or False, got 'yes'"):
             core_family.build(backend="reference", saveable="yes")

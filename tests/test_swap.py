@@ -51,6 +51,7 @@ from helpers import (
 from torch import nn
 
 from fla_ac_isolation import mixers, restore_mixers, swap_mixers
+from fla_ac_isolation.mixers import DropIn
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
 
 aten = torch.ops.aten
@@ -136,12 +137,23 @@ def test_unknown_backend_is_refused_before_anything_changes():
     assert type(model.get_submodule("model.layers.0.mixer")) is not mixers.NemotronHMamba2Mixer
 
 
-def test_mixer_with_hooks_is_refused():
+def test_a_mixer_keeps_its_hooks_and_one_whose_forward_is_replaced_on_the_instance_is_refused():
+    """The swap changes the module's class only: its hooks stay and fire. A forward set on the instance
+    (accelerate's device_map hooks, kernelize) would shadow the drop-in's: refused, and nothing is swapped."""
     model = MODEL_FAMILIES["nemotron_h"].model()
-    model.get_submodule("model.layers.2.mixer").register_forward_hook(lambda *a: None)
-    with pytest.raises(ValueError, match="hooks"):
+    mixer = model.get_submodule("model.layers.2.mixer")
+    seen = []
+    mixer.register_forward_hook(lambda module, args, out: seen.append(type(module).__name__))
+    swap_mixers(model)
+    model(**unpacked_batch())
+    assert seen == ["NemotronHMamba2Mixer"] and isinstance(mixer, DropIn)
+    restore_mixers(model)
+
+    mixer.forward = mixer.forward  # a bound method on the instance, as accelerate leaves it
+    with pytest.raises(ValueError, match=r"swap_mixers cannot swap 'model.layers.2.mixer': its forward is replaced "
+                                         r"on the instance"):
         swap_mixers(model)
-    assert not any(isinstance(m, mixers.NemotronHMamba2Mixer) for m in model.modules())  # all or nothing
+    assert not any(isinstance(m, DropIn) for m in model.modules())  # all or nothing
 
 
 @pytest.mark.parametrize("fn", [swap_mixers, restore_mixers], ids=["swap_mixers", "restore_mixers"])

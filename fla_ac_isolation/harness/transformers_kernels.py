@@ -21,6 +21,7 @@ closure cell; :func:`torch_fallback` runs the modeling module as transformers do
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -40,6 +41,7 @@ __all__ = [
     "hub_name",
     "implementation_cell",
     "kernelized_serving",
+    "served_in_wrapper",
     "torch_fallback",
     "torch_function",
     "transformers_version",
@@ -85,6 +87,44 @@ def implementation_cell(wrapper: Any) -> Any | None:
     return cells.get("implementation")
 
 
+# ---------------------------------------------------------------------------------- what a call is served by
+def _with_states_on_torch(stand_in: Callable | None, torch_fn: Callable) -> Callable:
+    """``stand_in``, except that a call with recurrent states (``initial_state``, ``output_final_state``: cached
+    decoding) runs transformers' torch implementation, which takes them (the stand-ins compute training calls);
+    ``stand_in=None``: always the torch implementation. The torch implementation gets the keywords it takes."""
+    params = inspect.signature(torch_fn).parameters
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def on_torch(*args: Any, **kwargs: Any) -> Any:
+        return torch_fn(*args, **(kwargs if takes_all else {k: v for k, v in kwargs.items() if k in params}))
+
+    if stand_in is None:
+        return on_torch
+
+    @functools.wraps(stand_in)
+    def served(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
+            return on_torch(*args, **kwargs)
+        return stand_in(*args, **kwargs)
+
+    return served
+
+
+_IN_WRAPPERS: dict[tuple[int, int], tuple[Any, Callable]] = {}  # one object per (stand-in, wrapper): blocks agree
+
+
+def served_in_wrapper(stand_in: Callable | None, wrapper: Any) -> Callable:
+    """What a plain transformers wrapper's ``implementation`` cell holds inside the serving block: see
+    :func:`_with_states_on_torch` (the wrapper's ``__wrapped__`` is its torch implementation); the same object
+    in every block."""
+    key = (id(stand_in), id(wrapper))
+    found = _IN_WRAPPERS.get(key)
+    if found is None or found[0] is not wrapper:
+        found = (wrapper, _with_states_on_torch(stand_in, inspect.unwrap(wrapper)))
+        _IN_WRAPPERS[key] = found
+    return found[1]
+
+
 # ------------------------------------------------------------------------------------------- kernelize
 @dataclass(frozen=True)
 class HubFunction:
@@ -103,15 +143,18 @@ def _applicable(fla_function: Callable) -> frozenset[str]:
 @dataclass(frozen=True)
 class _StandInRepository:
     """A ``kernels`` repository (anything with ``load()``) whose layer calls ``stand_in`` with the keywords FLA's
-    own function takes, as transformers' wrapper hands them to FLA on a GPU."""
+    own function takes, as transformers' wrapper hands them to FLA on a GPU (calls with recurrent states, or every
+    call when ``stand_in`` is ``None``: the function's torch implementation)."""
 
     name: str
-    stand_in: Callable
+    stand_in: Callable | None
     fla_function: Callable
     func_class: type
 
     def load(self) -> type[nn.Module]:
-        stand_in, keep = self.stand_in, _applicable(self.fla_function)
+        keep = _applicable(self.fla_function)
+        torch_fn = torch_function(self.func_class())
+        stand_in = _with_states_on_torch(self.stand_in, torch_fn)
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return stand_in(*args, **{k: v for k, v in kwargs.items() if k in keep})
@@ -189,8 +232,8 @@ def kernelized_serving(stand_ins: dict[str, Callable], places: list[str]) -> Ite
     ``kernels``.
 
     Args:
-        stand_ins: ``{hub name: callable with FLA's signature}``; names outside :data:`FLA_HUB_FUNCTIONS` are
-            ignored.
+        stand_ins: ``{hub name: callable with FLA's signature, or None for the function's torch implementation}``;
+            names outside :data:`FLA_HUB_FUNCTIONS` are ignored.
     """
     if importlib.util.find_spec("kernels") is None:
         yield []

@@ -1,45 +1,88 @@
-"""Drop-in token mixers (transformers, OLMo-core, FLA interfaces), correct on packed sequences and safe under AC.
+"""Drop-in token mixers, correct on packed sequences and safe under AC: each is a subclass of the class it replaces
+(transformers', OLMo-core's, flash-linear-attention's) with one path of ours, the packed training forward
+(:mod:`~fla_ac_isolation.mixers.base`); everything else (construction, initialisation, parameters, cached
+decoding) is the replaced class's own. A drop-in is made when first asked for, from the installed library:
+``fla_ac_isolation.mixers.Qwen3_5MoeGatedDeltaNet`` imports transformers' class it subclasses.
 
-Each is built from ``(config, layer_idx)`` with the upstream parameter names. The forward shared by the
-transformers-style mixers (each adds only its own differences)::
-
-    forward(hidden_states [B, T, D], seqlens: LayerLocalSeqlens | None = None, *, cu_seq_lens_q=None,
-            max_length_q=None, attention_mask=None, cache=None, cache_params=None, past_key_values=None,
-            **kwargs) -> [B, T, D], the dtype of hidden_states
-
-* ``hidden_states``: ``B == 1`` when packed, ``T == 0`` only then; the weights' dtype unless under ``torch.autocast``.
-* ``seqlens``: the model's offsets, localised inside (``seqlens.local()``, per layer and AC region). ``None``: one
-  document per row, or transformers' ``cu_seq_lens_q [N + 1]``/``max_length_q`` when given (wrapped the same way).
-* ``attention_mask``: ``None`` or a 2-D ``[B, T]`` padding mask. Caches must be ``None``; other keywords are ignored.
-
-Raises: ``ValueError`` for a wrong shape, packed ``B > 1``, a token count other than ``cu_seqlens[-1]``, offsets on
-another device, a bad ``cu_seq_lens_q`` or mask, unpacked ``T == 0``, ``backend="fla"`` on CPU outside Triton's
-interpreter; ``TypeError`` for a non-float or mismatched dtype (outside autocast), ``seqlens`` of the wrong type,
-non-integer offsets; ``NotImplementedError`` for a cache.
+Each takes the replaced class's arguments plus ``backend`` and ``saveable``, and the replaced forward's arguments
+plus packed offsets (:data:`~fla_ac_isolation.mixers.offsets_keywords.SOURCES`: ``seqlens``, ``cu_seqlens``,
+``cu_seq_lens_q``, ``seq_idx``, ``cu_doc_lens``). Which drop-in replaces which class: :data:`DROP_INS`.
 """
 
-from fla_ac_isolation.mixers.fla_mamba2 import FlaMamba2
-from fla_ac_isolation.mixers.gated_deltanet import GatedDeltaNet
-from fla_ac_isolation.mixers.kda import (
-    BailingHybridDeltaAttention,
-    Glm5NextTextLinearAttention,
-    KimiDeltaAttention,
-    KimiLinearDeltaAttention,
-)
-from fla_ac_isolation.mixers.nemotron_h import NemotronHMamba2Mixer
-from fla_ac_isolation.mixers.olmo_core import OlmoNemotronMamba2Mixer
-from fla_ac_isolation.mixers.qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
-from fla_ac_isolation.mixers.qwen3_8 import Qwen3_8FlashNextGatedDeltaNet
+from __future__ import annotations
 
-__all__ = [
-    "BailingHybridDeltaAttention",
-    "FlaMamba2",
-    "GatedDeltaNet",
-    "Glm5NextTextLinearAttention",
-    "KimiDeltaAttention",
-    "KimiLinearDeltaAttention",
-    "NemotronHMamba2Mixer",
-    "OlmoNemotronMamba2Mixer",
-    "Qwen3_5MoeGatedDeltaNet",
-    "Qwen3_8FlashNextGatedDeltaNet",
-]
+import importlib
+from typing import Any
+
+from fla_ac_isolation.families import Family, upstream_mixers
+from fla_ac_isolation.foreign_classes import UpstreamMixer
+from fla_ac_isolation.mixers.base import DropIn, PackedCacheWarning
+
+__all__ = ["DROP_INS", "DropIn", "PackedCacheWarning", "drop_in_class", "family_drop_in"]
+
+_PATHS: dict[str, str] = {
+    # the replaced class (module.Class) -> our path (module:Class of this package)
+    "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer": "mamba2:NemotronHMamba2Path",
+    "olmo_core.nn.attention.recurrent.NemotronMamba2Mixer": "mamba2:OlmoMamba2Path",
+    "fla.layers.mamba2.Mamba2": "mamba2:FlaMamba2Path",
+}
+_BY_FAMILY_LAYER = {"qwen3_5_moe": "gated_deltanet:GatedDeltaNetPath", "qwen3_8": "gated_deltanet:GatedDeltaNetPath",
+                    "kimi_linear": "kda:KimiDeltaAttentionPath"}
+
+DROP_INS: dict[str, UpstreamMixer] = {family.drop_in_name(upstream): upstream for upstream, family in upstream_mixers()}
+"""``{drop-in name: the class it replaces}`` (from :data:`fla_ac_isolation.families.FAMILIES`)."""
+
+_MADE: dict[str, type[DropIn]] = {}
+
+
+def _path_of(name: str) -> type[DropIn]:
+    upstream = DROP_INS[name]
+    family = next(f for u, f in upstream_mixers() if u is upstream)
+    module, _, cls = (_PATHS.get(upstream.qualified) or _BY_FAMILY_LAYER[family.name]).partition(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+
+
+def drop_in_class(name: str) -> type[DropIn]:
+    """The drop-in named ``name`` (a key of :data:`DROP_INS`), made on first call: ``class name(<our path>,
+    <the replaced class>)``.
+
+    Raises:
+        KeyError: no drop-in of that name.
+        ImportError: the library of the replaced class is not installed (or has no such class in this release).
+    """
+    if name not in DROP_INS:
+        raise KeyError(f"no drop-in mixer named {name!r}; there are {sorted(DROP_INS)}")
+    if name not in _MADE:
+        upstream = DROP_INS[name]
+        try:
+            replaced = upstream.resolve()
+        except AttributeError as err:
+            raise ImportError(f"{upstream.qualified} is not in the installed {upstream.framework}: {err}") from err
+        path = _path_of(name)
+        doc = (f"Drop-in for {upstream.framework}'s ``{upstream.name}`` (``{upstream.module}``), packed-sequence "
+               f"safe: :class:`~fla_ac_isolation.mixers.base.DropIn` over "
+               f":class:`~{path.__module__}.{path.__qualname__}`.")
+        cls = type(name, (path, replaced), {
+            "__module__": __name__, "__qualname__": name, "__doc__": doc, "replaced": replaced,
+            # `kernelize` keeps our forward (a hub layer may not keep documents apart): skipped by its condition,
+            # and under a name no kernels mapping holds where the installed kernels has no conditions
+            "kernel_layer_name": f"fla_ac_isolation.{name}",
+            "kernel_condition": staticmethod(lambda module: False),
+        })
+        _MADE[name] = cls
+    return _MADE[name]
+
+
+def family_drop_in(family: Family, upstream: UpstreamMixer | None = None) -> type[DropIn]:
+    """The drop-in of ``family`` replacing ``upstream`` (default: the family's own upstream class)."""
+    return drop_in_class(family.drop_in_name(upstream))
+
+
+def __getattr__(name: str) -> Any:
+    if name in DROP_INS:
+        return drop_in_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *DROP_INS])

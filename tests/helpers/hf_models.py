@@ -25,6 +25,7 @@ from transformers.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextConfi
 
 from fla_ac_isolation import families, foreign_classes
 from fla_ac_isolation.harness.transformers_kernels import torch_fallback
+from fla_ac_isolation.mixers import family_drop_in
 from fla_ac_isolation.ops import reference
 from fla_ac_isolation.policies import sac_context_fn, save_all_copies, save_ops
 
@@ -105,7 +106,7 @@ class ModelFamily:
 
 def _model_family(build, family: str, upstream: int, paths: tuple[str, ...]) -> ModelFamily:
     entry = families.FAMILIES[family]
-    return ModelFamily(build, entry, entry.upstream[upstream], entry.mixer_class(), paths)
+    return ModelFamily(build, entry, entry.upstream[upstream], family_drop_in(entry, entry.upstream[upstream]), paths)
 
 
 _GDN_PATHS = tuple(f"model.layers.{i}.linear_attn" for i in range(3))

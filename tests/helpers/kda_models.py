@@ -24,6 +24,7 @@ from transformers import DataCollatorWithFlattening
 
 from fla_ac_isolation import families, foreign_classes
 from fla_ac_isolation.harness.transformers_kernels import hub_name, implementation_cell, kernelized_serving
+from fla_ac_isolation.mixers import family_drop_in
 from fla_ac_isolation.ops import reference_kda
 
 VOCAB = 128
@@ -79,7 +80,7 @@ class KDAModel:
 
     @property
     def ours(self) -> type:
-        return families.FAMILIES["kimi_linear"].mixer_class(self.upstream)
+        return family_drop_in(families.FAMILIES["kimi_linear"], self.upstream)
 
     @property
     def modeling(self):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fla_ac_isolation import families, foreign_classes
+from fla_ac_isolation.mixers import family_drop_in
 
 warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
 
@@ -112,7 +113,7 @@ class MixerFamily:
 
     def build(self, layer_idx: int = 0, seed: int = 0, **kwargs):
         torch.manual_seed(seed)
-        mixer = self.family.mixer_class(self.upstream)(self.config(), layer_idx, **kwargs)
+        mixer = family_drop_in(self.family, self.upstream)(self.config(), layer_idx, **kwargs)
         _randomize(mixer, seed)
         return mixer
 

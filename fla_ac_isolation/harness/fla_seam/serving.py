@@ -81,6 +81,14 @@ def _targets() -> dict[int, tuple[Any, Any]]:
     return {id(f): (f, s) for f, s in found}
 
 
+def _recurrent() -> dict[int, Any]:
+    """``{id(FLA's recurrent entry point): it}``: served in transformers' wrappers by their torch implementation."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    from fla.ops.kda import fused_recurrent_kda
+
+    return {id(f): f for f in (fused_recurrent_gated_delta_rule, fused_recurrent_kda)}
+
+
 def _forwards() -> list[tuple[type, Any]]:
     """``[(FLA class, stand-in forward)]``."""
     from fla.modules import FusedRMSNormGated, RMSNorm
@@ -120,6 +128,7 @@ class _Patches:
         self.undo: list[tuple[str, Any, Any, Any]] = []
 
     def scan(self, targets: dict[int, tuple[Any, Any]], places: list[str]) -> None:
+        recurrent = _recurrent()
         for name, namespace in _module_dicts():
             for attr, value in list(namespace.items()):
                 hit = targets.get(id(value))
@@ -127,13 +136,17 @@ class _Patches:
                     self.undo.append(("dict", namespace, attr, _guarded(value)))
                     namespace[attr] = hit[1]
                     places.append(f"{name}.{attr}")
-                for cell in _cells(value):
+                for cell in _cells(value):  # a transformers wrapper: its torch implementation for states
                     content = _cell_contents(cell)
                     hit = targets.get(id(content))
                     if hit is not None and hit[0] is content:
                         self.undo.append(("cell", cell, None, _guarded(content)))
-                        cell.cell_contents = hit[1]
+                        cell.cell_contents = transformers_kernels.served_in_wrapper(hit[1], value)
                         places.append(f"closure of {name}.{attr}")
+                    elif recurrent.get(id(content)) is content:
+                        self.undo.append(("cell", cell, None, content))
+                        cell.cell_contents = transformers_kernels.served_in_wrapper(None, value)
+                        places.append(f"closure of {name}.{attr} (its torch implementation)")
 
     def restore(self) -> None:
         for kind, holder, key, old in reversed(self.undo):
@@ -198,7 +211,8 @@ def reference_kernels() -> Iterator[ServedKernels]:
             patches.undo.append(("attr", cls, "forward", old if old is forward else guard))
             cls.forward = forward
             served.places.append(f"{cls.__module__}.{cls.__qualname__}.forward")
-        hub = {"chunk_gated_delta_rule": served_ops.chunk_gated_delta_rule, "chunk_kda": served_ops.chunk_kda}
+        hub = {"chunk_gated_delta_rule": served_ops.chunk_gated_delta_rule, "chunk_kda": served_ops.chunk_kda,
+               "fused_recurrent_gated_delta_rule": None, "fused_recurrent_kda": None}  # None: the torch one
         with transformers_kernels.kernelized_serving(hub, served.places), recording(served):
             try:
                 yield served

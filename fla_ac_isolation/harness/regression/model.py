@@ -172,7 +172,9 @@ def _partial_rotary_factor(config: Any) -> float:
 def _make_mixer(family: Family, backend: str, mixer: str | None) -> Any:
     """``(config, layer_idx) -> module`` of the linear-attention slots: our drop-in, or the user's ``mixer``."""
     if mixer is None:
-        ours = family.mixer_class()
+        from fla_ac_isolation.mixers import family_drop_in
+
+        ours = family_drop_in(family)
         return lambda config, i: ours(config, i, backend=backend)
     from fla_ac_isolation.harness.regression.user_mixer import load_mixer
 

@@ -1,4 +1,4 @@
-"""Nemotron-H's Mamba2 mixer under context parallelism, head-parallel (Ulysses): an all-to-all to every token of this
+"""A Mamba2 drop-in under context parallelism, head-parallel (Ulysses): an all-to-all to every token of this
 rank's heads, the conv and SSD on whole documents with the GLOBAL offsets, an all-to-all back. Same parameters as
 without CP; every gradient is this rank's part, to be summed over the CP group.
 """
@@ -76,8 +76,8 @@ def _check(mixer: Any, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, 
 def head_parallel_forward(
     mixer: Any, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, *, attention_mask: Any = None
 ) -> torch.Tensor:
-    """:class:`~fla_ac_isolation.mixers.NemotronHMamba2Mixer`'s forward under ``seqlens.cp``: this rank's
-    ``[1, T / W, D]`` shard -> ``[1, T / W, D]``.
+    """A Mamba2 drop-in's forward (:class:`~fla_ac_isolation.mixers.mamba2.Mamba2Path`) under ``seqlens.cp``: this
+    rank's ``[1, T / W, D]`` shard -> ``[1, T / W, D]``.
 
     Raises:
         ValueError: see :func:`head_shard`; batch size > 1; a token count other than ``T / W``; offsets on another
@@ -92,7 +92,7 @@ def head_parallel_forward(
     H_r, P, N = heads.numel(), mixer.head_dim, mixer.ssm_state_size
 
     # 1. in_proj on this rank's tokens; 2. all-to-all: every token of this rank's channels.
-    gate, xbc, dt = mixer.in_proj(hidden_states).split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], -1)
+    gate, xbc, dt = mixer.split_projection(mixer.in_proj(hidden_states))
     full = sequence_to_heads(torch.cat([xbc, dt], dim=-1), channels, cp)             # [1, T, C_r + H_r]
     conv_channels = channels[cp.rank][:-H_r]
     xbc_r, dt_r = full.split([conv_channels.numel(), H_r], dim=-1)
@@ -101,7 +101,7 @@ def head_parallel_forward(
     # 3. the existing conv and SSD on whole documents, with this rank's slices of the parameters.
     bias = mixer.conv1d.bias.index_select(0, conv_channels) if mixer.conv1d.bias is not None else None
     xbc_r = ops.causal_conv1d(
-        xbc_r, mixer.conv1d.weight.squeeze(1).index_select(0, conv_channels), bias, activation=mixer.activation,
+        xbc_r, mixer.conv1d.weight.squeeze(1).index_select(0, conv_channels), bias, activation="silu",
         cu_seqlens=whole.cu_seqlens, cu_seqlens_cpu=whole.cu_seqlens_cpu, chunk_indices=whole.chunk_indices,
         backend=backend, saveable=mixer.saveable,
     )
@@ -110,11 +110,11 @@ def head_parallel_forward(
         x.reshape(1, tokens, H_r, P), dt_r, -torch.exp(mixer.A_log.float()).index_select(0, heads),
         B.reshape(1, tokens, groups, N), C.reshape(1, tokens, groups, N),
         D=mixer.D.index_select(0, heads), dt_bias=mixer.dt_bias.index_select(0, heads),
-        dt_limit=mixer.time_step_limit, cu_seqlens=whole.cu_seqlens, cu_seqlens_cpu=whole.cu_seqlens_cpu,
+        dt_limit=mixer.dt_clamp(), cu_seqlens=whole.cu_seqlens, cu_seqlens_cpu=whole.cu_seqlens_cpu,
         chunk_indices=whole.chunk_indices, chunk_offsets=whole.chunk_offsets, backend=backend, saveable=mixer.saveable,
     )                                                                                # [1, T, H_r, P]
 
     # 4. back to this rank's tokens, every head; gated norm and out_proj on the shard.
     y = heads_to_sequence(y, cp)                                                     # [1, T / W, H, P]
-    y = mixer.norm(y.reshape(1, local_tokens, mixer.intermediate_size), gate)
+    y = mixer.gated_norm(y.reshape(1, local_tokens, mixer.intermediate_size), gate)
     return mixer.out_proj(y.to(dtype))
