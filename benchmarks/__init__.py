@@ -8,7 +8,8 @@
 * ``saved_outputs`` - the MiB ``policies.save_fla_ops`` keeps per layer, from the operators' fake kernels;
 * ``layer_step`` - what the layer benchmarks share: the mode's layer and offsets, timed/probed/memory steps,
   the interleaved measuring loop; ``charts`` - their bar chart; ``recompute_profile`` - per-kernel times of
-  one recompute (``bench_isolation --profile``).
+  one recompute (``bench_isolation --profile``); ``outcome`` - every script's exit code (did anything run, what
+  is missing).
 
 They import the library (``fla_ac_isolation``) and each other as this package, nothing by path.
 """

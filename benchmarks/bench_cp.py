@@ -97,13 +97,13 @@ import copy
 import datetime
 import importlib.util
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from benchmarks import outcome
 from benchmarks.cp_rows import (
     LAYER,
     MODES,
@@ -272,7 +272,8 @@ def _spawned_rank(index: int, world: int, port: int, args: argparse.Namespace) -
 
 
 def spawn_ranks(args: argparse.Namespace) -> int:
-    """Start ``--nproc`` ranks (``torch.multiprocessing.spawn``) and wait; 1 if a rank failed (it is printed).
+    """Start ``--nproc`` ranks (``torch.multiprocessing.spawn``) and wait; 1 if a rank failed (its error is printed
+    with the ``pip install`` of a missing module, :func:`benchmarks.outcome.stopped`).
 
     On CPU the ranks get ``TRITON_INTERPRET=1`` (read when FLA's kernels are decorated, so it must be in the
     environment before the rank imports FLA) and ``OMP_NUM_THREADS=1``. When one rank fails, torch stops
@@ -288,14 +289,13 @@ def spawn_ranks(args: argparse.Namespace) -> int:
         try:
             mp.spawn(_spawned_rank, args=(args.nproc, port, args), nprocs=args.nproc, join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            print(f"bench_cp: a rank failed: {err}", file=sys.stderr)
-            return 1
+            return outcome.stopped("bench_cp", f"a rank failed: {err}")
     return 0
 
 
 # ------------------------------------------------------------------------------------------- arguments
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=outcome.EPILOG)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cuda: NCCL, FLA kernels, bf16; cpu: gloo, FLA kernels in Triton's interpreter, float32 "
                              "(a smoke test only)")
@@ -389,6 +389,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@outcome.stops_on_missing_module("bench_cp")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if under_torchrun():

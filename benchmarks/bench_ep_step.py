@@ -19,12 +19,15 @@ import statistics
 
 import torch
 
+from benchmarks import outcome
 
+
+@outcome.stops_on_missing_module("bench_ep_step")
 def main(argv=None) -> int:
     from fla_ac_isolation.harness.regression import RegressionSpec, run_regression
     from fla_ac_isolation.harness.testing.gpu import gpu_test_harness
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=outcome.EPILOG)
     parser.add_argument("--model", default="qwen3_5_moe")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--policy", default="save-d2h-copies")
@@ -56,7 +59,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"spec": vars(args), "rows": rows, "notes": result.notes}, f, indent=1)
-    return 0
+    return outcome.finish("bench_ep_step", outcome.by_mode(((n, r["error"]) for n, r in rows.items()), "modes"))
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import recompute_profile, saved_outputs
+from benchmarks import outcome, recompute_profile, saved_outputs
 from benchmarks.charts import plot
 from benchmarks.layer_step import (
     NUM_BUFFERS,
@@ -260,7 +260,7 @@ def one_cpu_thread(device: str):
 
 
 def parse_args(argv) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=outcome.EPILOG)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cuda: FLA kernels, bf16; cpu: reference backend, float32 (a smoke test only)")
     parser.add_argument("--layers", nargs="+", default=["gdn", "mamba2"], choices=["gdn", "mamba2"])
@@ -296,6 +296,7 @@ def parse_args(argv) -> argparse.Namespace:
     return args
 
 
+@outcome.stops_on_missing_module("bench_isolation")
 def main(argv=None) -> int:
     args = parse_args(argv)
     from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import outcome
 from benchmarks.layer_step import doc_lengths, elapsed_ms
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.harness.modes import MODES, Mode
@@ -305,7 +306,7 @@ def sync_verdicts(cells: list[Cell]) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=outcome.EPILOG)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", nargs="+", choices=["bf16", "fp32"], help="default: bf16 fp32 (CPU: fp32)")
     parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
@@ -353,6 +354,7 @@ def groups(args) -> list[tuple[str, str, int]]:
     return out
 
 
+@outcome.stops_on_missing_module("bench_pp_one_gpu")
 def main(argv=None) -> int:
     start = time.monotonic()
     args = parse_args(argv)
@@ -418,7 +420,7 @@ def main(argv=None) -> int:
         print(line)
     print(f"total {results['meta']['total_s']} s" + (" - CPU SMOKE TEST: outcomes are facts, times mean nothing"
                                                       if device.type == "cpu" else ""))
-    return 0
+    return outcome.finish("bench_pp_one_gpu", outcome.by_mode(((c.mode, c.error) for c in cells), "cells"))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from dataclasses import asdict  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks import outcome  # noqa: E402
 from benchmarks.levers import MODES  # noqa: E402
 from benchmarks.recompute_cells import LAYOUTS, Group, Row, eager_phase, graphed_phase, padded_vs_plain  # noqa: E402
 
@@ -126,7 +127,7 @@ def meta(args) -> dict:
 
 
 def parse_args(argv) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=outcome.EPILOG)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--layers", nargs="+", default=["gdn", "mamba2"], choices=["gdn", "mamba2"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072])
@@ -155,6 +156,23 @@ def parse_args(argv) -> argparse.Namespace:
     return args
 
 
+def run_outcome(cells: list[dict], rows: int) -> outcome.Outcome:
+    """What the run did, per mode of each cell: each of the ``rows`` ran; a failure recorded in a cell, or the error
+    of a cell that failed as a whole (once per mode it attempted), failed; the modes of a skipped cell were
+    skipped."""
+    failed: list[str] = []
+    skipped = 0
+    for cell in cells:
+        if cell["status"] == "skipped":
+            skipped += len(cell["modes"])
+        elif cell["status"] == "failed":
+            failed += [cell["error"]] * len(cell["attempted"])
+        else:
+            failed += list(cell["failures"].values())
+    return outcome.Outcome(rows, failed, skipped, "modes")
+
+
+@outcome.stops_on_missing_module("bench_recompute")
 def main(argv=None) -> int:
     args = parse_args(argv)
     from fla_ac_isolation.harness.fla_seam.interpreter import first_autotune_config
@@ -193,6 +211,7 @@ def main(argv=None) -> int:
                         print(f"[failed] {kind} T={tokens} {mode}: {error}", flush=True)
                 except Exception as error:  # a cell's failure is a result; the run goes on
                     cell.update(status="failed", error=f"{type(error).__name__}: {error}",
+                                attempted=[m for m in modes if m not in known],
                                 traceback=traceback.format_exc()[-4000:])
                     print(f"[failed] {kind} T={tokens} {phase}: {cell['error']}", flush=True)
                 gc.collect()
@@ -210,7 +229,7 @@ def main(argv=None) -> int:
               f"{detail}")
     print(f"total {results['meta']['total_s']} s" + (" - CPU SMOKE TEST, not a measurement" if args.device == "cpu"
                                                       else ""))
-    return 0
+    return outcome.finish("bench_recompute", run_outcome(results["cells"], len(results["rows"])))
 
 
 if __name__ == "__main__":

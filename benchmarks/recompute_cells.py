@@ -173,7 +173,7 @@ def _failure(error: BaseException) -> str:
 def eager_phase(group: Group, modes: list[str], warmup: int, iters: int, deadline: float,
                 failures: dict[str, str]) -> list[Row]:
     """The eager rows of ``group`` (see the module docstring). A mode whose warm-up raises is dropped and its
-    error recorded in ``failures`` (``no-ac`` is then still the reference of the others)."""
+    error recorded in ``failures`` (``no-ac`` is then still the reference of the others); none left: no row."""
     import collections
 
     for i in range(warmup):
@@ -185,6 +185,8 @@ def eager_phase(group: Group, modes: list[str], warmup: int, iters: int, deadlin
             except Exception as error:  # a mode's failure is a result
                 failures[mode] = _failure(error)
     modes = [m for m in modes if m not in failures]
+    if not modes:  # every mode failed its warm-up: nothing to time
+        return []
     sites = {mode: _syncs(group, group.step(mode, 0)) for mode in modes}
     memory = {mode: _memory(group, group.step(mode, 1)) for mode in modes}
     times: dict[str, list[float]] = {mode: [] for mode in modes}

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+from benchmarks import outcome
 
 __all__ = ["plot"]
 
@@ -60,13 +63,20 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+@outcome.stops_on_missing_module("recompute_chart")
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog="exit codes: 0 drawn; 1 the JSON holds no row (its run measured nothing) "
+                                            "or a missing module stopped it; 2 invalid arguments")
     parser.add_argument("json", help="bench_recompute's --json output")
     parser.add_argument("png")
     args = parser.parse_args(argv)
     with open(args.json) as f:
-        plot(json.load(f), args.png)
+        results = json.load(f)
+    if not results["rows"]:
+        print(f"recompute_chart: nothing to draw: {args.json} holds no row (its run measured nothing)", file=sys.stderr)
+        return 1
+    plot(results, args.png)
     return 0
 
 

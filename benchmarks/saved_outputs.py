@@ -17,6 +17,7 @@ import argparse
 
 import torch
 
+from benchmarks import outcome
 from fla_ac_isolation.families import layer_fields
 
 MIB = 2**20
@@ -94,8 +95,9 @@ def totals_table(tokens: list[int], hidden: int, layers: list[int]) -> str:
     return "\n".join(lines)
 
 
+@outcome.stops_on_missing_module("saved_outputs")
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=outcome.EPILOG)
     parser.add_argument("--tokens", nargs="+", type=int, default=[32768, 131072],
                         help="packed tokens per layer call (per GPU), one table column each")
     parser.add_argument(

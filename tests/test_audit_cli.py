@@ -1,6 +1,7 @@
 """``fla-ac-isolation audit``: one step per mode, each region's verdict printed, exit code from the safe modes."""
 
 import pytest
+from helpers import run_without
 from page_output import assert_printed_as_on_page
 
 from fla_ac_isolation.harness.cli import main
@@ -58,6 +59,30 @@ def test_audit_cli_a_mode_that_raises_is_reported_and_the_others_still_print(fai
     other = "isolated" if failing == "shared" else "shared"
     verdict = "aligned" if other == "isolated" else "1 divergent region(s)"
     assert f"== fault-stack | {other} | full AC | freq 1: {verdict}" in out
+
+
+def test_an_audit_of_the_unsafe_mode_alone_judged_nothing_and_exits_2(capsys):
+    code = main(["audit", "--model", "fault-stack", "--ac", "full", "--modes", "shared", "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "== fault-stack | shared | full AC | freq 1: 1 divergent region(s)" in captured.out, "still audited"
+    assert captured.err == ("fla-ac-isolation audit: could not judge: only unsafe modes ran (shared), and they never "
+                            "decide\n")
+
+
+def test_a_family_audit_without_tyro_judged_nothing_and_exits_2_naming_it(tmp_path):
+    """As on the H100 that lacked ``tyro`` (torchtitan's dependency): every mode fails before its step."""
+    pytest.importorskip("torchtitan")
+    proc = run_without(("tyro",), ["-m", "fla_ac_isolation.harness.cli", "audit", "--model", "qwen3_5_moe"], tmp_path)
+    missing = "ModuleNotFoundError: No module named 'tyro'"
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"== qwen3_5_moe | shared | SAC policy save-all-copies | freq 1: FAILED: {missing}" in proc.stdout
+    assert f"== qwen3_5_moe | isolated | SAC policy save-all-copies | freq 1: FAILED: {missing}" in proc.stdout
+    assert proc.stderr.splitlines() == [
+        f"fla-ac-isolation audit: could not judge: no mode that decides ran a checkpointed region: isolated: FAILED: "
+        f"{missing}",
+        "  missing module tyro: pip install tyro",
+    ]
 
 
 def test_the_audit_runs_from_python_and_returns_data():

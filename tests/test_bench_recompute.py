@@ -34,15 +34,16 @@ def test_every_cell_runs_every_mode_eagerly_on_a_cpu(smoke):
     assert smoke["meta"]["max_docs"] == 32 and smoke["meta"]["layouts_docs"] == [8, 5, 13, 16]
 
 
-def test_a_cell_past_the_budget_is_skipped_and_said_so(tmp_path):
+def test_a_cell_past_the_budget_is_skipped_and_said_so_and_a_run_of_skipped_cells_exits_1(tmp_path, capsys):
     path = tmp_path / "r.json"
-    bench_recompute.main([*TINY, "--json", str(path), "--budget-s", "0"])
+    assert bench_recompute.main([*TINY, "--json", str(path), "--budget-s", "0"]) == 1
     cells = json.loads(path.read_text())["cells"]
     assert [c["status"] for c in cells] == ["skipped", "skipped"]
     assert "estimated > budget" in cells[0]["reason"]
+    assert capsys.readouterr().err == "bench_recompute: nothing ran: of 14 modes, 14 skipped\n"
 
 
-def test_a_failing_mode_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+def test_a_failing_mode_is_recorded_and_the_others_still_run_exit_0(tmp_path, monkeypatch, capsys):
     def broken(num_tokens, width=levers.SMALL_WIDTH):
         def policy(ctx, op, *args, **kwargs):
             raise RuntimeError("policy exploded")
@@ -50,13 +51,15 @@ def test_a_failing_mode_is_recorded_and_the_others_still_run(tmp_path, monkeypat
 
     monkeypatch.setattr(levers, "save_small_outputs", broken)
     path = tmp_path / "r.json"
-    bench_recompute.main([*TINY, "--json", str(path), "--no-stack"])
+    assert bench_recompute.main([*TINY, "--json", str(path), "--no-stack"]) == 0
     result = json.loads(path.read_text())
     cell = result["cells"][0]
     assert cell["status"] == "partial"
     assert set(cell["failures"]) == {"sac+save-small", "sac+save-core+small"}
     assert all("RuntimeError: policy exploded" in e for e in cell["failures"].values())
     assert {r["mode"] for r in result["rows"]} == {"no-ac", "sac", "sac+static", "sac+save-core", "sac+save-core+conv"}
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "bench_recompute: of 7 modes, 5 ran, 2 failed (exit code 0, the failures are listed above)")
 
 
 def test_save_small_outputs_saves_small_floating_point_pointwise_ops_only():
@@ -75,6 +78,14 @@ def test_the_chart_draws_the_smoke_results(smoke, tmp_path):
     path = tmp_path / "chart.png"
     recompute_chart.plot(smoke, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_chart_of_a_run_that_measured_nothing_is_refused_exit_1(smoke, tmp_path, capsys):
+    results, png = tmp_path / "r.json", tmp_path / "chart.png"
+    results.write_text(json.dumps({**smoke, "rows": []}))
+    assert recompute_chart.main([str(results), str(png)]) == 1
+    assert capsys.readouterr().err == f"recompute_chart: nothing to draw: {results} holds no row (its run measured nothing)\n"
+    assert not png.exists()
 
 
 def test_the_graphed_phase_runs_on_a_cpu_stand_in_graph(monkeypatch):

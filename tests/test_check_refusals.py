@@ -8,6 +8,7 @@
   < 3.7.1, ``fla/ops/common/chunk_o.py``) is the environment's, not the model's: exit 3 naming what to install.
   On a CPU the guard is made active the way FLA computes it on an H200 with Triton 3.6 (its module flags), so
   FLA's own ``chunk_bwd_dqkwg`` raises its own text.
+* A named policy whose module is missing (``torchtitan``, or its dependency ``tyro``): exit 2 naming the install.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import textwrap
 
 import pytest
+from helpers import run_without
 
 from fla_ac_isolation.fla_seam.versions import fla_version, is_hopper_gdn_refusal
 from fla_ac_isolation.harness.check_runner import CheckResult, CheckSpec, CheckStep, RegionVerdict
@@ -253,3 +255,19 @@ def test_the_refusal_is_recognised_only_where_the_guard_is_active_and_only_from_
     assert not is_hopper_gdn_refusal(RuntimeError("other").with_traceback(refusal.__traceback__))
     monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", True)  # Triton >= 3.7.1: the guard is off
     assert not is_hopper_gdn_refusal(refusal)
+
+
+# ------------------------------------------------------------------------------------ the environment
+@pytest.mark.parametrize(("absent", "install"), [("torchtitan", "pip install 'fla-ac-isolation[ep]'"),
+                                                 ("tyro", "pip install tyro")])
+def test_a_named_policy_whose_module_is_missing_is_refused_exit_2_naming_the_install(tmp_path, absent, install):
+    """``--policy torchtitan`` needs torchtitan, and torchtitan's activation checkpointing needs ``tyro``: without
+    either, nothing can be judged (exit 2, before the model loads), where a traceback ended the command."""
+    if absent == "tyro":
+        pytest.importorskip("torchtitan")
+    argv = ["-m", "fla_ac_isolation.harness.cli", "check", "--model", "examples/check_model.py:qwen3_next",
+            "--policy", "torchtitan"]
+    proc = run_without((absent,), argv, tmp_path)
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr[-3000:]
+    assert proc.stderr == (f"fla-ac-isolation check: error: policy 'torchtitan' cannot be built here: "
+                           f"ModuleNotFoundError: No module named '{absent}' ({install})\n")

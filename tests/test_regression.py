@@ -234,6 +234,28 @@ def test_a_failed_reference_fails_the_run():
     assert report.exit_code(result) == 1
 
 
+def test_a_run_whose_every_mode_failed_exits_1_and_names_the_reference_and_the_missing_module():
+    """As two ranks without ``tyro`` (torchtitan's dependency) report it: every mode, no-ac included, failed."""
+    from rich.console import Console
+
+    error = {"error": "rank 0: ModuleNotFoundError: No module named 'tyro'", "losses": []}
+    result = _result(shared=error, isolated=error, global_disable=error)
+    result.modes["no-ac"].error, result.modes["no-ac"].losses = error["error"], []
+    assert report.exit_code(result) == 1
+    console = Console(width=200, record=True)
+    regress_render.print_report(result, console=console)
+    lines = console.export_text().splitlines()
+    assert lines[-5:] == [
+        "no-ac (reference): FAIL  FAILED: rank 0: ModuleNotFoundError: No module named 'tyro'  (nothing is judged "
+        "against it)",
+        "       isolated: FAIL  FAILED: rank 0: ModuleNotFoundError: No module named 'tyro'",
+        " global-disable: FAIL  FAILED: rank 0: ModuleNotFoundError: No module named 'tyro'",
+        "shared (unsafe): not judged (no reference, or stopped by the timeout)  FAILED: rank 0: ModuleNotFoundError: "
+        "No module named 'tyro'  (does not affect the exit code)",
+        "missing module tyro: pip install tyro",
+    ]
+
+
 def test_shared_failing_with_every_mode_or_by_timeout_is_not_judged_as_the_fault():
     """A crash of no-ac too (e.g. a width the kernels refuse) or a timeout says nothing about the fault."""
     everything_fails = _result(shared={"error": "RuntimeError: strides should be multiple of 16 bytes", "losses": []},

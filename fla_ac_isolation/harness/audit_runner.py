@@ -113,7 +113,12 @@ class AuditRun:
     @property
     def aligned(self) -> bool:
         """The mode ran, at least one region was checkpointed, and every region is aligned."""
-        return self.failure is None and self.audit is not None and self.audit.ok and bool(self.audit.regions)
+        return self.judged and self.audit.ok
+
+    @property
+    def judged(self) -> bool:
+        """The mode ran and the audit saw at least one checkpointed region (aligned or not)."""
+        return self.failure is None and self.audit is not None and bool(self.audit.regions)
 
     @property
     def decides(self) -> bool:
@@ -129,8 +134,24 @@ class AuditResult:
     runs: list[AuditRun] = field(default_factory=list)
 
     @property
+    def unjudged(self) -> str | None:
+        """Why nothing was judged (no mode that decides ran a checkpointed region: none was asked for, each failed
+        before its step, or its step ran no region), naming each such mode's failure; ``None`` when one was."""
+        deciding = [run for run in self.runs if run.decides]
+        if any(run.judged for run in deciding):
+            return None
+        if not deciding:
+            return f"only unsafe modes ran ({', '.join(run.mode for run in self.runs)}), and they never decide"
+        return "no mode that decides ran a checkpointed region: " + "; ".join(
+            f"{run.mode}: FAILED: {run.failure}" if run.failure else
+            f"{run.mode}: no checkpointed region ran" + (f" (the step failed: {run.error})" if run.error else "")
+            for run in deciding)
+
+    @property
     def exit_code(self) -> int:
-        """0 when every mode that decides is aligned; 1 otherwise."""
+        """0 when every mode that decides is aligned; 2 when none was judged (:attr:`unjudged`); 1 otherwise."""
+        if self.unjudged is not None:
+            return 2
         return 0 if all(run.aligned for run in self.runs if run.decides) else 1
 
 

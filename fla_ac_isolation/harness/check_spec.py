@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fla_ac_isolation.harness.environment import resolve_device
+from fla_ac_isolation.harness.extras import install_hint
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY, FULL_AC_POLICY
 from fla_ac_isolation.policies import POLICIES
@@ -143,7 +144,8 @@ def resolve_policy(policy: Any) -> Callable:
 
     Raises:
         CheckInputError: naming ``policy`` and what it must be: an unknown name, a target that cannot be
-            imported, or a function that does not take ``(ctx, op, ...)`` (e.g. a policy constructor uncalled).
+            imported, or a function that does not take ``(ctx, op, ...)`` (e.g. a policy constructor uncalled);
+            a named policy whose module is missing here (``torchtitan``, or its own dependency), with its install.
     """
     from fla_ac_isolation.policies import sac_context_fn
 
@@ -151,7 +153,11 @@ def resolve_policy(policy: Any) -> Callable:
     if policy is None:
         policy = DEFAULT_POLICY
     if isinstance(policy, str) and policy in POLICIES:
-        return POLICIES[policy]()
+        try:
+            return POLICIES[policy]()
+        except ModuleNotFoundError as err:
+            install = f" ({install_hint(err.name)})" if err.name else ""
+            raise CheckInputError(f"policy {policy!r} cannot be built here: {first_line(err)}{install}") from err
     if isinstance(policy, str):
         if policy.count(":") != 1 or not all(policy.split(":")):
             raise CheckInputError(f"policy must be {expected}, got {policy!r}")

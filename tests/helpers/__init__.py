@@ -11,7 +11,8 @@ test file); ``conftest.py`` only holds fixtures. Family facts come from the libr
 * :mod:`helpers.saveable` - the saveable ops under SAC: recorded operators and what a policy saved;
 * :mod:`helpers.foreign` - OLMo-core's and torchtitan's own models;
 * :mod:`helpers.foreign_classes` - every FLA-backed class of other libraries on a CPU: audited steps, leaks;
-* :mod:`helpers.scripts` - examples loaded by path, interpreter cases in a subprocess;
+* :mod:`helpers.scripts` - examples loaded by path, interpreter cases and commands without a module in a
+  subprocess;
 * :mod:`helpers.pipeline` - one pipeline stage with microbatches in flight in one process (torch's schedule
   orders), :mod:`helpers.pipeline_ranks` - two gloo ranks for the audit inside pipeline stages (imported by module);
 * :mod:`helpers.graphs` - a CPU stand-in for a CUDA graph (the graph benchmark's wiring on a CPU).
@@ -120,6 +121,7 @@ from helpers.scripts import (
     ROOT,
     load_script,
     run_interpreter_cases,
+    run_without,
 )
 
 __all__ = [
@@ -200,6 +202,7 @@ __all__ = [
     "recorded_step",
     "relative_error",
     "run_interpreter_cases",
+    "run_without",
     "sac_forward_storages",
     "sac_storage_bytes",
     "saveable_op_names",

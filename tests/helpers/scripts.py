@@ -1,5 +1,6 @@
 """Scripts and subprocesses: examples loaded by path (they are not a package), interpreter cases in a fresh
-process (``TRITON_INTERPRET=1`` must be set before FLA's kernels are decorated)."""
+process (``TRITON_INTERPRET=1`` must be set before FLA's kernels are decorated), commands run as if a module were
+not installed."""
 
 from __future__ import annotations
 
@@ -24,6 +25,29 @@ def load_script(path: Path, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+_ABSENT = """import sys
+
+class _Absent:  # a finder before Python's own: the modules below import as if they were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {names!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def run_without(modules: tuple[str, ...], argv: list[str], folder: Path, timeout_s: float = 240):
+    """Run ``python -W ignore *argv`` from the repository root as if ``modules`` were not installed: a
+    ``sitecustomize.py`` written to ``folder`` (first on ``PYTHONPATH``, so processes the command spawns load it
+    too) puts a finder first that raises Python's own ``ModuleNotFoundError("No module named 'x'")`` for them.
+    Returns the ``subprocess.CompletedProcess`` (text)."""
+    (folder / "sitecustomize.py").write_text(_ABSENT.format(names=set(modules)))
+    env = {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-W", "ignore", *argv], capture_output=True, text=True, env=env,
+                          timeout=timeout_s, cwd=ROOT)
 
 
 def run_interpreter_cases(script: str, timeout_s: float) -> dict:

@@ -2,7 +2,9 @@
 region's verdict and FLA cache counts as each mode finishes, e.g. ``audit --model fault-stack --ac full``.
 
 Exit codes: 0 when every region of ``isolated`` and ``global-disable`` is aligned; 1 otherwise; 2 for invalid
-arguments. A failing mode is reported and the others still run.
+arguments, or when nothing was judged (only ``shared`` asked for, or no mode that decides ran a checkpointed
+region: the reason and any missing module's install are printed). A failing mode is reported and the others
+still run.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 
 from fla_ac_isolation.harness.audit_runner import AUDIT_MODELS, AUDIT_MODES, AuditRun, AuditSpec, run_audit
 from fla_ac_isolation.harness.cli.console import add_model_argument, add_policy_arguments, given_policy, split_modes
+from fla_ac_isolation.harness.extras import install_hint, missing_modules
 from fla_ac_isolation.ops import BACKENDS
 
 __all__ = ["HELP", "add_arguments", "run", "spec_from_arguments"]
@@ -30,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "FLA's index-helper cache hits/misses per pass."
     )
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.epilog = ("exit codes: 0 every region of the modes that decide (isolated, global-disable) aligned; 1 one "
+                     "diverged or failed; 2 invalid arguments, or nothing judged (no mode that decides ran a "
+                     "checkpointed region)")
     add_model_argument(parser, AUDIT_MODELS, "audit", default["model"],
                        "a built-in tiny family, or the FLA-helper fault stack")
     add_policy_arguments(parser, default)
@@ -88,4 +94,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"fla-ac-isolation audit: error: {err}", file=sys.stderr)
         return 2
-    return run_audit(spec, on_run=lambda r: _print_run(spec, r, args.quiet)).exit_code
+    result = run_audit(spec, on_run=lambda r: _print_run(spec, r, args.quiet))
+    if result.unjudged is not None:
+        print(f"fla-ac-isolation audit: could not judge: {result.unjudged}", file=sys.stderr)
+        for name in missing_modules(result.unjudged):
+            print(f"  missing module {name}: {install_hint(name)}", file=sys.stderr)
+    return result.exit_code

@@ -6,7 +6,7 @@ import json
 import math
 
 from fla_ac_isolation.harness.cli.console import escape
-from fla_ac_isolation.harness.extras import require
+from fla_ac_isolation.harness.extras import install_hint, missing_modules, require
 from fla_ac_isolation.harness.regression.report import (
     REQUIRED,
     UNSAFE,
@@ -15,7 +15,7 @@ from fla_ac_isolation.harness.regression.report import (
     to_document,
     verdicts,
 )
-from fla_ac_isolation.harness.regression.spec import RegressionResult, RegressionSpec
+from fla_ac_isolation.harness.regression.spec import CP1_REFERENCE, PP1_REFERENCE, RegressionResult, RegressionSpec
 
 __all__ = ["parallelism", "print_report", "write_json", "write_plot"]
 
@@ -72,7 +72,12 @@ def print_report(result: RegressionResult, *, rtol: float | None = None, verbose
 
 
 def _print_verdicts(result: RegressionResult, found: dict[str, Verdict], rtol: float | None, console) -> None:
-    """One line per required mode (PASS/FAIL) and one per unsafe mode (whether it reproduced the fault)."""
+    """One line per reference that failed (nothing is judged against it), per required mode (PASS/FAIL) and per
+    unsafe mode (whether it reproduced the fault); then each module the failures say is missing, with its install."""
+    for name in ("no-ac", CP1_REFERENCE, PP1_REFERENCE):
+        if name in found and not found[name].ok:
+            label = escape(name + " (reference)")
+            console.print(f"{label:>15}: [red]FAIL[/red]  {escape(found[name].text)}  (nothing is judged against it)")
     for name in REQUIRED:
         if name in found:
             mark = "[green]PASS[/green]" if found[name].ok else "[red]FAIL[/red]"
@@ -85,6 +90,8 @@ def _print_verdicts(result: RegressionResult, found: dict[str, Verdict], rtol: f
                 None: "not judged (no reference, or stopped by the timeout)"}[reproduced]
         label = escape(name + " (unsafe)")
         console.print(f"{label:>15}: {what}  {escape(found[name].text)}  (does not affect the exit code)")
+    for name in missing_modules("\n".join(mode.error or "" for mode in result.modes.values())):
+        console.print(f"missing module {escape(name)}: {escape(install_hint(name))}")
 
 
 def _add_rows(table, result: RegressionResult, found: dict[str, Verdict]) -> None:
