@@ -6,17 +6,12 @@ check (:class:`CheckInputError`: exit 2, :class:`CheckEnvironmentError`: exit 3)
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import pathlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fla_ac_isolation.harness import user_code
 from fla_ac_isolation.harness.environment import resolve_device
-from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY, FULL_AC_POLICY
 from fla_ac_isolation.policies import POLICIES
 
@@ -171,60 +166,13 @@ def _shown(policy: Any) -> str:
     return repr(policy) if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
 
 
-def _module_not_found_hint(err: BaseException, where: str) -> str:
-    top = where.split(".")[0]
-    if not isinstance(err, ModuleNotFoundError) or err.name is None or err.name.split(".")[0] != top:
-        return ""
-    return (f" (module:callable imports from the working directory {os.getcwd()} and sys.path: run from the "
-            f"folder that holds {top}.py or the {top}/ package, or give path/to/file.py:callable)")
-
-
-def _namespace_hint(module: Any, where: str, name: str) -> str:
-    """``where`` imported a folder (a namespace package): say so, and name the file inside it to give."""
-    folder = pathlib.Path(next(iter(module.__path__)))
-    inside = folder / f"{where.rpartition('.')[2]}.py"
-    give = f"{inside}:{name}" if inside.is_file() else f"path/to/file.py:{name}"
-    return (f" ({where} is the folder {folder}, imported as a namespace package, not a module: run from inside it, "
-            f"or give {give})")
-
-
 def load_callable(target: str, argument: str = "model") -> Callable:
-    """The callable of ``target``: ``"path/to/file.py:callable"`` (the file, run as a module) or
-    ``"module:callable"``, imported with the working directory on ``sys.path`` (first, as pytest and uvicorn
-    put it; it stays there), so a module next to where the command runs is found.
+    """The callable of ``target``: ``"path/to/file.py:callable"`` or ``"module:callable"``, each file loaded once
+    per process whichever way it is named (:func:`fla_ac_isolation.harness.user_code.load_callable`).
 
     Raises:
         CheckInputError: naming ``argument`` and ``target``: no such file, the import fails (a
             ``ModuleNotFoundError`` of the module itself says where modules are looked up), no such attribute,
             or it is not callable.
     """
-    where, _, name = target.partition(":")
-    try:
-        if where.endswith(".py") or "/" in where:
-            path = pathlib.Path(where)
-            if not path.is_file():
-                raise CheckInputError(f"{argument} {target!r}: no file {where}")
-            spec = importlib.util.spec_from_file_location(f"_fla_ac_isolation_check_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module  # dataclasses look their module up while a class is created
-            spec.loader.exec_module(module)
-        else:
-            cwd = os.getcwd()
-            if cwd not in sys.path and "" not in sys.path:
-                sys.path.insert(0, cwd)
-            module = importlib.import_module(where)
-    except CheckInputError:
-        raise
-    except Exception as err:
-        raise CheckInputError(f"{argument} {target!r}: importing {where} failed: {first_line(err)}"
-                              f"{_module_not_found_hint(err, where)}") from err
-    if not hasattr(module, name):
-        folder = "" if getattr(module, "__file__", None) else _namespace_hint(module, where, name)
-        raise CheckInputError(f"{argument} {target!r}: {where} has no callable {name!r}{folder}")
-    fn = getattr(module, name)
-    if not callable(fn):
-        shown = f"{where}:{name}" if where.endswith(".py") or "/" in where else f"{where}.{name}"
-        raise CheckInputError(f"{argument} {target!r}: {shown} is not callable ({type(fn).__name__})")
-    return fn
-
-
+    return user_code.load_callable(target, argument, CheckInputError)
