@@ -2,15 +2,25 @@
 ops, its MoE, its SAC policy saving every ``_to_copy`` and ``mm`` through torch's ``checkpoint_wrapper``, one
 ``cu_seqlens`` for every layer) on a CPU inside ``reference_kernels()``: the fixed model (``LayerLocalSeqlens``)
 and the global disable equal no AC bit for bit; the shipped model fails; ``check`` says the same of both, the
-model and the policy named by one file loaded once."""
+model and the policy named by one file loaded once.
+
+Its mixer and its policy in the EP=2 regression (item 2): built from the trainer's own config (``mixer_config``;
+transformers' lacks ``output_gate_type``) or a factory, the policy reaching the spawned ranks by module and name;
+widths that do not fit the tiny decoder, and policies the ranks cannot load, refused before any rank starts."""
 
 from __future__ import annotations
 
+import os
+import re
+from types import SimpleNamespace
+
 import pytest
 import torch
-from helpers import INT_MEAN_MESSAGE, ROOT, int_mean_error, load_script
+from helpers import INT_MEAN_MESSAGE, ROOT, int_mean_error
+from torch import nn
 
 from fla_ac_isolation.harness.cli import main
+from fla_ac_isolation.harness.user_code import load_module
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -22,7 +32,7 @@ SHARED_ERROR = f"{int_mean_error().__name__}: {INT_MEAN_MESSAGE}"
 
 @pytest.fixture(scope="module")
 def example():
-    return load_script(ROOT / EXAMPLE, "example_own_trainer")
+    return load_module(str(ROOT / EXAMPLE))  # the module check's --model and --policy load too (once per process)
 
 
 def _step(example, path: str, policy=None) -> dict:
@@ -116,3 +126,153 @@ def test_the_script_prints_each_path(capsys, example):
     out = capsys.readouterr().out.splitlines()
     assert out[2] == f"  shared          raised {SHARED_ERROR}"
     assert [line.split()[0] for line in out[1:]] == list(example.PATHS)
+
+
+# ------------------------------------------------------------------------ the EP=2 regression (item 2)
+#: the trainer's config at the tiny decoder's width (hidden 64: heads of 16 channels, 2 key and 4 value heads)
+CONFIG = SimpleNamespace(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4, output_gate_type="sigmoid",
+                         rms_norm_eps=1e-6)
+MIXER = f"{EXAMPLE}:GatedDeltaNet"
+SHOWN = os.path.relpath(ROOT / EXAMPLE)  # how a target names the example (from the working directory)
+HERE = __name__  # this module, as the rank processes import it
+
+
+def own_mixer(layer_idx):
+    """A factory: the trainer's mixer from its own config."""
+    example = load_module(str(ROOT / EXAMPLE))
+    return example.GatedDeltaNet(example.ModelConfig(**vars(CONFIG)), layer_idx)
+
+
+def wide_mixer(layer_idx):
+    example = load_module(str(ROOT / EXAMPLE))
+    return example.GatedDeltaNet(example.ModelConfig(hidden_size=256), layer_idx)
+
+
+class _LayerOutput(nn.Module):  # returns (output, cache) as FLA's layers do
+    def forward(self, hidden_states, seqlens):
+        return hidden_states, None
+
+
+def tuple_mixer(layer_idx):
+    return _LayerOutput()
+
+
+def not_a_module(layer_idx):
+    return layer_idx
+
+
+def own_policy(ctx, op, *args, **kwargs):
+    """The example's policy, as a module-level function of this module (``module:callable``)."""
+    return load_module(str(ROOT / EXAMPLE)).sac_policy(ctx, op, *args, **kwargs)
+
+
+def recompute_all(ctx, op, *args, **kwargs):
+    """Saves nothing: no saved output to shift, so even the shared path gives the gradients of no AC."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_the_regression_takes_the_trainers_config_or_factory_and_names_its_policy_for_the_ranks(example):
+    from fla_ac_isolation.harness.regression import RegressionSpec
+
+    spec = RegressionSpec(mixer=MIXER, mixer_config=CONFIG, policy=example.sac_policy, hidden_size=64,
+                          device="cpu").validate()
+    assert (spec.mixer, spec.policy, spec.policy_name) == (MIXER, f"{SHOWN}:sac_policy", f"{SHOWN}:sac_policy")
+    assert spec.to_dict()["mixer_config"] == repr(CONFIG) and spec.serves_fla_on_cpu
+    spec = RegressionSpec(mixer=own_mixer, policy=own_policy, hidden_size=64, device="cpu").validate()
+    assert (spec.mixer, spec.policy) == (f"{HERE}:own_mixer", f"{HERE}:own_policy")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"mixer": MIXER}, f"mixer {MIXER!r} in the tiny decoder (hidden_size 64): building it as cls(config, 0) raised "
+                       "AttributeError: 'Qwen3_5MoeTextConfig' object has no attribute 'output_gate_type'"),
+    ({"mixer": MIXER, "mixer_config": SimpleNamespace(**{**vars(CONFIG), "hidden_size": 128})},
+     f"mixer {MIXER!r} in the tiny decoder (hidden_size 64): mixer_config.hidden_size is 128; give "
+     "RegressionSpec(hidden_size=128) or a mixer_config of hidden_size 64"),
+    ({"mixer": wide_mixer}, f"mixer '{HERE}:wide_mixer' in the tiny decoder (hidden_size 64): its forward on "
+                            "hidden_states [1, 16, 64] with one LayerLocalSeqlens raised RuntimeError: mat1 and mat2 "
+                            "shapes cannot be multiplied (16x64 and 256x128)"),
+    ({"mixer": tuple_mixer}, f"mixer '{HERE}:tuple_mixer' in the tiny decoder (hidden_size 64): its forward on "
+                             "hidden_states [1, 16, 64] with one LayerLocalSeqlens returned tuple; the decoder adds it "
+                             "to the residual stream: return a tensor [1, 16, 64]"),
+    ({"mixer": not_a_module}, f"mixer '{HERE}:not_a_module' in the tiny decoder (hidden_size 64): building it as "
+                              "factory(0) raised TypeError: factory(0) returned int, not an nn.Module"),
+    ({"mixer": own_mixer, "mixer_config": CONFIG},
+     f"mixer_config is handed to a mixer class as cls(mixer_config, layer_idx); the factory '{HERE}:own_mixer' "
+     "builds its own config: leave mixer_config out"),
+    ({"mixer_config": CONFIG}, "mixer_config is the config of a user's mixer class (mixer=...); with mixer=None the "
+                               f"family's drop-in is built from its own, got mixer_config={CONFIG!r}"),
+    ({"policy": lambda ctx, op, *args, **kwargs: None},
+     f"policy '{HERE}:<lambda>' is a lambda or is defined inside a function: the rank processes load the policy by "
+     "module and name (it is not pickled), so define it with def at module level, or give 'module:name' naming a "
+     "module-level variable that holds it"),
+    ({"policy": "torchtitan-instance"}, "policy must be a name, 'module:callable', 'path/to/file.py:callable' or a "
+                                        "module-level function (the rank processes load it again by module and name), "
+                                        "got torchtitan_selective"),
+    ({"policy": f"{EXAMPLE}:nothing"}, f"policy '{EXAMPLE}:nothing': {EXAMPLE} has no callable 'nothing'"),
+], ids=["transformers-config", "config-width", "factory-width", "tuple-output", "not-a-module", "config-and-factory",
+        "config-alone", "lambda", "policy-instance", "no-such-policy"])
+def test_a_mixer_or_policy_the_ranks_cannot_run_is_refused_before_any_rank_starts(change, message):
+    from fla_ac_isolation.harness.regression import RegressionSpec
+    from fla_ac_isolation.policies import torchtitan_selective
+
+    if change.get("policy") == "torchtitan-instance":
+        pytest.importorskip("torchtitan")
+        change = {"policy": torchtitan_selective()}
+    with pytest.raises(ValueError) as raised:
+        RegressionSpec(hidden_size=64, device="cpu", **change).validate()
+    assert str(raised.value) == message
+
+
+def test_a_trainers_config_class_loaded_by_path_is_refused_and_a_closure_policy_named_by_its_variable(example):
+    from fla_ac_isolation.harness.regression import RegressionSpec
+    from fla_ac_isolation.policies import save_all_copies
+
+    with pytest.raises(ValueError) as raised:
+        RegressionSpec(mixer=MIXER, mixer_config=example.ModelConfig(hidden_size=64), hidden_size=64,
+                       device="cpu").validate()
+    assert str(raised.value) == (
+        f"mixer_config is a ModelConfig of a file loaded by path ({SHOWN}:ModelConfig), which the rank processes "
+        "cannot unpickle by module name: give a types.SimpleNamespace or dict of its fields, a class of an importable "
+        "module, or a factory (layer_idx) -> nn.Module")
+    with pytest.raises(ValueError, match=re.escape("policy 'fla_ac_isolation.policies:save_ops.<locals>.policy' is a "
+                                                   "lambda or is defined inside a function")):
+        RegressionSpec(policy=save_all_copies(), device="cpu").validate()
+
+
+def test_regress_takes_a_policy_file_or_module_and_refuses_one_it_cannot_load(capsys):
+    import argparse
+
+    from fla_ac_isolation.harness.cli import regress
+
+    parser = argparse.ArgumentParser()
+    regress.add_arguments(parser)
+    for given in (f"{EXAMPLE}:sac_policy", f"{HERE}:own_policy"):
+        assert regress.spec_from_arguments(parser.parse_args(["--policy", given])).policy == given
+    assert main(["regress", "--policy", "examples/nothing.py:sac_policy"]) == 2
+    assert " ".join(capsys.readouterr().out.split()) == ("fla-ac-isolation regress: error: policy "
+                                                         "'examples/nothing.py:sac_policy': no file examples/nothing.py")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ep2_runs_the_trainers_mixer_under_its_policy_isolated_matches_and_shared_fails(example):
+    """EP=2 over gloo with torchtitan's MoE: the trainer's mixer (its class by path, its own config) under its
+    policy (the function itself; the ranks load it from the file); then the factory under a module:callable
+    policy that saves nothing, with which the shared path matches (under the default policy it fails as above):
+    the ranks ran the policy given."""
+    from fla_ac_isolation.harness.pytest_plugin import assert_regression_safe
+    from fla_ac_isolation.harness.regression import RegressionSpec, run_regression, verdicts
+
+    found = assert_regression_safe(MIXER, mixer_config=CONFIG, policy=example.sac_policy, hidden_size=64,
+                                   device="cpu")
+    texts = {mode: verdict.text for mode, verdict in found.items()}
+    assert re.fullmatch(r"FAILED: rank [01]: RuntimeError: Autograd not support dtype: Int", texts.pop("shared"))
+    assert texts == {"no-ac": "reference", "isolated": "matches (bit for bit)", "global-disable": "matches (bit for bit)"}
+
+    result = run_regression(RegressionSpec(mixer=own_mixer, policy=f"{HERE}:recompute_all", hidden_size=64,
+                                           modes=("shared", "isolated"), device="cpu"))
+    assert {mode: v.text for mode, v in verdicts(result).items()} == {
+        "no-ac": "reference", "shared": "matches (bit for bit)", "isolated": "matches (bit for bit)"}

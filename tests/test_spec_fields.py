@@ -18,7 +18,10 @@ SPECS = [pytest.param(AuditSpec, id="audit"), pytest.param(RegressionSpec, id="r
     [
         ({"ac": "none"}, "ac must be 'full' or 'selective', got 'none'"),
         ({"policy": "save-everything"},
-         "policy must be one of ['save-all-copies', 'save-d2h-copies', 'torchtitan'], got 'save-everything'"),
+         "policy must be one of ['save-all-copies', 'save-d2h-copies', 'torchtitan'], 'module:callable' or "
+         "'path/to/file.py:callable' naming your own SAC policy, or that function: (ctx, op, *args, **kwargs) -> "
+         "CheckpointPolicy, as torch.utils.checkpoint.create_selective_checkpoint_contexts takes it, got "
+         "'save-everything'"),
         ({"freq": 0}, "freq must be an int >= 1, got 0"),
         ({"num_layers": True}, "num_layers must be an int >= 1, got True"),
         ({"top_k": 1.5}, "top_k must be an int >= 1, got 1.5"),

@@ -13,7 +13,13 @@ import textwrap
 import pytest
 
 from fla_ac_isolation.harness.cli import main
-from fla_ac_isolation.harness.user_code import FILE_MODULE_PREFIX, callable_target, load_callable, load_module
+from fla_ac_isolation.harness.user_code import (
+    FILE_MODULE_PREFIX,
+    callable_target,
+    importable,
+    load_callable,
+    load_module,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -136,11 +142,31 @@ def test_two_files_of_one_stem_are_two_modules_and_a_failed_run_is_not_kept(user
 
 
 def test_callable_target_names_a_file_loaded_by_path_by_its_path_and_a_module_by_its_name(user_dir):
+    """A rank process loads what the target names: a module by a name it cannot import again (a file loaded by
+    path, by us or by ``spec_from_file_location`` under a name of the user's) is named by its file."""
+    import importlib.util
+    import types
+
     from fla_ac_isolation.policies import save_all_copies
 
     _write(user_dir / "sub", "named")
     policy = load_callable("sub/named.py:my_policy", "policy")
     assert callable_target(policy) == "sub/named.py:my_policy"
     assert load_callable(callable_target(policy), "policy") is policy
+
+    _write(user_dir / "sub", "own_name")
+    spec = importlib.util.spec_from_file_location("users_private_name", user_dir / "sub" / "own_name.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert (importable("users_private_name"), callable_target(module.build)) == (False, "sub/own_name.py:build")
+    assert load_callable("sub/own_name.py:build", "model") is module.build  # that module, not a second run
+    assert _runs(user_dir / "sub", "own_name") == [str(os.getpid())]
+
+    _write(user_dir, "plain")
+    assert load_module("plain") is sys.modules["plain"] and importable("plain")
+    assert callable_target(load_callable("plain:build", "model")) == "plain:build"
     assert callable_target(main) == "fla_ac_isolation.harness.cli:main"
     assert callable_target(save_all_copies()) == "fla_ac_isolation.policies:save_ops.<locals>.policy"
+    assert importable("torch._C") and importable("types") and callable_target(types.SimpleNamespace) == (
+        "types:SimpleNamespace")

@@ -10,10 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fla_ac_isolation.harness import user_code
+from fla_ac_isolation.harness import spec_fields, user_code
 from fla_ac_isolation.harness.environment import resolve_device
-from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY, FULL_AC_POLICY
-from fla_ac_isolation.policies import POLICIES
+from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY, FULL_AC_POLICY, policy_name, shown_policy
 
 __all__ = ["DEFAULT_POLICY", "CheckEnvironmentError", "CheckInputError", "CheckSpec", "load_callable",
            "resolve_policy"]
@@ -88,7 +87,7 @@ class CheckSpec:
         if self.ac not in ("full", "selective"):
             raise CheckInputError(f"ac must be 'full' or 'selective', got {self.ac!r}")
         if self.ac == "full" and self.policy is not None:
-            raise CheckInputError(FULL_AC_POLICY.format(policy=_shown(self.policy)))
+            raise CheckInputError(FULL_AC_POLICY.format(policy=shown_policy(self.policy)))
         if self.ac == "selective":
             resolve_policy(self.policy)
         try:
@@ -116,54 +115,22 @@ class CheckSpec:
     def policy_name(self) -> str:
         """How the report names the policy: its name, its ``module:callable``, or the function's name
         (:data:`DEFAULT_POLICY` when not given)."""
-        if self.policy is None:
-            return DEFAULT_POLICY
-        if isinstance(self.policy, str):
-            return self.policy
-        return getattr(self.policy, "__qualname__", None) or type(self.policy).__name__
+        return policy_name(self.policy)
 
 
 AUTOCAST_DTYPES = {None: None, "bf16": "bfloat16", "fp16": "float16"}
 """:attr:`CheckSpec.autocast` -> the ``torch`` dtype's name its steps autocast to."""
 
-POLICY_EXPECTED = ("one of {names}, 'module:callable' or 'path/to/file.py:callable' naming your own SAC policy, or "
-                   "that function: (ctx, op, *args, **kwargs) -> CheckpointPolicy, as "
-                   "torch.utils.checkpoint.create_selective_checkpoint_contexts takes it")
-
 
 def resolve_policy(policy: Any) -> Callable:
-    """The SAC policy function of ``policy`` (:attr:`CheckSpec.policy`): a named policy is built fresh (``None``:
-    :data:`DEFAULT_POLICY`), a ``module:callable`` is imported (:func:`load_callable`), a function is returned as
-    it is.
+    """The SAC policy function of ``policy`` (:attr:`CheckSpec.policy`):
+    :func:`fla_ac_isolation.harness.spec_fields.resolve_policy`, shared with the audit and the regression.
 
     Raises:
         CheckInputError: naming ``policy`` and what it must be: an unknown name, a target that cannot be
             imported, or a function that does not take ``(ctx, op, ...)`` (e.g. a policy constructor uncalled).
     """
-    from fla_ac_isolation.policies import sac_context_fn
-
-    expected = POLICY_EXPECTED.format(names=sorted(POLICIES))
-    if policy is None:
-        policy = DEFAULT_POLICY
-    if isinstance(policy, str) and policy in POLICIES:
-        return POLICIES[policy]()
-    if isinstance(policy, str):
-        if policy.count(":") != 1 or not all(policy.split(":")):
-            raise CheckInputError(f"policy must be {expected}, got {policy!r}")
-        fn = load_callable(policy, "policy")
-    elif callable(policy):
-        fn = policy
-    else:
-        raise CheckInputError(f"policy must be {expected}, got {type(policy).__name__}")
-    try:
-        sac_context_fn(fn)
-    except TypeError as err:
-        raise CheckInputError(f"policy {_shown(policy)}: {err}") from None
-    return fn
-
-
-def _shown(policy: Any) -> str:
-    return repr(policy) if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
+    return spec_fields.resolve_policy(policy, CheckInputError)
 
 
 def load_callable(target: str, argument: str = "model") -> Callable:

@@ -17,7 +17,7 @@ from typing import Any
 
 from fla_ac_isolation.harness.failures import first_line
 
-__all__ = ["FILE_MODULE_PREFIX", "callable_target", "is_file_target", "load_callable", "load_module"]
+__all__ = ["FILE_MODULE_PREFIX", "callable_target", "importable", "is_file_target", "load_callable", "load_module"]
 
 FILE_MODULE_PREFIX = "_fla_ac_isolation_check_"
 """The module name a file given by path runs under: this prefix, the file's stem (and a number when another file
@@ -30,7 +30,7 @@ def is_file_target(where: str) -> bool:
 
 
 def _file_of(module: Any) -> pathlib.Path | None:
-    file = getattr(module, "__file__", None)
+    file = getattr(module, "__file__", None) if module is not None else None
     return pathlib.Path(os.path.realpath(file)) if isinstance(file, str) else None
 
 
@@ -134,16 +134,35 @@ def load_callable(target: str, argument: str, error: type[Exception] = ValueErro
     return fn
 
 
+def importable(module_name: str) -> bool:
+    """Whether a fresh process imports the module ``module_name`` (loaded here) from the same file through
+    ``sys.path``: not for a file loaded by path under another name (by this module, or by the user's own
+    ``importlib.util.spec_from_file_location``). A built-in module, and ``__main__`` (which ``multiprocessing``
+    re-imports in its children), count as importable."""
+    module = sys.modules.get(module_name)
+    file = _file_of(module)
+    if module is None or file is None or module_name == "__main__":
+        return True
+    relative = pathlib.Path(*module_name.split("."))
+    package = file.name.split(".")[0] == "__init__"
+    folder, stem = (relative, None) if package else (relative.parent, relative.name)
+    for entry in sys.path:
+        if os.path.realpath(pathlib.Path(entry or os.getcwd()) / folder) == str(file.parent) and (
+                package or file.name.split(".")[0] == stem):
+            return True
+    return False
+
+
 def callable_target(obj: Any) -> str:
     """How a rank process names ``obj`` (a class or function) to load it again: ``"module:qualname"``, or
-    ``"path/to/file.py:qualname"`` for one defined in a file loaded by path (relative to the working directory when
-    under it). A lambda or a function defined inside another keeps its ``<lambda>`` / ``<locals>`` qualname: the
-    caller refuses it."""
-    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    ``"path/to/file.py:qualname"`` when its module is a script's ``__main__`` or is not :func:`importable` by
+    its name (a file loaded by path; the path relative to the working directory when under it). A lambda or a
+    function defined inside another keeps its ``<lambda>`` / ``<locals>`` qualname: the caller refuses it."""
+    name = getattr(obj, "__module__", None) or "?"
     qualname = getattr(obj, "__qualname__", None) or type(obj).__name__
-    file = _file_of(module) if module is not None and module.__name__.startswith(FILE_MODULE_PREFIX) else None
-    if file is None:
-        return f"{getattr(obj, '__module__', '?')}:{qualname}"
+    file = _file_of(sys.modules.get(name))
+    if file is None or (name != "__main__" and importable(name)):
+        return f"{name}:{qualname}"
     cwd = os.path.realpath(os.getcwd())
     shown = os.path.relpath(file, cwd) if file.is_relative_to(cwd) else str(file)
     return f"{shown}:{qualname}"
