@@ -6,13 +6,17 @@ model and the policy named by one file loaded once.
 
 Its mixer and its policy in the EP=2 regression (item 2): built from the trainer's own config (``mixer_config``;
 transformers' lacks ``output_gate_type``) or a factory, the policy reaching the spawned ranks by module and name;
-widths that do not fit the tiny decoder, and policies the ranks cannot load, refused before any rank starts."""
+widths that do not fit the tiny decoder, and policies the ranks cannot load, refused before any rank starts.
+
+``docs/replace-global-disable.md``'s test files run as written, the page's ``my_trainer.model`` being the
+example."""
 
 from __future__ import annotations
 
 import os
 import re
-from types import SimpleNamespace
+import sys
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -276,3 +280,41 @@ def test_ep2_runs_the_trainers_mixer_under_its_policy_isolated_matches_and_share
                                            modes=("shared", "isolated"), device="cpu"))
     assert {mode: v.text for mode, v in verdicts(result).items()} == {
         "no-ac": "reference", "shared": "matches (bit for bit)", "isolated": "matches (bit for bit)"}
+
+
+# -------------------------------------------------------------------- docs/replace-global-disable.md
+PAGE = ROOT / "docs" / "replace-global-disable.md"
+
+
+@pytest.fixture
+def my_trainer(example, monkeypatch):
+    """The page's ``my_trainer.model``: the example's module under that name."""
+    package = ModuleType("my_trainer")
+    package.model = example
+    monkeypatch.setitem(sys.modules, "my_trainer", package)
+    monkeypatch.setitem(sys.modules, "my_trainer.model", example)
+
+
+def _page_python(index: int) -> dict:
+    namespace: dict = {}
+    block = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)[index]
+    exec(compile(block, str(PAGE), "exec"), namespace)
+    return namespace
+
+
+def test_the_pages_plugin_tests_pass_the_fixed_model_and_catch_the_shipped_one(my_trainer):
+    page = _page_python(0)
+    page["test_the_fixed_model_is_ac_safe"]()
+    page["test_the_shipped_model_is_caught"]()
+
+
+def test_the_pages_regression_call_builds_the_mixer_from_a_config_that_fits(my_trainer, example):
+    from fla_ac_isolation.harness.regression import RegressionSpec
+
+    page, calls = _page_python(1), []
+    page["assert_regression_safe"] = lambda mixer, **spec: calls.append((mixer, spec))
+    page["test_the_mixer_under_ep2"]()
+    [(mixer, spec)] = calls
+    assert mixer == "my_trainer/model.py:GatedDeltaNet" and spec["policy"] is example.sac_policy
+    validated = RegressionSpec(mixer=MIXER, device="cpu", **spec).validate()  # the page's keywords, on the example
+    assert (validated.policy, validated.mixer_config.output_gate_type) == (f"{SHOWN}:sac_policy", "swish")
