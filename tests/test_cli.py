@@ -55,7 +55,9 @@ def test_audit_and_regress_refuse_a_policy_flag_with_full_ac_and_keep_their_defa
     assert spec().policy is spec("--ac", "full").policy is None  # not given: the spec's default
     assert spec().policy_name == "save-all-copies"
     assert (spec("--ac", "full").ac, spec("--policy", "torchtitan").policy) == ("full", "torchtitan")
-    assert f"SAC policy of --ac selective {POLICY_HELP}" in _unwrapped(parser.format_help())
+    assert ("SAC policy of --ac selective: a name, or your own policy function (ctx, op, *args, **kwargs) -> "
+            f"CheckpointPolicy as module:callable or path/to/file.py:callable {POLICY_HELP}") in _unwrapped(
+        parser.format_help())
 
 
 def test_checks_help_says_its_policy_is_for_selective_ac_only(capsys):

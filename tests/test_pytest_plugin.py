@@ -197,8 +197,8 @@ def test_a_mixer_defined_inside_a_function_is_refused_before_any_rank_starts():
 
     name = f"{__name__}:test_a_mixer_defined_inside_a_function_is_refused_before_any_rank_starts.<locals>.Local"
     with pytest.raises(ValueError, match=re.escape(
-            f"mixer {name!r} is defined inside a function: the rank processes import the mixer class by module "
-            "path, so define it at module level")):
+            f"mixer {name!r} is defined inside a function: the rank processes import the mixer (class or factory) "
+            "by module path, so define it at module level")):
         RegressionSpec(mixer=Local).validate()
     with pytest.raises(ValueError, match=re.escape("mixer 'fla_ac_isolation.mixers:Nope': fla_ac_isolation.mixers "
                                                    "has no attribute 'Nope'")):

@@ -18,7 +18,10 @@ SPECS = [pytest.param(AuditSpec, id="audit"), pytest.param(RegressionSpec, id="r
     [
         ({"ac": "none"}, "ac must be 'full' or 'selective', got 'none'"),
         ({"policy": "save-everything"},
-         "policy must be one of ['save-all-copies', 'save-d2h-copies', 'torchtitan'], got 'save-everything'"),
+         "policy must be one of ['save-all-copies', 'save-d2h-copies', 'torchtitan'], 'module:callable' or "
+         "'path/to/file.py:callable' naming your own SAC policy, or that function: (ctx, op, *args, **kwargs) -> "
+         "CheckpointPolicy, as torch.utils.checkpoint.create_selective_checkpoint_contexts takes it, got "
+         "'save-everything'"),
         ({"freq": 0}, "freq must be an int >= 1, got 0"),
         ({"num_layers": True}, "num_layers must be an int >= 1, got True"),
         ({"top_k": 1.5}, "top_k must be an int >= 1, got 1.5"),
@@ -65,3 +68,26 @@ def test_audit_and_regress_refuse_an_unknown_model_with_one_message(capsys, comm
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert err.rstrip().endswith(f"argument --model: must be one of {names}, got 'llama'")
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_both_specs_take_the_users_own_policy_from_a_file_or_as_the_function(spec):
+    """One rule (``spec_fields.resolve_policy``, check's too): the file runs once; the regression keeps a
+    function as the target its ranks load, the audit (one process) as it is."""
+    from fla_ac_isolation.harness.spec_fields import sac_policy
+    from fla_ac_isolation.harness.user_code import load_callable
+
+    target = "examples/own_trainer.py:sac_policy"
+    policy = load_callable(target, "policy")
+    assert spec(device="cpu", policy=target).validate().policy_name == target
+    assert sac_policy("selective", target) is policy
+    by_function = spec(device="cpu", policy=policy).validate()
+    assert by_function.policy_name == (target if spec is RegressionSpec else "sac_policy")
+    assert sac_policy("selective", by_function.policy) is policy
+
+
+def test_audit_runs_the_users_own_policy_from_a_file(capsys):
+    target = "examples/own_trainer.py:sac_policy"
+    assert main(["audit", "--model", "fault-stack", "--policy", target, "--modes", "isolated", "--quiet"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"== fault-stack | isolated | SAC policy {target} | freq 1: aligned"

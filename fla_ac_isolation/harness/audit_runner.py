@@ -35,7 +35,9 @@ class AuditSpec:
         model: one of :data:`AUDIT_MODELS` (the families need the ``ep`` extra; ``fault-stack`` the core install).
         modes: a non-empty subset of :data:`AUDIT_MODES`, run in this order.
         ac: ``"full"`` or ``"selective"`` checkpointing.
-        policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`) of ``ac="selective"``; ``None``:
+        policy: the SAC policy of ``ac="selective"``: a name (:data:`fla_ac_isolation.policies.POLICIES`), your
+            own as ``"module:callable"`` / ``"path/to/file.py:callable"``, or that function
+            (:func:`~fla_ac_isolation.harness.spec_fields.resolve_policy`); ``None``:
             :data:`~fla_ac_isolation.harness.spec_fields.DEFAULT_POLICY`. Refused with ``ac="full"``, which saves
             no op.
         freq: checkpoint every ``freq``-th block.
@@ -50,7 +52,7 @@ class AuditSpec:
     model: str = "qwen3_5_moe"
     modes: tuple[str, ...] = ("shared", "isolated")
     ac: str = "selective"
-    policy: str | None = None
+    policy: str | Callable | None = None
     freq: int = 1
     backend: str = "auto"
     device: str = "auto"

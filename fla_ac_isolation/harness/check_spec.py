@@ -6,20 +6,13 @@ check (:class:`CheckInputError`: exit 2, :class:`CheckEnvironmentError`: exit 3)
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import pathlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fla_ac_isolation.harness import spec_fields, user_code
 from fla_ac_isolation.harness.environment import resolve_device
-from fla_ac_isolation.harness.extras import install_hint
-from fla_ac_isolation.harness.failures import first_line
-from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY, FULL_AC_POLICY
-from fla_ac_isolation.policies import POLICIES
+from fla_ac_isolation.harness.spec_fields import DEFAULT_POLICY, FULL_AC_POLICY, policy_name, shown_policy
 
 __all__ = ["DEFAULT_POLICY", "CheckEnvironmentError", "CheckInputError", "CheckSpec", "load_callable",
            "resolve_policy"]
@@ -94,7 +87,7 @@ class CheckSpec:
         if self.ac not in ("full", "selective"):
             raise CheckInputError(f"ac must be 'full' or 'selective', got {self.ac!r}")
         if self.ac == "full" and self.policy is not None:
-            raise CheckInputError(FULL_AC_POLICY.format(policy=_shown(self.policy)))
+            raise CheckInputError(FULL_AC_POLICY.format(policy=shown_policy(self.policy)))
         if self.ac == "selective":
             resolve_policy(self.policy)
         try:
@@ -122,115 +115,32 @@ class CheckSpec:
     def policy_name(self) -> str:
         """How the report names the policy: its name, its ``module:callable``, or the function's name
         (:data:`DEFAULT_POLICY` when not given)."""
-        if self.policy is None:
-            return DEFAULT_POLICY
-        if isinstance(self.policy, str):
-            return self.policy
-        return getattr(self.policy, "__qualname__", None) or type(self.policy).__name__
+        return policy_name(self.policy)
 
 
 AUTOCAST_DTYPES = {None: None, "bf16": "bfloat16", "fp16": "float16"}
 """:attr:`CheckSpec.autocast` -> the ``torch`` dtype's name its steps autocast to."""
 
-POLICY_EXPECTED = ("one of {names}, 'module:callable' or 'path/to/file.py:callable' naming your own SAC policy, or "
-                   "that function: (ctx, op, *args, **kwargs) -> CheckpointPolicy, as "
-                   "torch.utils.checkpoint.create_selective_checkpoint_contexts takes it")
-
 
 def resolve_policy(policy: Any) -> Callable:
-    """The SAC policy function of ``policy`` (:attr:`CheckSpec.policy`): a named policy is built fresh (``None``:
-    :data:`DEFAULT_POLICY`), a ``module:callable`` is imported (:func:`load_callable`), a function is returned as
-    it is.
+    """The SAC policy function of ``policy`` (:attr:`CheckSpec.policy`):
+    :func:`fla_ac_isolation.harness.spec_fields.resolve_policy`, shared with the audit and the regression.
 
     Raises:
         CheckInputError: naming ``policy`` and what it must be: an unknown name, a target that cannot be
             imported, or a function that does not take ``(ctx, op, ...)`` (e.g. a policy constructor uncalled);
             a named policy whose module is missing here (``torchtitan``, or its own dependency), with its install.
     """
-    from fla_ac_isolation.policies import sac_context_fn
-
-    expected = POLICY_EXPECTED.format(names=sorted(POLICIES))
-    if policy is None:
-        policy = DEFAULT_POLICY
-    if isinstance(policy, str) and policy in POLICIES:
-        try:
-            return POLICIES[policy]()
-        except ModuleNotFoundError as err:
-            install = f" ({install_hint(err.name)})" if err.name else ""
-            raise CheckInputError(f"policy {policy!r} cannot be built here: {first_line(err)}{install}") from err
-    if isinstance(policy, str):
-        if policy.count(":") != 1 or not all(policy.split(":")):
-            raise CheckInputError(f"policy must be {expected}, got {policy!r}")
-        fn = load_callable(policy, "policy")
-    elif callable(policy):
-        fn = policy
-    else:
-        raise CheckInputError(f"policy must be {expected}, got {type(policy).__name__}")
-    try:
-        sac_context_fn(fn)
-    except TypeError as err:
-        raise CheckInputError(f"policy {_shown(policy)}: {err}") from None
-    return fn
-
-
-def _shown(policy: Any) -> str:
-    return repr(policy) if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
-
-
-def _module_not_found_hint(err: BaseException, where: str) -> str:
-    top = where.split(".")[0]
-    if not isinstance(err, ModuleNotFoundError) or err.name is None or err.name.split(".")[0] != top:
-        return ""
-    return (f" (module:callable imports from the working directory {os.getcwd()} and sys.path: run from the "
-            f"folder that holds {top}.py or the {top}/ package, or give path/to/file.py:callable)")
-
-
-def _namespace_hint(module: Any, where: str, name: str) -> str:
-    """``where`` imported a folder (a namespace package): say so, and name the file inside it to give."""
-    folder = pathlib.Path(next(iter(module.__path__)))
-    inside = folder / f"{where.rpartition('.')[2]}.py"
-    give = f"{inside}:{name}" if inside.is_file() else f"path/to/file.py:{name}"
-    return (f" ({where} is the folder {folder}, imported as a namespace package, not a module: run from inside it, "
-            f"or give {give})")
+    return spec_fields.resolve_policy(policy, CheckInputError)
 
 
 def load_callable(target: str, argument: str = "model") -> Callable:
-    """The callable of ``target``: ``"path/to/file.py:callable"`` (the file, run as a module) or
-    ``"module:callable"``, imported with the working directory on ``sys.path`` (first, as pytest and uvicorn
-    put it; it stays there), so a module next to where the command runs is found.
+    """The callable of ``target``: ``"path/to/file.py:callable"`` or ``"module:callable"``, each file loaded once
+    per process whichever way it is named (:func:`fla_ac_isolation.harness.user_code.load_callable`).
 
     Raises:
         CheckInputError: naming ``argument`` and ``target``: no such file, the import fails (a
             ``ModuleNotFoundError`` of the module itself says where modules are looked up), no such attribute,
             or it is not callable.
     """
-    where, _, name = target.partition(":")
-    try:
-        if where.endswith(".py") or "/" in where:
-            path = pathlib.Path(where)
-            if not path.is_file():
-                raise CheckInputError(f"{argument} {target!r}: no file {where}")
-            spec = importlib.util.spec_from_file_location(f"_fla_ac_isolation_check_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module  # dataclasses look their module up while a class is created
-            spec.loader.exec_module(module)
-        else:
-            cwd = os.getcwd()
-            if cwd not in sys.path and "" not in sys.path:
-                sys.path.insert(0, cwd)
-            module = importlib.import_module(where)
-    except CheckInputError:
-        raise
-    except Exception as err:
-        raise CheckInputError(f"{argument} {target!r}: importing {where} failed: {first_line(err)}"
-                              f"{_module_not_found_hint(err, where)}") from err
-    if not hasattr(module, name):
-        folder = "" if getattr(module, "__file__", None) else _namespace_hint(module, where, name)
-        raise CheckInputError(f"{argument} {target!r}: {where} has no callable {name!r}{folder}")
-    fn = getattr(module, name)
-    if not callable(fn):
-        shown = f"{where}:{name}" if where.endswith(".py") or "/" in where else f"{where}.{name}"
-        raise CheckInputError(f"{argument} {target!r}: {shown} is not callable ({type(fn).__name__})")
-    return fn
-
-
+    return user_code.load_callable(target, argument, CheckInputError)

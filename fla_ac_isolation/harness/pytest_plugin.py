@@ -98,15 +98,16 @@ def _regression_lines(result: Any, found: dict) -> list[str]:
     return lines
 
 
-def assert_regression_safe(mixer: type | str, *, require_fault: bool = True, **spec: Any) -> dict:
+def assert_regression_safe(mixer: Callable | str, *, require_fault: bool = True, **spec: Any) -> dict:
     """Run the EP regression with ``mixer`` in the linear-attention slots; fail the calling test unless it passes.
 
     Args:
-        mixer: your mixer class (module level: the rank processes import it) or ``"module:qualname"``; the
-            contract is :mod:`fla_ac_isolation.harness.regression.user_mixer`'s.
+        mixer: your mixer class or factory (module level: the rank processes import it), or
+            ``"module:qualname"`` / ``"path/to/file.py:qualname"``; the contract is
+            :mod:`fla_ac_isolation.harness.regression.user_mixer`'s.
         require_fault: also fail when the unsafe ``shared`` path neither failed nor diverged (it showed nothing).
-        **spec: other fields of :class:`~fla_ac_isolation.harness.regression.RegressionSpec`; defaults: EP=2,
-            ``qwen3_5_moe``, 3 steps.
+        **spec: other fields of :class:`~fla_ac_isolation.harness.regression.RegressionSpec` (``mixer_config``,
+            ``policy``: your SAC policy, module level, ...); defaults: EP=2, ``qwen3_5_moe``, 3 steps.
 
     Returns:
         The verdicts, ``{mode: Verdict}``, of a passing run.

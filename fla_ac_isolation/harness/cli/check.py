@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "or checkpointing itself) and one packed batch, a dict of model(**batch)'s "
                                         "keywords")
     source.add_argument("--config", help="deprecated spelling of --model NAME (a built-in tiny model)")
-    add_policy_arguments(parser, default, own_policy=True)
+    add_policy_arguments(parser, default)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=default["device"],
                         help="cpu: FLA's kernels served by fla_ac_isolation.harness.reference_kernels; cuda: FLA's own")
     parser.add_argument("--seed", type=int, default=default["seed"], help="the tiny model's weights and batch")

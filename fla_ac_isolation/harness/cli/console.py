@@ -37,8 +37,8 @@ def split_modes(value: str) -> tuple[str, ...]:
     return tuple(m.strip() for m in value.split(",") if m.strip())
 
 
-def add_policy_arguments(parser: argparse.ArgumentParser, default: dict, *, own_policy: bool = False) -> None:
-    """``--ac``, ``--policy`` (with ``own_policy`` also ``module:callable`` / ``file.py:callable``) and, where
+def add_policy_arguments(parser: argparse.ArgumentParser, default: dict) -> None:
+    """``--ac``, ``--policy`` (a name, or the user's own as ``module:callable`` / ``file.py:callable``) and, where
     ``default`` has one, ``--freq``, with the defaults of ``default``. ``--policy`` has no parsed default (the
     specs' ``None``, :data:`~fla_ac_isolation.harness.spec_fields.DEFAULT_POLICY` under ``--ac selective``): read
     it with :func:`given_policy`, which refuses it with ``--ac full``."""
@@ -47,14 +47,10 @@ def add_policy_arguments(parser: argparse.ArgumentParser, default: dict, *, own_
 
     parser.add_argument("--ac", choices=("full", "selective"), default=default["ac"], help="activation checkpointing")
     shared = (f"(default: {DEFAULT_POLICY}); refused with --ac full, which recomputes every op and saves none")
-    if own_policy:
-        parser.add_argument("--policy", default=argparse.SUPPRESS, metavar="{" + ",".join(sorted(POLICIES)) + "} or "
-                            "module:callable", help="SAC policy of --ac selective: a name, or your own policy "
-                            "function (ctx, op, *args, **kwargs) -> CheckpointPolicy as module:callable or "
-                            f"path/to/file.py:callable {shared}")
-    else:
-        parser.add_argument("--policy", choices=sorted(POLICIES), default=argparse.SUPPRESS,
-                            help=f"SAC policy of --ac selective {shared}")
+    parser.add_argument("--policy", default=argparse.SUPPRESS, metavar="{" + ",".join(sorted(POLICIES)) + "} or "
+                        "module:callable", help="SAC policy of --ac selective: a name, or your own policy "
+                        "function (ctx, op, *args, **kwargs) -> CheckpointPolicy as module:callable or "
+                        f"path/to/file.py:callable {shared}")
     if "freq" in default:
         parser.add_argument("--freq", type=int, choices=(1, 2, 4), default=default["freq"],
                             help="checkpoint every N-th block")

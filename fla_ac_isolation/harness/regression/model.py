@@ -18,7 +18,7 @@ from fla_ac_isolation.seqlens import LayerLocalSeqlens
 if TYPE_CHECKING:
     from fla_ac_isolation.families import Family
 
-__all__ = ["LAYOUTS", "AttentionLayout", "ModelSize", "PackedAttention", "TinyDecoder", "build_model"]
+__all__ = ["LAYOUTS", "AttentionLayout", "ModelSize", "PackedAttention", "TinyDecoder", "build_model", "tiny_config"]
 
 
 @dataclass(frozen=True)
@@ -169,21 +169,21 @@ def _partial_rotary_factor(config: Any) -> float:
     return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.25)))
 
 
-def _make_mixer(family: Family, backend: str, mixer: str | None) -> Any:
+def _make_mixer(family: Family, backend: str, mixer: str | None, mixer_config: Any = None) -> Any:
     """``(config, layer_idx) -> module`` of the linear-attention slots: our drop-in, or the user's ``mixer``."""
     if mixer is None:
         from fla_ac_isolation.mixers import family_drop_in
 
         ours = family_drop_in(family)
         return lambda config, i: ours(config, i, backend=backend)
-    from fla_ac_isolation.harness.regression.user_mixer import load_mixer
+    from fla_ac_isolation.harness.regression.user_mixer import mixer_builder
 
-    return load_mixer(mixer)
+    return mixer_builder(mixer, mixer_config)
 
 
 def _qwen_blocks(family: Family, config: Any, size: ModelSize, backend: str, ep_enabled: bool,
-                 mixer: str | None = None) -> list[DecoderBlock]:
-    mixer_cls = _make_mixer(family, backend, mixer)
+                 mixer: str | None = None, mixer_config: Any = None) -> list[DecoderBlock]:
+    mixer_cls = _make_mixer(family, backend, mixer, mixer_config)
     blocks = []
     for i, kind in enumerate(config.layer_types):
         if kind == "linear_attention":
@@ -209,8 +209,8 @@ def _nemotron_h_config(family: Family, size: ModelSize) -> Any:
 
 
 def _nemotron_h_blocks(family: Family, config: Any, size: ModelSize, backend: str,
-                       ep_enabled: bool, mixer: str | None = None) -> list[DecoderBlock]:
-    mamba2_cls = _make_mixer(family, backend, mixer)
+                       ep_enabled: bool, mixer: str | None = None, mixer_config: Any = None) -> list[DecoderBlock]:
+    mamba2_cls = _make_mixer(family, backend, mixer, mixer_config)
     eps = config.layer_norm_epsilon
     blocks = []
     for i, kind in enumerate(config.layers_block_type):
@@ -240,7 +240,7 @@ def _nemotron_h_blocks(family: Family, config: Any, size: ModelSize, backend: st
 
 class _Layout(NamedTuple):
     config: Any  # (family, size) -> transformers config
-    blocks: Any  # (family, config, size, backend, ep_enabled, mixer) -> [DecoderBlock]
+    blocks: Any  # (family, config, size, backend, ep_enabled, mixer, mixer_config) -> [DecoderBlock]
     eps: str  # the config's norm epsilon field
 
 
@@ -251,9 +251,19 @@ LAYOUTS: dict[str, _Layout] = {
 """The tiny decoders' layouts by :attr:`fla_ac_isolation.families.TinyRecipe.layout`."""
 
 
+def tiny_config(family: str, size: ModelSize = ModelSize()) -> Any:
+    """The transformers config the tiny ``family`` decoder of ``size`` is built from (what a mixer class gets).
+
+    Raises:
+        KeyError: unknown ``family``.
+    """
+    entry = FAMILIES[family]
+    return LAYOUTS[entry.tiny.layout].config(entry, size)
+
+
 def build_model(
     family: str, size: ModelSize = ModelSize(), *, backend: str = "auto", ep_enabled: bool = False,
-    mixer: str | None = None,
+    mixer: str | None = None, mixer_config: Any = None,
 ) -> TinyDecoder:
     """Build the tiny ``family`` decoder on the CPU in float32, initialised from the global RNG (seed it first).
     Move it and apply expert parallelism afterwards.
@@ -263,11 +273,13 @@ def build_model(
         size: model sizes.
         backend: ``"auto"`` | ``"fla"`` | ``"reference"``.
         ep_enabled: build the MoEs' expert-parallel sharding plan.
-        mixer: ``"module:qualname"`` of a user's mixer class (:mod:`.user_mixer`); ``None``: the family's drop-in.
+        mixer: ``"module:qualname"`` (or ``"path/to/file.py:qualname"``) of a user's mixer class or factory
+            (:mod:`.user_mixer`); ``None``: the family's drop-in.
+        mixer_config: the config a user's mixer class is built with instead of the family's.
 
     Raises:
         ValueError: unknown ``family``; ``num_experts`` smaller than ``top_k``; a ``mixer`` that cannot be
-            imported or built as ``cls(config, layer_idx)``.
+            imported or built as ``cls(config, layer_idx)`` / ``factory(layer_idx)``.
     """
     if family not in FAMILIES:
         raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {family!r}")
@@ -276,7 +288,7 @@ def build_model(
     entry = FAMILIES[family]
     layout = LAYOUTS[entry.tiny.layout]
     config = layout.config(entry, size)
-    blocks = layout.blocks(entry, config, size, backend, ep_enabled, mixer)
+    blocks = layout.blocks(entry, config, size, backend, ep_enabled, mixer, mixer_config)
     model = TinyDecoder(family, config, blocks, size.vocab_size, getattr(config, layout.eps))
     with torch.no_grad():
         nn.init.normal_(model.embed_tokens.weight, std=0.02)

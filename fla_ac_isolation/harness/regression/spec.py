@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import pickle
+import types
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.harness.modes import ALL_MODES, CP_MODES, MODE_NAMES
 from fla_ac_isolation.harness.regression.results import ModeResult, RegressionResult
 from fla_ac_isolation.harness.spec_fields import check_checkpointing, check_counts, check_seed, policy_name
+from fla_ac_isolation.harness.user_code import callable_target
 from fla_ac_isolation.ops.backend import check_backend
 from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES, ParallelMesh, check_schedule
 
@@ -50,9 +52,16 @@ class RegressionSpec:
 
     Attributes:
         model: family name, a key of :data:`fla_ac_isolation.families.FAMILIES`.
-        mixer: a user's mixer class for the linear-attention slots, or ``"module:qualname"`` (the rank processes
-            import it by path); built as ``cls(config, layer_idx)``, called as ``mixer(hidden_states [1, T, D],
-            seqlens)``. ``None``: the family's drop-in. Needs ``backend="auto"`` and ``cp == 1``.
+        mixer: a user's mixer for the linear-attention slots (:mod:`~fla_ac_isolation.harness.regression.user_mixer`):
+            a class built as ``cls(config, layer_idx)``, or a factory function built as ``factory(layer_idx)``;
+            the object (kept as its ``"module:qualname"``) or ``"module:qualname"`` / ``"path/to/file.py:qualname"``
+            (the rank processes load it again by name); called as ``mixer(hidden_states [1, T, D], seqlens)``.
+            :meth:`validate` builds one and runs its forward once on ``[1, 16, D]`` (widths that do not fit are
+            named). ``None``: the family's drop-in. Needs ``backend="auto"`` and ``cp == 1``.
+        mixer_config: the ``config`` a mixer class is built with, instead of the family's transformers config at
+            the tiny sizes (for a trainer's own config with fields transformers' lacks); pickled into the rank
+            processes (its class importable by module name: a ``SimpleNamespace``, a dict, or your package's
+            class). Not with a factory, which builds its own.
         ep: expert-parallel degree; ``None``: 2 without CP or PP, else 1. Without CP the EP ranks are
             data-parallel ranks; with CP they are the CP ranks, and ``ep`` is 1 or ``cp`` (:attr:`mesh`).
         cp: context-parallel degree (1 = none). With ``cp > 1`` the ranks train on one global batch sharded in
@@ -65,9 +74,11 @@ class RegressionSpec:
         schedule: a key of :data:`fla_ac_isolation.parallel.SCHEDULES`; the zero-bubble ones need ``ac="full"``.
         steps: AdamW steps per mode; ``None``: 3, or 2 with ``cp > 1`` or ``pp > 1``.
         ac: ``"full"`` or ``"selective"`` checkpointing for the AC modes.
-        policy: SAC policy name (:data:`fla_ac_isolation.policies.POLICIES`) of ``ac="selective"``; ``None``:
-            :data:`~fla_ac_isolation.harness.spec_fields.DEFAULT_POLICY`. Refused with ``ac="full"``, which saves
-            no op.
+        policy: the SAC policy of ``ac="selective"``: a name (:data:`fla_ac_isolation.policies.POLICIES`), your
+            own as ``"module:callable"`` / ``"path/to/file.py:callable"``, or a module-level function (kept as its
+            target: the rank processes load it by module and name; a lambda or a function defined inside another
+            is refused); ``None``: :data:`~fla_ac_isolation.harness.spec_fields.DEFAULT_POLICY`. Refused with
+            ``ac="full"``, which saves no op.
         freq: checkpoint every ``freq``-th block.
         backend: ``auto`` | ``fla`` | ``reference``. ``auto`` on a CPU under CP, for a family with
             :attr:`Family.fla_cp <fla_ac_isolation.families.Family.fla_cp>`, becomes ``fla`` (run by Triton's
@@ -96,7 +107,8 @@ class RegressionSpec:
     """
 
     model: str = "qwen3_5_moe"
-    mixer: str | type | None = None
+    mixer: str | type | Callable | None = None
+    mixer_config: Any = None
     ep: int | None = None
     cp: int = 1
     cp_layout: str = "contiguous"
@@ -105,7 +117,7 @@ class RegressionSpec:
     schedule: str = "1f1b"
     steps: int | None = None
     ac: str = "selective"
-    policy: str | None = None
+    policy: str | Callable | None = None
     freq: int = 1
     backend: str = "auto"
     device: str = "auto"
@@ -133,8 +145,10 @@ class RegressionSpec:
 
         cp = self.cp > 1 if isinstance(self.cp, int) else False
         pp = self.pp > 1 if isinstance(self.pp, int) and not isinstance(self.pp, bool) else False
-        if isinstance(self.mixer, type):  # kept as "module:qualname" (validate() checks it imports)
-            resolve("mixer", f"{self.mixer.__module__}:{self.mixer.__qualname__}")
+        if isinstance(self.mixer, (type, types.FunctionType)):  # kept as its target (validate() loads it)
+            resolve("mixer", callable_target(self.mixer))
+        if isinstance(self.policy, types.FunctionType):  # likewise: the ranks load the policy by name
+            resolve("policy", callable_target(self.policy))
         if self.ep is None:
             resolve("ep", 1 if cp or pp else 2)
         if self.steps is None:
@@ -194,7 +208,7 @@ class RegressionSpec:
         check_counts(self, ("steps", "freq", "hidden_size", "num_layers", "num_experts", "top_k"))
         self._validate_width()
         self._validate_mixer()
-        check_checkpointing(self.ac, self.policy)
+        self._validate_policy()
         check_backend(self.backend)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
@@ -223,6 +237,10 @@ class RegressionSpec:
         self._validate_pp()
         self._validate_ranks()
         resolve_device(self.device, mesh.world)  # a CUDA run needs one GPU per rank
+        if self.mixer is not None:  # last: it builds the user's mixer and runs its forward once
+            from fla_ac_isolation.harness.regression.user_mixer import check_fits, mixer_builder
+
+            check_fits(mixer_builder(self.mixer, self.mixer_config), self._tiny_config(), self.device)
         return self
 
     def _validate_width(self) -> None:
@@ -238,15 +256,36 @@ class RegressionSpec:
 
     def _validate_mixer(self) -> None:
         if self.mixer is None:
+            if self.mixer_config is not None:
+                raise ValueError(f"mixer_config is the config of a user's mixer class (mixer=...); with mixer=None "
+                                 f"the family's drop-in is built from its own, got mixer_config={self.mixer_config!r}")
             return
-        from fla_ac_isolation.harness.regression.user_mixer import load_mixer
+        from fla_ac_isolation.harness.regression.user_mixer import mixer_builder
 
-        load_mixer(self.mixer)
+        mixer_builder(self.mixer, self.mixer_config)
         if self.backend != "auto":
             raise ValueError(f"backend applies to this package's mixers; with mixer={self.mixer!r} it must be 'auto' "
                              f"(your mixer picks its own kernels), got {self.backend!r}")
         if self.cp > 1:
             raise ValueError(f"mixer={self.mixer!r} runs without context parallelism: cp must be 1, got {self.cp}")
+
+    def _validate_policy(self) -> None:
+        """``policy`` passes the shared rule and reaches the rank processes by name."""
+        expected = ("a name, 'module:callable', 'path/to/file.py:callable' or a module-level function (the rank "
+                    "processes load it again by module and name)")
+        if self.policy is not None and not isinstance(self.policy, str):
+            raise ValueError(f"policy must be {expected}, got {type(self.policy).__name__}")
+        if isinstance(self.policy, str) and ("<lambda>" in self.policy or "<locals>" in self.policy):
+            raise ValueError(f"policy {self.policy!r} is a lambda or is defined inside a function: the rank processes "
+                             f"load the policy by module and name (it is not pickled), so define it with def at "
+                             f"module level, or give 'module:name' naming a module-level variable that holds it")
+        check_checkpointing(self.ac, self.policy)
+
+    def _tiny_config(self) -> Any:
+        """The family's transformers config at this spec's sizes (what a mixer class is built with)."""
+        from fla_ac_isolation.harness.regression.model import ModelSize, tiny_config
+
+        return tiny_config(self.model, ModelSize(self.hidden_size, self.num_layers, self.num_experts, self.top_k))
 
     def _validate_fail_on(self) -> None:
         if self.fail_on is None:
@@ -347,9 +386,10 @@ class RegressionSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON data; ``policy`` named (:attr:`policy_name`), ``rank_setup`` as
-        ``"module:function"``."""
+        ``"module:function"``, ``mixer_config`` as its ``repr``."""
         out = asdict(self)
         out["policy"] = self.policy_name
+        out["mixer_config"] = None if self.mixer_config is None else repr(self.mixer_config)
         setup = self.rank_setup
         out["rank_setup"] = None if setup is None else f"{setup.__module__}:{setup.__qualname__}"
         return out

@@ -71,7 +71,8 @@ def _build_trainee(spec: RegressionSpec, mode: Mode, ctx: RankContext) -> _Train
     size = ModelSize(spec.hidden_size, spec.num_layers, spec.num_experts, spec.top_k)
     torch.manual_seed(spec.seed)
     expert_parallel = ctx.mesh.ep > 1
-    model = build_model(spec.model, size, backend=spec.backend, ep_enabled=expert_parallel, mixer=spec.mixer)
+    model = build_model(spec.model, size, backend=spec.backend, ep_enabled=expert_parallel, mixer=spec.mixer,
+                        mixer_config=spec.mixer_config)
     model.to(device=ctx.device, dtype=DTYPES[spec.dtype])
     if expert_parallel:
         apply_expert_parallel(model.moes(), ctx.dims)
