@@ -98,10 +98,10 @@ def test_saveable_ops_example_runs_aligned_and_equals_the_saveable_model_without
 
 
 def _changelog_tables() -> list[list[tuple[list[str], list[str]]]]:
-    """Per version section of docs/changelog.md, newest first: its table's rows as ``(old names, new names)``,
-    the dotted ``fla_ac_isolation...`` names of each column."""
+    """Per version section of docs/changelog.md (``## 0.4.0 ...``; not ``## Unreleased``), newest first: its table's
+    rows as ``(old names, new names)``, the dotted ``fla_ac_isolation...`` names of each column."""
     page = (Path(__file__).parent.parent / "docs" / "changelog.md").read_text()
-    sections = re.split(r"^## ", page, flags=re.M)[1:]
+    sections = re.split(r"^## (?=\d)", page, flags=re.M)[1:]
     return [[(_cell_names(row[0]), _cell_names(row[1])) for row in
              (line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `fla_ac_isolation"))]
             for section in sections]
@@ -138,9 +138,10 @@ def test_changelog_new_locations_exist_and_old_ones_are_gone():
 
 
 def _alias_rows() -> list[tuple[str, str]]:
-    """The newest section's rows whose new cell says "deprecated alias": (old module path, new module path)."""
+    """The newest version section's rows whose new cell says "deprecated alias": (old module path, new module
+    path)."""
     page = (Path(__file__).parent.parent / "docs" / "changelog.md").read_text()
-    newest = re.split(r"^## ", page, flags=re.M)[1]
+    newest = re.split(r"^## (?=\d)", page, flags=re.M)[1]
     return [(m.group(1), m.group(2)) for m in
             re.finditer(r"^\| `(fla_ac_isolation[\w.]*)` \| `(fla_ac_isolation[\w.]*)` \(deprecated alias\)",
                         newest, flags=re.M)]

@@ -38,7 +38,8 @@ def test_pyproject_registers_the_plugin_module_in_pytest11_under_its_own_name():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["pytest11"] == {PLUGIN: PLUGIN}
     module = __import__(PLUGIN, fromlist=["_"])
-    assert {"fla_ac_check", "fla_ac_regression", "assert_ac_safe", "assert_regression_safe"} <= set(module.__all__)
+    assert {"fla_ac_check", "fla_ac_regression", "fla_reference_kernels", "assert_ac_safe",
+            "assert_regression_safe"} <= set(module.__all__)
 
 
 def test_the_installed_distribution_registers_the_same_entry_point():
@@ -80,6 +81,29 @@ def test_the_fixtures_are_offered_once_the_plugin_is_loaded(pytester):
     pytester.runpytest(*RUN).assert_outcomes(passed=1)
     # switched off (as an installed entry point it loads by itself): no such fixture
     pytester.runpytest("-p", f"no:{PLUGIN}", "-p", "no:cacheprovider").assert_outcomes(errors=1)
+
+
+OWN_MODEL_PAGE = "docs/own-model.md"
+
+
+def test_the_own_model_pages_cpu_test_passes_inside_the_served_fixture_and_fails_outside_it(pytester):
+    """The page's test file, as a user runs it: its layer imports FLA's op inside its forward; the fixture serves
+    it (three calls, packed equal to each document alone). The same test body without the fixture (the unsafe
+    path) reaches FLA's op, behind the guard the first run's block left, which names the block."""
+    page = re.findall(r"```python\n(.*?)```", (ROOT / OWN_MODEL_PAGE).read_text(), re.S)
+    test_file = next(block for block in page if "fla_reference_kernels" in block)
+    pytester.makepyfile(test_cpu=test_file)
+    pytester.runpytest(*RUN, "-q", "-p", "no:warnings").assert_outcomes(passed=1)
+
+    unserved = test_file.replace("def test_packed_documents_stay_apart(fla_reference_kernels):",
+                                 "def test_packed_documents_stay_apart():")
+    assert unserved != test_file
+    pytester.makepyfile(test_cpu=unserved)
+    result = pytester.runpytest(*RUN, "-q", "-p", "no:warnings")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["E * RuntimeError: FLA's chunk_gated_delta_rule was called on CPU tensors outside "
+                                 "reference_kernels(): FLA's Triton kernels cannot run on a CPU; call it inside a "
+                                 "`with reference_kernels():` block (or on CUDA tensors)"])
 
 
 # ------------------------------------------------------------------------------------------ the check
