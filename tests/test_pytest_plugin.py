@@ -118,13 +118,18 @@ def test_the_check_passes_the_isolated_model_and_fails_the_shared_and_the_blind_
         "*_ test_shared_offsets_model _*",
         "fla-ac-isolation check: Model (given to assert_ac_safe) | SAC policy save-all-copies | cpu (FLA served by "
         "reference_kernels)",
+        "FLA-backed classes:",
+        "  exposed  Block (your code) x2: layers.0, layers.1; its calls handed FLA the same offsets objects (observed "
+        "in the step)",
         "as given: 1 of 2 checkpointed region(s) aligned, 1 DIVERGENT",
         "  layers.0  divergent at op #30 in layers.0: recompute ran aten.new_zeros.default -> [[]1, 2, 16, 16[]] "
         "float32 cpu, forward ran aten.slice.Tensor -> [[]2[]] int32 cpu (FLA cache: prepare_chunk_indices, "
         "prepare_chunk_offsets)",
         "  layers.1  aligned",
         "Fix:",
-        "  your own FLA-calling code: build a LayerLocalSeqlens once per forward*",
+        "  Block: build a LayerLocalSeqlens once per model forward, hand it to every layer, and call "
+        "seqlens.local() inside Block's forward (inside its checkpointed region), giving FLA its tensors "
+        "(docs/own-model.md)",
         "verdict: DIVERGENT (exit 1)",
         "*_ test_model_without_fla _*",
         "fla-ac-isolation check refused the model: nothing was judged: the step found no FLA-backed class and its "
