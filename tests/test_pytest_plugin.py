@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 from page_output import assert_printed_as_on_page
 
 pytest_plugins = ["pytester"]
@@ -213,6 +214,58 @@ def test_a_policy_with_full_ac_fails_the_test_before_the_model_runs():
         "fla-ac-isolation check refused the model: policy 'save-d2h-copies' was given with ac='full': full AC "
         "recomputes every op and saves none, so a SAC policy has nothing to choose: leave policy out, or give "
         "ac='selective' to apply it")
+
+
+def _nemotron_h():
+    """transformers' tiny NemotronH: its Mamba2 mixer drops the packed offsets (a leaking class)."""
+    from fla_ac_isolation.harness.foreign_models import build_tiny
+
+    model, batch, _ = build_tiny("nemotron_h")
+    return model, batch
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_a_model_whose_packed_documents_mix_fails_though_every_region_is_aligned():
+    """The verdict is the check's exit code: aligned under AC, the model still mixes its packed documents (exit
+    1, LEAKING). The unsafe rule, judging by alignment alone, would pass it: its step is aligned."""
+    from fla_ac_isolation.harness.check_runner import CheckSpec, run_check
+    from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe
+
+    with pytest.raises(pytest.fail.Exception) as info:
+        assert_ac_safe(_nemotron_h, verify_fix=False)
+    lines = str(info.value).splitlines()
+    assert "  leaking  NemotronHMamba2Mixer (transformers) x2: model.layers.0.mixer, model.layers.2.mixer" in lines
+    assert "as given: 4 of 4 checkpointed region(s) aligned" in lines
+    assert lines[-1] == "verdict: LEAKING (exit 1): packed documents mix in NemotronHMamba2Mixer"
+    result = run_check(CheckSpec(model=_nemotron_h, verify_fix=False))
+    assert result.as_given.aligned and result.exit_code == 1  # what the unsafe rule would have read
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_assert_ac_safe_checks_a_copy_and_leaves_the_users_model_as_it_was():
+    """The page's isolated model, in eval mode: after the check its modules (no ``CheckpointWrapper``), its
+    parameters (values, no ``.grad``) and its training flag are those it had. The unsafe path: the check run on
+    the object itself wraps its layers, sets gradients and puts it in training mode."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from fla_ac_isolation.harness.check_runner import CheckSpec, run_check
+    from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe
+
+    page: dict = {}
+    exec(compile(_page_python(0), PAGE, "exec"), page)
+    model = page["Model"](isolated=True).eval()
+    modules = [(name, type(m)) for name, m in model.named_modules()]
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result = assert_ac_safe(model, page["packed_batch"](), policy="save-all-copies")
+    assert result.exit_code == 0
+    assert [(name, type(m)) for name, m in model.named_modules()] == modules
+    assert all(p.grad is None and torch.equal(p, values[n]) for n, p in model.named_parameters())
+    assert model.training is False
+
+    given = page["Model"](isolated=True).eval()
+    run_check(CheckSpec(model=lambda: (given, page["packed_batch"]()), policy="save-all-copies", verify_fix=False))
+    assert [type(layer) for layer in given.layers] == [CheckpointWrapper, CheckpointWrapper]
+    assert given.training is True and all(p.grad is not None for p in given.parameters())
 
 
 # ------------------------------------------------------------------------------- the EP=2 regression
