@@ -287,6 +287,45 @@ def test_only_the_shim_left_is_refused_on_torch_2_14_and_later(monkeypatch):
         _enter_and_leave(ReplayAudit())
 
 
+def test_a_known_generator_that_checkpoint_does_not_call_is_refused_on_every_torch(monkeypatch):
+    """A torch whose checkpoint runs its generator under another name while the known name is still there with its
+    known parameters (as torch 2.14 and 2.15 keep the old name as a shim): the audit reads what the caller calls,
+    so it refuses, on any torch (here: the caller's code renamed, the generator copied under the new name). The
+    unsafe path (presence and parameters alone): the audit patches the stale name and records no region of a
+    checkpoint that ran."""
+    import inspect
+    import types
+
+    from fla_ac_isolation.audit import torch_checkpoint
+
+    internals = checkpoint_internals()
+    caller = inspect.unwrap(getattr(cp, internals.caller))
+    real = getattr(cp, internals.generator)
+    moved = types.FunctionType(real.__code__, real.__globals__, "_moved_generator", real.__defaults__,
+                               real.__closure__)
+    moved.__kwdefaults__ = real.__kwdefaults__
+    monkeypatch.setattr(cp, "_moved_generator", moved, raising=False)
+    names = tuple("_moved_generator" if n == internals.generator else n for n in caller.__code__.co_names)
+    monkeypatch.setattr(caller, "__code__", caller.__code__.replace(co_names=names))
+    x = _x()
+    checkpoint(two_ops, x, use_reentrant=False).sum().backward()  # checkpoint runs, through the moved generator
+    assert x.grad is not None
+
+    with pytest.raises(UnsupportedTorchCheckpointError) as err:
+        _enter_and_leave(ReplayAudit())
+    present = ", ".join(name for name in (NEW, OLD) if hasattr(cp, name))
+    assert str(err.value).startswith(
+        f"ReplayAudit does not know the checkpoint internals of torch {torch.__version__}: torch.utils.checkpoint."
+        f"{internals.caller} calls none of the non-reentrant generators it knows with their known parameters (")
+    assert str(err.value).endswith(f"); present here: {present}. Auditing would record no region, so it refuses; "
+                                   f"use a torch from 2.11 to 2.15")
+
+    monkeypatch.setattr(torch_checkpoint, "_code_names", lambda fn: (internals.generator,))  # the unsafe path
+    with ReplayAudit() as audit:
+        checkpoint(two_ops, _x(), use_reentrant=False).sum().backward()
+    assert audit.regions == [] and audit.why_blind == "no checkpointed region ran"
+
+
 def test_a_checkpoint_function_of_another_shape_is_refused(monkeypatch):
     class Other(torch.autograd.Function):
         @staticmethod

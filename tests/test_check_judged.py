@@ -168,6 +168,58 @@ def test_the_plugin_renders_run_checks_refusal_and_keeps_no_rule_of_its_own(mlp_
     assert not hasattr(plugin, "_judged")
 
 
+# ------------------------------------------------------------- every region divergent is judged, not blind
+class _SharedHelperLayer(nn.Module):
+    """Calls FLA's cached helper on the offsets it is handed (the batch's one tensor: shared)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, cu_seqlens):
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        return self.proj(x * prepare_chunk_indices(cu_seqlens, 64).shape[0])  # the recompute reaches the helper
+
+
+class _OneLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_SharedHelperLayer()])
+
+    def forward(self, x, cu_seqlens):
+        return self.layers[0](x, cu_seqlens).square().mean()
+
+
+def _one_layer():
+    torch.manual_seed(0)
+    return _OneLayer(), {"x": torch.randn(1, 100, 8), "cu_seqlens": torch.tensor([0, 70, 100], dtype=torch.int32)}
+
+
+def test_a_step_whose_every_region_diverged_is_judged_divergent_exit_1_not_blind():
+    """One layer on the batch's offsets: its forward misses FLA's cache, its recompute hits, so its only region
+    diverges. Nothing was unseen: the audit is not blind (no region aligned is not "nothing judged"), and the
+    check exits 1 DIVERGENT, not 2."""
+    from fla_ac_isolation.audit import ReplayAudit
+    from fla_ac_isolation.fla_cache import clear_tensor_cache
+    from fla_ac_isolation.harness.cli.check import render
+    from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
+
+    model, batch = _one_layer()
+    checkpoint_layers(model, "selective", save_all_copies())
+    clear_tensor_cache()
+    with ReplayAudit(model, on_divergence="record") as audit:
+        model(**batch).backward()
+    assert [r.verdict for r in audit.regions] == ["divergent"]
+    assert (audit.verdict, audit.why_blind) == ("divergent", None)
+
+    result = run_check(CheckSpec(model=_one_layer, policy="save-all-copies", verify_fix=False))
+    assert result.as_given.blind is None and result.exit_code == 1
+    lines = render(result).splitlines()
+    assert lines[5] == "as given: 0 of 1 checkpointed region(s) aligned, 1 DIVERGENT"
+    assert lines[-1] == "verdict: DIVERGENT (exit 1)"
+
+
 # ------------------------------------------------------------- covered: observed from FLA's cache, any device
 class Helpers(nn.Module):
     """Calls FLA's cached index helpers with the offsets it is handed (as FLA's CUDA kernels do), no kernel."""

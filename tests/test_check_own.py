@@ -245,6 +245,134 @@ def test_a_model_checkpointing_some_layers_itself_is_told_which_are_not_audited(
     assert not any(line.startswith("  not checkpointed") for line in lines) and code == 1
 
 
+# ------------------------------------------------- your own code calling FLA's ops (issue 37: the seed's users)
+OWN_FLA_MODEL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fla_ac_isolation import LayerLocalSeqlens
+
+D, H = 32, 2
+
+
+class Mixer(nn.Module):  # calls FLA's own ops, imported where it calls them
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.gates, self.out = nn.Linear(D, 3 * D), nn.Linear(D, 2 * H), nn.Linear(D, D)
+
+    def forward(self, hidden, local):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        q, k, v = self.qkv(hidden).view(1, -1, 3, H, D // H).unbind(2)
+        a, b = self.gates(hidden).chunk(2, dim=-1)
+        o, _ = chunk_gated_delta_rule(q, k, v, F.logsigmoid(a), b.sigmoid(), cu_seqlens=local.cu_seqlens,
+                                      cu_seqlens_cpu=local.cu_seqlens_cpu, use_qk_l2norm_in_kernel=True)
+        return self.out(o.flatten(-2))
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mixer = Mixer()
+
+    def forward(self, hidden, seqlens):
+        local = seqlens.local() if isinstance(seqlens, LayerLocalSeqlens) else seqlens  # inside, or handed in
+        return hidden + self.mixer(hidden, local)
+
+
+class Model(nn.Module):
+    def __init__(self, local_once):
+        super().__init__()
+        self.local_once = local_once
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, hidden, cu_seqlens):
+        seqlens = LayerLocalSeqlens(cu_seqlens, num_tokens=hidden.shape[1])
+        if self.local_once:
+            seqlens = seqlens.local()  # once in the model's forward, handed to every layer
+        for layer in self.layers:
+            hidden = layer(hidden, seqlens)
+        return hidden.pow(2).mean()
+
+
+def _build(local_once):
+    torch.manual_seed(0)
+    return Model(local_once), {"hidden": torch.randn(1, 100, D), "cu_seqlens": torch.tensor([0, 30, 100])}
+
+
+def isolated():
+    return _build(False)
+
+
+def local_once():
+    return _build(True)
+'''
+
+
+def _own_fla_model(tmp_path) -> str:
+    (tmp_path / "own_fla.py").write_text(OWN_FLA_MODEL)
+    return f"{tmp_path}/own_fla.py"
+
+
+def test_a_model_of_your_own_calling_flas_op_with_local_inside_each_layer_is_reported_covered(capsys, tmp_path):
+    """Its mixer imports FLA's gated delta rule inside its forward; every call (forward and recompute of each
+    layer) handed FLA's helpers offsets of its own: covered, seen in the step (it was "FLA-backed classes: none this
+    package knows"). The unsafe path: ``.local()`` once, outside the layers (next test)."""
+    code, lines, _ = _check(capsys, "--model", f"{_own_fla_model(tmp_path)}:isolated")
+    assert lines[2:4] == [
+        "FLA-backed classes:",
+        "  covered  Mixer (your code) x2: layers.0.mixer, layers.1.mixer; every call handed FLA offsets of its own "
+        "(observed in the step)"]
+    assert lines[5:8] == ["as given: 2 of 2 checkpointed region(s) aligned", "  layers.0  aligned", "  layers.1  aligned"]
+    assert "Fix:" not in lines and code == 0 and lines[-1] == "verdict: OK (exit 0)"
+
+
+def test_local_called_once_in_the_models_forward_is_named_in_the_fix(capsys, tmp_path):
+    """One ``.local()`` in the model's forward, its ``LocalSeqlens`` handed to every checkpointed layer: each
+    layer's forward and recompute give FLA the same objects (the fault). The report says which layers were handed
+    it and that ``.local()`` must run inside each layer."""
+    from fla_ac_isolation.harness.check_runner import run_check
+
+    model = _own_fla_model(tmp_path)
+    code, lines, _ = _check(capsys, "--model", f"{model}:local_once")
+    assert lines[2:4] == [
+        "FLA-backed classes:",
+        "  exposed  Mixer (your code) x2: layers.0.mixer, layers.1.mixer; its calls handed FLA the same offsets "
+        "objects (observed in the step)"]
+    assert "as given: 1 of 2 checkpointed region(s) aligned, 1 DIVERGENT" in lines
+    assert lines[lines.index("Fix:") + 1:] == [
+        "  Mixer: call seqlens.local() inside each layer's forward (inside its checkpointed region), not once "
+        "outside: layers.0, layers.1 were handed the LocalSeqlens of one .local() call made outside them, so their "
+        "forward and recompute gave FLA the same offsets objects (docs/own-model.md)",
+        "", "verdict: DIVERGENT (exit 1)"]
+    assert code == 1
+    result = run_check(CheckSpec(model=f"{model}:local_once", verify_fix=False))
+    assert result.as_given.handed_local == ("layers.0", "layers.1")
+    assert [(c.path, c.fresh) for c in result.as_given.own_callers] == [("layers.0.mixer", False),
+                                                                         ("layers.1.mixer", False)]
+    isolated = run_check(CheckSpec(model=f"{model}:isolated", verify_fix=False)).as_given
+    assert isolated.handed_local == () and all(c.fresh for c in isolated.own_callers)
+
+
+def test_the_fix_for_divergent_own_code_with_no_caller_seen_names_local_inside_each_layer():
+    """The fallback line (a region diverged, no class to blame): it says where ``.local()`` must run; with
+    regions handed a ``LocalSeqlens`` it names them."""
+    from fla_ac_isolation.harness.check_findings import CheckStep, RegionVerdict
+    from fla_ac_isolation.harness.check_fix import fixes
+
+    step = CheckStep((RegionVerdict("layers.0", "divergent", 3),))
+    assert fixes([], step) == [
+        "your own FLA-calling code: build a LayerLocalSeqlens once per model forward, hand it to every layer, and "
+        "call seqlens.local() inside each layer's forward (inside its checkpointed region), giving FLA its tensors "
+        "(docs/own-model.md)"]
+    handed = CheckStep(step.regions, handed_local=("layers.0",))
+    assert fixes([], handed) == [
+        "your own FLA-calling code: call seqlens.local() inside each layer's forward (inside its checkpointed "
+        "region), not once outside: layers.0 was handed the LocalSeqlens of one .local() call made outside it, so "
+        "its forward and recompute gave FLA the same offsets objects (docs/own-model.md)"]
+
+
 class _Checkpointed(torch.nn.Module):
     """Runs its children in order, each in a checkpoint of its own (a leaf runs a Linear, checkpointed too)."""
 

@@ -204,6 +204,51 @@ def test_a_step_with_no_checkpointed_region_is_not_aligned_exit_1():
 
 
 # ---------------------------------------------------------------------------- FLA refuses the environment
+BYPASSING = """
+import torch
+from torch import nn
+from fla.layers import GatedDeltaNet
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mixer = GatedDeltaNet(hidden_size=64, num_heads=4, head_dim=16, expand_v=1, mode="chunk")
+
+    def forward(self, x, cu_seqlens):
+        return x + self.mixer(x, cu_seqlens=cu_seqlens)[0]
+
+
+class Bypassing(nn.Module):
+    \"\"\"Holds its layers in a layer list, but its forward calls each layer's mixer, never the layer.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, x, cu_seqlens):
+        for layer in self.layers:
+            x = x + layer.mixer(x, cu_seqlens=cu_seqlens)[0]
+        return x.square().mean()
+
+
+def bypassing():
+    torch.manual_seed(0)
+    return Bypassing(), {"x": torch.randn(1, 134, 64), "cu_seqlens": torch.tensor([0, 70, 93, 134], dtype=torch.int32)}
+"""
+
+
+def test_a_forward_that_runs_no_checkpointed_region_is_refused_as_such_exit_2(capsys, tmp_path):
+    """The layers are checkpointed, but the forward never calls them (it calls their mixers): no region ran.
+    FLA did receive the offsets (outside any region), so "no packed offsets reached FLA" would be false advice."""
+    path = tmp_path / "bypassing.py"
+    path.write_text(BYPASSING)
+    code, out, err = _check(capsys, "--model", f"{path}:bypassing")
+    assert (code, out) == (2, "")
+    assert err == ("fla-ac-isolation check: error: no checkpointed region ran: nothing was recomputed, so nothing "
+                   "was judged: the model's forward must call the layers of its layer list\n")
+
+
 def _environment_error(text: str) -> str:
     return (
         f"fla-ac-isolation check: error: FLA refuses this environment, not the model: FLA {fla_version()} refuses "

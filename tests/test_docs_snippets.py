@@ -98,10 +98,10 @@ def test_saveable_ops_example_runs_aligned_and_equals_the_saveable_model_without
 
 
 def _changelog_tables() -> list[list[tuple[list[str], list[str]]]]:
-    """Per version section of docs/changelog.md, newest first: its table's rows as ``(old names, new names)``,
-    the dotted ``fla_ac_isolation...`` names of each column."""
+    """Per version section of docs/changelog.md (``## 0.4.0 ...``; not ``## Unreleased``), newest first: its table's
+    rows as ``(old names, new names)``, the dotted ``fla_ac_isolation...`` names of each column."""
     page = (Path(__file__).parent.parent / "docs" / "changelog.md").read_text()
-    sections = re.split(r"^## ", page, flags=re.M)[1:]
+    sections = re.split(r"^## (?=\d)", page, flags=re.M)[1:]
     return [[(_cell_names(row[0]), _cell_names(row[1])) for row in
              (line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `fla_ac_isolation"))]
             for section in sections]

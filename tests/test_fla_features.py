@@ -86,6 +86,26 @@ def test_layer_local_seqlens_with_cp_needs_06_where_flas_context_is_built():
         assert str(info.value) == _needs_06("LayerLocalSeqlens(..., cp=CPConfig(layout='contiguous'))", *CP)
 
 
+def test_the_cp_probe_reads_layout_in_flas_signature_not_the_modules_presence(monkeypatch):
+    """fla-core 0.5.2 has ``fla.ops.cp.context.get_cp_cu_seqlens`` but no ``layout=``: a probe of the module's
+    presence would pass it, and zigzag CP would then fail inside FLA. Here, on either release, a
+    ``get_cp_cu_seqlens`` without ``layout=`` is put in FLA's module: the probe says no and the config refuses."""
+    context = importlib.import_module("fla.ops.cp.context")
+
+    def get_cp_cu_seqlens(cu_seqlens, cu_seqlens_cpu=None, group=None):  # no layout=
+        raise AssertionError("the probe reads the signature; it never calls FLA")
+
+    monkeypatch.setattr(context, "get_cp_cu_seqlens", get_cp_cu_seqlens)
+    supports.cache_clear()
+    try:
+        assert supports("cp") is False
+        with pytest.raises(FlaFeatureError) as info:
+            CPConfig(world_size=2, rank=1, layout="zigzag")
+        assert str(info.value) == _needs_06("CPConfig(layout='zigzag')", *CP)
+    finally:
+        supports.cache_clear()  # the next call reads FLA's own function again
+
+
 def test_require_passes_silently_only_where_supported():
     if NEW:
         require("gdn_chunk_indices", where="x")

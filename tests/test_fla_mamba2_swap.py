@@ -60,6 +60,8 @@ def _fla_torch_path(model: nn.Module) -> nn.Module:
         if isinstance(module, Mamba2):
             module.act = F.silu
             norm = module.norm
+            if norm is None:  # rmsnorm=False: y * act(gate)
+                continue
             norm.forward = lambda x, z=None, n=norm: rms_norm_ref(x, n.weight, n.bias, z, n.eps, n.group_size,
                                                                   n.norm_before_gate)
     return model
@@ -150,19 +152,22 @@ def _naive(layer: nn.Module, x: torch.Tensor, group_of) -> torch.Tensor:
             (dt[t, :, None, None] * xs[t, :, :, None] * B[t, index][:, None, :])
         ys.append(torch.einsum("hpn,hn->hp", h_state, C[t, index]) + w["D"][:, None] * xs[t])
     y = torch.stack(ys).reshape(1, tokens, inter)
+    if not layer.rmsnorm:  # FLA's rmsnorm=False: the gate alone
+        return F.linear(y * F.silu(gate), w["out_proj.weight"])
     y = rms_norm_ref(y, w["norm.weight"], None, gate, layer.norm.eps, layer.norm.group_size,
                      layer.norm.norm_before_gate, upcast=False)
     return F.linear(y, w["out_proj.weight"])
 
 
-def _layer(n_groups: int):
+def _layer(n_groups: int, rmsnorm: bool = True):
     from fla.layers.mamba2 import Mamba2
 
     torch.manual_seed(1)
     layer = Mamba2(num_heads=8, head_dim=16, hidden_size=64, state_size=16, n_groups=n_groups, chunk_size=16,
-                   layer_idx=0, backend="triton")
+                   layer_idx=0, backend="triton", rmsnorm=rmsnorm)
     with torch.no_grad():  # constants after init: perturb so every term matters
-        layer.norm.weight.add_(0.3 * torch.randn_like(layer.norm.weight))
+        if rmsnorm:
+            layer.norm.weight.add_(0.3 * torch.randn_like(layer.norm.weight))
         layer.D.add_(0.2 * torch.randn_like(layer.D))
     holder = nn.ModuleDict({"mixer": copy.deepcopy(layer)})
     assert swap_mixers(holder) == ["mixer"]
@@ -189,6 +194,23 @@ def test_drop_in_is_mamba2_and_matches_flas_torch_path_where_that_path_is_mamba2
         assert gap <= bound  # measured 2.9e-7 (float32 inside both)
     else:
         assert gap > 0.02  # measured 0.049: far above the bound (the two recurrences above say why)
+
+
+def test_a_layer_without_rmsnorm_swaps_and_is_mamba2_with_the_gate_alone():
+    """FLA's ``rmsnorm=False``: no norm parameters, the output ``y * silu(gate)``. The drop-in takes it (its
+    ``state_dict`` has FLA's names, no ``norm.weight``) and matches the independent float64 recurrence, and FLA's
+    torch path with one group."""
+    fla_layer, ours = _layer(1, rmsnorm=False)
+    assert fla_layer.norm is None and not ours.rmsnorm and "rmsnorm=False" in repr(ours)
+    assert list(ours.state_dict()) == list(fla_layer.state_dict())
+    assert not any(name.startswith("norm.") for name in ours.state_dict())
+    x = torch.randn(1, 40, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    expected = _naive(fla_layer, x, lambda h: 0)
+    with torch.no_grad():
+        theirs, mine = fla_layer.double()(x)[0], ours.double()(x)[0]
+    bound = ULPS * EPS32 * expected.abs().max().item()
+    assert (mine - expected).abs().max().item() <= bound
+    assert (theirs - expected).abs().max().item() <= bound
 
 
 def test_unpacked_model_logits_match_flas_torch_path_with_one_group():

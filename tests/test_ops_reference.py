@@ -193,6 +193,47 @@ def test_inconsistent_helper_metadata_is_reported(monkeypatch):
         reference.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=_cu().cu_seqlens)
 
 
+OFFSETS_SHORT = ("cu_seqlens ends at 120 but the input has 128 tokens: the offsets do not match the tokens (the last "
+                 "offset must be the packed token count T of the inputs [1, T, ...])")
+
+
+@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "causal_conv1d", "ssd", "flas_gdn_served"])
+def test_offsets_ending_short_of_the_tokens_without_ac_say_so_naming_both_numbers(op):
+    """No checkpoint anywhere: the offsets are the caller's mistake. The message names the offsets' end and the
+    token count; it does not ask about checkpointed layers (the text before: "FLA's chunk metadata covers 120 tokens
+    but the input has 128; was one cu_seqlens object shared by checkpointed layers?")."""
+    from fla_ac_isolation.harness.reference_kernels import reference_kernels
+
+    cu = torch.tensor([0, 50, 120], dtype=torch.int32)
+    q, k, v, g, beta = _gdn_inputs(tokens=128)
+    ssd = _ssd_inputs(tokens=128)
+    calls = {
+        "chunk_gated_delta_rule": lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu),
+        "causal_conv1d": lambda: ops.causal_conv1d(v.flatten(-2), torch.ones(24, 4, dtype=v.dtype), cu_seqlens=cu),
+        "ssd": lambda: ops.ssd(**ssd, cu_seqlens=cu),
+        "flas_gdn_served": lambda: __import__("fla.ops.gated_delta_rule", fromlist=["_"]).chunk_gated_delta_rule(
+            q, k, v, g, beta, cu_seqlens=cu),
+    }
+    with reference_kernels(), pytest.raises(ValueError) as info:
+        calls[op]()
+    assert str(info.value) == OFFSETS_SHORT
+
+
+def test_offsets_ending_short_of_the_tokens_in_a_backward_ask_about_a_recompute():
+    """The same offsets reaching the op in a backward (where a checkpointed region recomputes): a forward with
+    these inputs would have raised, so the recompute got other offsets or inputs than its forward."""
+    cu = torch.tensor([0, 50, 120], dtype=torch.int32)
+    q, k, v, g, beta = _gdn_inputs(tokens=128)
+    leaf = torch.ones(2, requires_grad=True)
+    leaf.register_hook(lambda grad: ops.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu) and grad)
+    with pytest.raises(RuntimeError) as info:
+        (leaf * 2).sum().backward()
+    assert str(info.value) == (
+        "cu_seqlens ends at 120 but the input has 128 tokens: the offsets do not match the tokens in a backward (a "
+        "checkpointed region's recompute): the recompute got other offsets or inputs than its forward; was one "
+        "cu_seqlens object shared by checkpointed layers?")
+
+
 # -------------------------------------------------------------------------------------- dispatch
 def test_auto_backend_is_reference_on_cpu():
     assert resolve_backend("auto", torch.zeros(1)) == "reference"

@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 from page_output import assert_printed_as_on_page
 
 pytest_plugins = ["pytester"]
@@ -38,7 +39,8 @@ def test_pyproject_registers_the_plugin_module_in_pytest11_under_its_own_name():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["pytest11"] == {PLUGIN: PLUGIN}
     module = __import__(PLUGIN, fromlist=["_"])
-    assert {"fla_ac_check", "fla_ac_regression", "assert_ac_safe", "assert_regression_safe"} <= set(module.__all__)
+    assert {"fla_ac_check", "fla_ac_regression", "fla_reference_kernels", "assert_ac_safe",
+            "assert_regression_safe"} <= set(module.__all__)
 
 
 def test_the_installed_distribution_registers_the_same_entry_point():
@@ -82,6 +84,29 @@ def test_the_fixtures_are_offered_once_the_plugin_is_loaded(pytester):
     pytester.runpytest("-p", f"no:{PLUGIN}", "-p", "no:cacheprovider").assert_outcomes(errors=1)
 
 
+OWN_MODEL_PAGE = "docs/own-model.md"
+
+
+def test_the_own_model_pages_cpu_test_passes_inside_the_served_fixture_and_fails_outside_it(pytester):
+    """The page's test file, as a user runs it: its layer imports FLA's op inside its forward; the fixture serves
+    it (three calls, packed equal to each document alone). The same test body without the fixture (the unsafe
+    path) reaches FLA's op, behind the guard the first run's block left, which names the block."""
+    page = re.findall(r"```python\n(.*?)```", (ROOT / OWN_MODEL_PAGE).read_text(), re.S)
+    test_file = next(block for block in page if "fla_reference_kernels" in block)
+    pytester.makepyfile(test_cpu=test_file)
+    pytester.runpytest(*RUN, "-q", "-p", "no:warnings").assert_outcomes(passed=1)
+
+    unserved = test_file.replace("def test_packed_documents_stay_apart(fla_reference_kernels):",
+                                 "def test_packed_documents_stay_apart():")
+    assert unserved != test_file
+    pytester.makepyfile(test_cpu=unserved)
+    result = pytester.runpytest(*RUN, "-q", "-p", "no:warnings")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["E * RuntimeError: FLA's chunk_gated_delta_rule was called on CPU tensors outside "
+                                 "reference_kernels(): FLA's Triton kernels cannot run on a CPU; call it inside a "
+                                 "`with reference_kernels():` block (or on CUDA tensors)"])
+
+
 # ------------------------------------------------------------------------------------------ the check
 @pytest.mark.usefixtures("single_thread")
 def test_the_check_passes_the_isolated_model_and_fails_the_shared_and_the_blind_one_with_the_report(pytester):
@@ -94,13 +119,18 @@ def test_the_check_passes_the_isolated_model_and_fails_the_shared_and_the_blind_
         "*_ test_shared_offsets_model _*",
         "fla-ac-isolation check: Model (given to assert_ac_safe) | SAC policy save-all-copies | cpu (FLA served by "
         "reference_kernels)",
+        "FLA-backed classes:",
+        "  exposed  Block (your code) x2: layers.0, layers.1; its calls handed FLA the same offsets objects (observed "
+        "in the step)",
         "as given: 1 of 2 checkpointed region(s) aligned, 1 DIVERGENT",
         "  layers.0  divergent at op #30 in layers.0: recompute ran aten.new_zeros.default -> [[]1, 2, 16, 16[]] "
         "float32 cpu, forward ran aten.slice.Tensor -> [[]2[]] int32 cpu (FLA cache: prepare_chunk_indices, "
         "prepare_chunk_offsets)",
         "  layers.1  aligned",
         "Fix:",
-        "  your own FLA-calling code: build a LayerLocalSeqlens once per forward*",
+        "  Block: build a LayerLocalSeqlens once per model forward, hand it to every layer, and call "
+        "seqlens.local() inside Block's forward (inside its checkpointed region), giving FLA its tensors "
+        "(docs/own-model.md)",
         "verdict: DIVERGENT (exit 1)",
         "*_ test_model_without_fla _*",
         "fla-ac-isolation check refused the model: nothing was judged: the step found no FLA-backed class and its "
@@ -184,6 +214,58 @@ def test_a_policy_with_full_ac_fails_the_test_before_the_model_runs():
         "fla-ac-isolation check refused the model: policy 'save-d2h-copies' was given with ac='full': full AC "
         "recomputes every op and saves none, so a SAC policy has nothing to choose: leave policy out, or give "
         "ac='selective' to apply it")
+
+
+def _nemotron_h():
+    """transformers' tiny NemotronH: its Mamba2 mixer drops the packed offsets (a leaking class)."""
+    from fla_ac_isolation.harness.foreign_models import build_tiny
+
+    model, batch, _ = build_tiny("nemotron_h")
+    return model, batch
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_a_model_whose_packed_documents_mix_fails_though_every_region_is_aligned():
+    """The verdict is the check's exit code: aligned under AC, the model still mixes its packed documents (exit
+    1, LEAKING). The unsafe rule, judging by alignment alone, would pass it: its step is aligned."""
+    from fla_ac_isolation.harness.check_runner import CheckSpec, run_check
+    from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe
+
+    with pytest.raises(pytest.fail.Exception) as info:
+        assert_ac_safe(_nemotron_h, verify_fix=False)
+    lines = str(info.value).splitlines()
+    assert "  leaking  NemotronHMamba2Mixer (transformers) x2: model.layers.0.mixer, model.layers.2.mixer" in lines
+    assert "as given: 4 of 4 checkpointed region(s) aligned" in lines
+    assert lines[-1] == "verdict: LEAKING (exit 1): packed documents mix in NemotronHMamba2Mixer"
+    result = run_check(CheckSpec(model=_nemotron_h, verify_fix=False))
+    assert result.as_given.aligned and result.exit_code == 1  # what the unsafe rule would have read
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_assert_ac_safe_checks_a_copy_and_leaves_the_users_model_as_it_was():
+    """The page's isolated model, in eval mode: after the check its modules (no ``CheckpointWrapper``), its
+    parameters (values, no ``.grad``) and its training flag are those it had. The unsafe path: the check run on
+    the object itself wraps its layers, sets gradients and puts it in training mode."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from fla_ac_isolation.harness.check_runner import CheckSpec, run_check
+    from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe
+
+    page: dict = {}
+    exec(compile(_page_python(0), PAGE, "exec"), page)
+    model = page["Model"](isolated=True).eval()
+    modules = [(name, type(m)) for name, m in model.named_modules()]
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result = assert_ac_safe(model, page["packed_batch"](), policy="save-all-copies")
+    assert result.exit_code == 0
+    assert [(name, type(m)) for name, m in model.named_modules()] == modules
+    assert all(p.grad is None and torch.equal(p, values[n]) for n, p in model.named_parameters())
+    assert model.training is False
+
+    given = page["Model"](isolated=True).eval()
+    run_check(CheckSpec(model=lambda: (given, page["packed_batch"]()), policy="save-all-copies", verify_fix=False))
+    assert [type(layer) for layer in given.layers] == [CheckpointWrapper, CheckpointWrapper]
+    assert given.training is True and all(p.grad is not None for p in given.parameters())
 
 
 # ------------------------------------------------------------------------------- the EP=2 regression

@@ -223,3 +223,92 @@ def test_served_chunk_kda_asks_flas_index_helper_by_keyword_as_the_kernel_does()
         conv = prepare_chunk_indices(other.cu_seqlens, 64, cu_seqlens_cpu=other.cu_seqlens_cpu)
         positional = prepare_chunk_indices(other.cu_seqlens, 64, cu_seqlens_cpu=other.cu_seqlens_cpu)
     assert lookups(probe) == ["miss", "hit"] and positional is conv
+
+
+# ------------------------------------------------------------- imports executed inside the block
+# A user's forward importing FLA's op where it calls it: the three import forms. Each returns the object it
+# imported and its output; the offsets object is handed on as it is (the stand-in records it).
+def _gdn_from_package(x, cu):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule, chunk_gated_delta_rule(*x, cu_seqlens=cu)[0]
+
+
+def _gdn_from_its_module(x, cu):
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule, chunk_gated_delta_rule(*x, cu_seqlens=cu)[0]
+
+
+def _conv_from_flas_alias(x, cu):
+    from fla.modules.conv import causal_conv1d  # fla.modules synthesises fla.modules.conv at its own import
+
+    return causal_conv1d, causal_conv1d(x[2].flatten(-2), torch.ones(8, 4), cu_seqlens=cu)[0]
+
+
+# (the function, the package removed from sys.modules inside the block, the kernel, the module defining FLA's op)
+IMPORT_FORMS = {
+    "from fla.ops.gated_delta_rule": (_gdn_from_package, "fla.ops.gated_delta_rule", "chunk_gated_delta_rule",
+                                      "fla.ops.gated_delta_rule.chunk"),
+    "from fla.ops.gated_delta_rule.chunk": (_gdn_from_its_module, "fla.ops.gated_delta_rule.chunk",
+                                            "chunk_gated_delta_rule", "fla.ops.gated_delta_rule.chunk"),
+    "from fla.modules.conv": (_conv_from_flas_alias, "fla.modules", "causal_conv1d",
+                              "fla.modules.causal_conv1d.ops"),
+}
+
+
+def _gdn_inputs() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 12, 2, 8, generator=gen), torch.randn(1, 12, 2, 8, generator=gen)
+    v, g, beta = torch.randn(1, 12, 2, 4, generator=gen), -torch.rand(1, 12, 2, generator=gen), torch.rand(1, 12, 2)
+    return q, k, v, g, beta
+
+
+def _import_anew(monkeypatch, package: str) -> None:
+    """Remove ``package`` and its submodules from ``sys.modules`` (and its parent's attribute), so that the next
+    import executes them anew: FLA's op is then a new function object; the old modules come back after the test."""
+    parent, _, child = package.rpartition(".")
+    monkeypatch.setattr(sys.modules[parent], child, getattr(sys.modules[parent], child))
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.mark.parametrize("form", list(IMPORT_FORMS), ids=list(IMPORT_FORMS))
+def test_an_import_inside_the_block_gets_the_stand_in_even_when_its_module_is_first_imported_there(monkeypatch,
+                                                                                                      form):
+    from fla_ac_isolation.harness.fla_seam import served_ops
+    from fla_ac_isolation.harness.fla_seam.served_ops import KernelCall
+
+    call, package, kernel, defining = IMPORT_FORMS[form]
+    x, cu = _gdn_inputs(), torch.tensor([0, 5, 12], dtype=torch.int32)
+    before = sys.modules[defining]
+    with reference_kernels() as served:
+        _import_anew(monkeypatch, package)
+        op, out = call(x, cu)
+        module = sys.modules[defining]
+    assert module is not before  # executed anew inside the block: FLA's op there is a new object
+    assert op is getattr(served_ops, kernel) and out.shape[1] == 12
+    assert served.calls == [KernelCall(kernel, cu, None, None)]
+    assert f"{defining}.{kernel}" in served.places
+
+    # after the block: the module binds its own (new) FLA function again, behind the guard
+    assert getattr(module, kernel).fla_entry_point is not getattr(before, kernel).fla_entry_point
+    with pytest.raises(RuntimeError) as info:
+        call(x, cu)
+    assert str(info.value) == (f"FLA's {kernel} was called on CPU tensors outside reference_kernels(): FLA's Triton "
+                               f"kernels cannot run on a CPU; call it inside a `with reference_kernels():` block (or "
+                               f"on CUDA tensors)")
+
+
+@pytest.mark.parametrize("form", list(IMPORT_FORMS), ids=list(IMPORT_FORMS))
+def test_without_serving_what_is_imported_inside_the_block_fla_runs_its_triton_kernel(monkeypatch, form):
+    """The unsafe path (the block as it was: the namespaces present at entry only): the import inside executes
+    FLA's module anew and binds its new function, which the block never saw; Triton finds no GPU."""
+    monkeypatch.setattr(serving._Serving, "loaded", lambda self, module: None)
+    call, package, _, _ = IMPORT_FORMS[form]
+    with reference_kernels() as served:
+        _import_anew(monkeypatch, package)
+        with pytest.raises(RuntimeError) as info:
+            call(_gdn_inputs(), torch.tensor([0, 5, 12], dtype=torch.int32))
+    assert str(info.value) == "0 active drivers ([]). There should only be one."
+    assert served.calls == []

@@ -15,7 +15,7 @@ from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer
 from fla_ac_isolation.harness.check_spec import CheckSpec
 from fla_ac_isolation.mixer_plan import DROP_IN, EXPOSED, LEAKING, PlannedMixer, classify
 
-__all__ = ["CheckResult", "CheckStep", "MixerFinding", "Nesting", "RegionVerdict", "survey"]
+__all__ = ["CheckResult", "CheckStep", "MixerFinding", "Nesting", "OwnCaller", "RegionVerdict", "survey"]
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,8 @@ class MixerFinding:
     Attributes:
         cls: ``"module.Class"``; name: the class name; framework: its library in prose.
         status: ``"exposed"`` (hands shared offsets to FLA: the fault), ``"covered"`` (hooked by
-            ``isolate_seqlens``, or one of this package's drop-ins), ``"leaking"`` (drops the offsets: packed
-            documents leak into each other).
+            ``isolate_seqlens``, one of this package's drop-ins, or observed handing fresh offsets), ``"leaking"``
+            (drops the offsets: packed documents leak into each other).
         paths: where it sits in the model.
         offsets: the arguments ``isolate_seqlens`` refreshes (exposed, covered).
         why: how its packed documents leak into each other here: a leaking class, or an exposed / covered one
@@ -38,7 +38,10 @@ class MixerFinding:
             other call (another layer, its forward / recompute, or the batch) handed them
             (``LayerLocalSeqlens.local()``, a hook, the user's own copy): covered by what the step observed,
             read from FLA's cache probe (any device: FLA's CUDA kernels call those helpers as the CPU's
-            stand-ins do). ``None``: decided from the class (and its hook).
+            stand-ins do); for a class of the user's own code (framework ``"your code"``) that called FLA in the
+            step, its status is read so too. ``"shared offsets"``: such a class of the user's own, one of whose
+            calls handed FLA only offsets objects another call (or the batch) handed it too: exposed. ``None``:
+            decided from the class (and its hook).
     """
 
     cls: str
@@ -51,6 +54,16 @@ class MixerFinding:
     fix: str | None = None
     leak_fix: str | None = None
     observed: str | None = None
+
+
+class OwnCaller(NamedTuple):
+    """A module of the model whose own code called FLA's cached index helpers in the step (directly, or through
+    FLA's modules and functions; a class of no registry): its path, its class (``module.Class``), and whether each
+    of its calls handed FLA offsets objects of its own (a forward and each recompute are separate calls)."""
+
+    path: str
+    cls: str
+    fresh: bool
 
 
 @dataclass(frozen=True)
@@ -89,8 +102,10 @@ class CheckStep:
     without AC (``None``: not compared: the model checkpoints itself, or the step failed), and the paths of the
     FLA-backed modules every call of which handed FLA's cached index helpers offsets of its own
     (:attr:`MixerFinding.observed`), and the offsets-like keywords (``cu_*`` names holding offsets) the model's
-    own calls gave each watched module (not a batch keyword passed on as it is), as ``(path, names)`` pairs.
-    :attr:`aligned`: it ran and none diverged; :attr:`divergent`: one did."""
+    own calls gave each watched module (not a batch keyword passed on as it is), as ``(path, names)`` pairs; the
+    modules of the user's own code that called FLA's helpers (:class:`OwnCaller`), and the checkpointed regions
+    whose module was handed a ``LocalSeqlens`` (``.local()`` ran outside the region: its forward and recompute
+    got the same offsets objects). :attr:`aligned`: it ran and none diverged; :attr:`divergent`: one did."""
 
     regions: tuple[RegionVerdict, ...]
     error: str | None = None
@@ -99,6 +114,8 @@ class CheckStep:
     grad_diff: float | None = None
     fresh_offsets: tuple[str, ...] = ()
     offsets_keywords: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    own_callers: tuple[OwnCaller, ...] = ()
+    handed_local: tuple[str, ...] = ()
 
     @property
     def aligned(self) -> bool:

@@ -49,7 +49,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fla_ac_isolation.harness.check_findings import CheckResult, CheckStep, MixerFinding, RegionVerdict, survey
-from fla_ac_isolation.harness.check_fix import OWN_CODE_FIX, apply_fix, fixes, observed_covered
+from fla_ac_isolation.harness.check_fix import OWN_CODE_FIX, apply_fix, fixes, observed_covered, observed_own
 from fla_ac_isolation.harness.check_load import load_model, offsets_keywords
 from fla_ac_isolation.harness.check_spec import (
     CheckEnvironmentError,
@@ -145,7 +145,8 @@ def run_check(spec: CheckSpec) -> CheckResult:
     A model that checkpoints itself (its dry step runs checkpointed regions) is audited as it is, under its
     own policy; otherwise the check checkpoints its layers with ``spec.ac`` / ``spec.policy``. An exposed
     class whose every call the audited step saw hand FLA an offsets object of its own is reported covered
-    (:attr:`MixerFinding.observed`).
+    (:attr:`MixerFinding.observed`); so is a class of the user's own code that called FLA itself, or exposed
+    when its calls shared offsets objects.
 
     Raises:
         CheckInputError: an invalid ``spec``, a model that cannot be loaded, a batch without packed offsets,
@@ -161,9 +162,11 @@ def run_check(spec: CheckSpec) -> CheckResult:
     mixers = survey(model, classify(model))
     self_checkpointed, reference = _dry_run(model, batch, spec)
     watch = tuple(p for m in mixers if m.status == "exposed" for p in m.paths)
-    as_given = _step(model, batch, spec, self_checkpointed=self_checkpointed, watch=watch, reference=reference)
+    surveyed = tuple(p for m in mixers for p in m.paths)
+    as_given = _step(model, batch, spec, self_checkpointed=self_checkpointed, watch=watch, surveyed=surveyed,
+                     reference=reference)
     _require_judged(as_given, mixers)
-    mixers = observed_covered(mixers, as_given.fresh_offsets)
+    mixers = observed_covered(mixers, as_given.fresh_offsets) + observed_own(as_given)
     result = CheckResult(spec, type(model).__name__, mixers, as_given, self_checkpointed=self_checkpointed,
                          not_checkpointed=_not_checkpointed(model, as_given) if self_checkpointed else ())
     result.fixes = fixes(mixers, as_given)

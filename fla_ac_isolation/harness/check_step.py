@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fla_ac_isolation.audit import ReplayAudit
+from fla_ac_isolation.harness.check_callers import FlaCallers, fresh_paths
 from fla_ac_isolation.harness.check_findings import CheckStep, RegionVerdict
 from fla_ac_isolation.harness.check_spec import (
     AUTOCAST_DTYPES,
@@ -173,21 +174,8 @@ class _OffsetsSeen:
         return hook
 
     def fresh(self) -> tuple[str, ...]:
-        """The watched paths each call of which handed FLA's helpers, in every helper call, a tensor no other call
-        (nor the batch) handed them: no entry another call made can be hit (FLA's cache compares every argument
-        by identity). A path one of whose calls made no helper call is left out: nothing to judge."""
-        owner: dict[int, set[tuple[str, int] | None]] = {i: {None} for i in self.shared}
-        for key, calls in self.seen.items():
-            for arguments in calls:
-                for t in arguments:
-                    owner.setdefault(id(t), set()).add(key)
-        out = []
-        for path in dict.fromkeys(p for p, _ in self.seen):
-            keys = [k for k in self.seen if k[0] == path]
-            if all(self.seen[k] and all(any(owner[id(t)] == {k} for t in arguments) for arguments in self.seen[k])
-                   for k in keys):
-                out.append(path)
-        return tuple(out)
+        """The watched paths each call of which handed FLA's helpers offsets of its own (:func:`fresh_paths`)."""
+        return fresh_paths(self.seen, set(self.shared))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -206,10 +194,13 @@ def _tensors(values: Any) -> list[torch.Tensor]:
 
 
 def audited_step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpointed: bool = False,
-          watch: tuple[str, ...] = (), reference: dict[int, torch.Tensor] | None = None) -> CheckStep:
+          watch: tuple[str, ...] = (), surveyed: tuple[str, ...] = (),
+          reference: dict[int, torch.Tensor] | None = None) -> CheckStep:
     """One audited step: ``model`` checkpointed by the check (``spec.ac``, ``spec.policy``), or as it is when
     it checkpoints itself; ``watch``: the FLA-backed modules whose offsets objects are recorded
-    (:attr:`CheckStep.fresh_offsets`); ``reference``: the gradients without AC to compare with."""
+    (:attr:`CheckStep.fresh_offsets`); ``surveyed``: the paths of every class the survey found (FLA calls made
+    inside them are not the user's own, :attr:`CheckStep.own_callers`); ``reference``: the gradients without AC
+    to compare with."""
     from fla_ac_isolation.fla_cache import clear_tensor_cache, probe_tensor_cache
     from fla_ac_isolation.policies import checkpoint_layers
 
@@ -224,6 +215,7 @@ def audited_step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpo
     with (_serving(spec), probe_tensor_cache(arguments=True) as probe,
           ReplayAudit(model, on_divergence="record") as audit):
         seen = _OffsetsSeen(model, list(watch), probe, batch)
+        callers = FlaCallers(model, probe, surveyed)
         try:
             _loss(model(**batch)).backward()
         except CheckInputError:
@@ -232,6 +224,7 @@ def audited_step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpo
             error = first_line(err)
         finally:
             seen.remove()
+            callers.remove()
     regions = tuple(
         RegionVerdict(r.label, r.verdict, r.first_diff, r.forward_op, r.recompute_op,
                       tuple(d.helper for d in r.fla), r.where, r.autocast_cast, r.outer)
@@ -241,5 +234,6 @@ def audited_step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpo
     blind = audit.why_blind if audit.regions or audit.unaudited else None  # none ran: CheckStep.aligned's rule
     diff = _grad_diff(model, reference) if error is None else None
     keywords = tuple((path, tuple(sorted(names))) for path, names in seen.keywords.items())
+    handed = tuple(dict.fromkeys(r.label for r in regions if r.label in callers.handed_local))
     return CheckStep(regions, error, calls, blind=blind, grad_diff=diff, fresh_offsets=seen.fresh(),
-                     offsets_keywords=keywords)
+                     offsets_keywords=keywords, own_callers=callers.own(set(seen.shared)), handed_local=handed)

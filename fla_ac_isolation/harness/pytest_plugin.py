@@ -1,16 +1,17 @@
 """The pytest plugin (entry point ``fla_ac_isolation.harness.pytest_plugin``): :func:`assert_ac_safe` (fixture
-``fla_ac_check``) and :func:`assert_regression_safe` (fixture ``fla_ac_regression``) in your own tests
-(docs/pytest-plugin.md). Loading it imports only pytest."""
+``fla_ac_check``), :func:`assert_regression_safe` (fixture ``fla_ac_regression``) and FLA's kernels served on a
+CPU (fixture ``fla_reference_kernels``) in your own tests (docs/pytest-plugin.md). Loading it imports only
+pytest."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-__all__ = ["assert_ac_safe", "assert_regression_safe", "fla_ac_check", "fla_ac_regression"]
+__all__ = ["assert_ac_safe", "assert_regression_safe", "fla_ac_check", "fla_ac_regression", "fla_reference_kernels"]
 
 def _check_target(model: Any, batch: Any) -> tuple[str | Callable, bool]:
     """``(CheckSpec.model, whether it was given as objects, a module or a callable, not as a string)``."""
@@ -142,3 +143,16 @@ def fla_ac_check() -> Callable[..., Any]:
 def fla_ac_regression() -> Callable[..., dict]:
     """:func:`assert_regression_safe` as a fixture: ``fla_ac_regression(MyMixer, ep=2)``."""
     return assert_regression_safe
+
+
+@pytest.fixture
+def fla_reference_kernels() -> Iterator[Any]:
+    """The test runs inside :func:`~fla_ac_isolation.harness.reference_kernels.reference_kernels`: FLA's gated
+    delta rule, causal conv, KDA, SwiGLU and RMS norms served by pure-torch stand-ins (a CPU test of code that
+    calls ``fla.ops``; backward included). Yields its
+    :class:`~fla_ac_isolation.harness.reference_kernels.ServedKernels` (``.calls``: each kernel call and the
+    offsets objects it received)."""
+    from fla_ac_isolation.harness.reference_kernels import reference_kernels
+
+    with reference_kernels() as served:
+        yield served

@@ -25,6 +25,15 @@ def _chunk_ranges(start: int, end: int, chunk_size: int) -> list[tuple[int, int]
     return [(s, min(s + chunk_size, end)) for s in range(start, end, chunk_size)]
 
 
+def _refuse_offsets(end: int, num_tokens: int, name: str) -> None:
+    """The offsets end at ``end``, the input has ``num_tokens`` tokens: bad input, unless in a recompute."""
+    said = f"{name} ends at {end} but the input has {num_tokens} tokens: the offsets do not match the tokens"
+    if torch._C._current_graph_task_id() == -1:  # not in a backward: no recompute involved
+        raise ValueError(f"{said} (the last offset must be the packed token count T of the inputs [1, T, ...])")
+    raise RuntimeError(f"{said} in a backward (a checkpointed region's recompute): the recompute got other offsets "
+                       f"or inputs than its forward; was one cu_seqlens object shared by checkpointed layers?")
+
+
 def packed_documents(
     num_tokens: int,
     cu_seqlens: torch.Tensor | None,
@@ -40,14 +49,18 @@ def packed_documents(
     ``chunk_offsets`` or ``prepare_chunk_offsets`` when ``recurrent``; empty documents are left out.
 
     Raises:
-        RuntimeError: the schedule contradicts the offsets (e.g. a SAC replay misaligned by a shared ``cu_seqlens``).
+        ValueError: outside a backward, the offsets do not end at ``num_tokens`` (wrong offsets for the input).
+        RuntimeError: in a backward (a checkpointed region's recompute), the offsets do not end at ``num_tokens``;
+            or the schedule contradicts the offsets (e.g. a SAC replay misaligned by a shared ``cu_seqlens``).
     """
     if cu_seqlens is None:
         return [PackedDocument(0, num_tokens, _chunk_ranges(0, num_tokens, chunk_size))]
 
+    offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    if offsets[-1] != num_tokens:
+        _refuse_offsets(offsets[-1], num_tokens, "cu_seqlens_cpu" if cu_seqlens_cpu is not None else "cu_seqlens")
     if chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
-    offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
     rows = chunk_indices.tolist()
     if recurrent:
         if chunk_offsets is None:

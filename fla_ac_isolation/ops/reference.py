@@ -61,7 +61,8 @@ def causal_conv1d(
         ``[B, T, D]`` in the dtype of ``x``.
 
     Raises:
-        ValueError: bad ``activation``; ``B != 1`` with ``cu_seqlens``; ``weight`` not ``[D, W]``.
+        ValueError: bad ``activation``; ``B != 1`` with ``cu_seqlens``; ``weight`` not ``[D, W]``;
+            ``cu_seqlens`` not ending at ``T``.
     """
     check_conv(x, weight, activation, cu_seqlens)
     width = weight.shape[1]
@@ -150,7 +151,8 @@ def chunk_gated_delta_rule(
         ``[B, T, HV, V]`` in the dtype of ``q``.
 
     Raises:
-        ValueError: head counts that do not divide; ``B != 1`` with ``cu_seqlens``.
+        ValueError: head counts that do not divide; ``B != 1`` with ``cu_seqlens``;
+            ``cu_seqlens`` not ending at ``T``.
     """
     check_packed("q", q, cu_seqlens)
     check_heads(q, k, v)
@@ -241,7 +243,8 @@ def ssd(
         ``[B, T, H, P]`` in the dtype of ``x``.
 
     Raises:
-        ValueError: ``H`` not a multiple of ``G``; ``B != 1`` with ``cu_seqlens``.
+        ValueError: ``H`` not a multiple of ``G``; ``B != 1`` with ``cu_seqlens``;
+            ``cu_seqlens`` not ending at ``T``.
     """
     check_packed("x", x, cu_seqlens)
     check_groups(x.shape[2], B, C)

@@ -69,7 +69,8 @@ def chunk_kda(
         ``[B, T, HV, V]`` in the dtype of ``q``, computed in float32 by FLA's reference (float64 inputs too).
 
     Raises:
-        ValueError: head counts that do not divide; ``B != 1`` with ``cu_seqlens``.
+        ValueError: head counts that do not divide; ``B != 1`` with ``cu_seqlens``;
+            ``cu_seqlens`` not ending at ``T``.
     """
     check_packed("q", q, cu_seqlens)
     check_heads(q, k, v)

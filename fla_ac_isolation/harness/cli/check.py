@@ -58,6 +58,9 @@ FULL_AC_NOTE = ("under full AC nothing is replayed by index: torch recomputes ev
                 "the ops after {first} other ops' saved outputs (wrong gradients, or an error): fix it before "
                 "you use SAC")
 
+OBSERVED = {"fresh offsets": "every call handed FLA offsets of its own (observed in the step)",
+            "shared offsets": "its calls handed FLA the same offsets objects (observed in the step)"}
+
 HELP = "one training step of your model under ReplayAudit: exposed, leaking or covered FLA classes, and the fix"
 
 
@@ -181,7 +184,7 @@ def render(result: CheckResult) -> str:
         paths = ", ".join(m.paths[:3]) + (", ..." if len(m.paths) > 3 else "")
         extra = f"; offsets {', '.join(m.offsets)}" if m.offsets else ""
         if m.observed:
-            extra += "; every call handed FLA offsets of its own (observed in the step)"
+            extra += "; " + OBSERVED[m.observed]
         lines.append(f"  {m.status:<8} {m.name} ({m.framework}) x{len(m.paths)}: {paths}{extra}")
         if m.why:
             lines.append(f"           {m.why}: documents are not kept apart")
