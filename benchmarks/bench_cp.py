@@ -116,8 +116,8 @@ from benchmarks.cp_rows import (
     report,
 )
 from benchmarks.layer_step import NUM_BUFFERS, Step, build_layer, make_seqlens, measure, wrap_for_mode
-from fla_ac_isolation.families import layer_fields
 from fla_ac_isolation.harness.environment import versions
+from fla_ac_isolation.harness.layer_widths import layer_fields
 from fla_ac_isolation.harness.regression.launch import environment_variables, free_port
 from fla_ac_isolation.harness.regression.torchrun import under_torchrun
 

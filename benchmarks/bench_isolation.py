@@ -107,8 +107,8 @@ from benchmarks.layer_step import (
     step_statistics,
     wrap_for_mode,
 )
-from fla_ac_isolation.families import layer_fields
 from fla_ac_isolation.harness.environment import versions
+from fla_ac_isolation.harness.layer_widths import layer_fields
 
 MODES = ("no-ac", "shared", "isolated", "isolated+cpu", "isolated-no-indices", "global-disable", "isolated+save-core",
          "isolated+save-core+conv")

@@ -136,7 +136,7 @@ def peak_mib(run: Run, mode: str) -> float:
 
 def probe(run: Run, mode: str) -> tuple[int, int]:
     """``(host syncs, FLA index-helper computations)`` of one untimed step of ``mode`` (syncs on CUDA only)."""
-    from fla_ac_isolation.fla_cache import probe_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
     from fla_ac_isolation.harness.testing.gpu import host_sync_sites
 
     step = run.step(mode, 2)

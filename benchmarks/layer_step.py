@@ -6,7 +6,7 @@ mixer per mode, rotating inputs and document layouts; it has ``prepare(mode, i, 
 a mode's layer and offsets, run and measure steps, and interleave the modes:
 
 * :func:`build_layer` - the family's mixer of a layer kind at the benchmark's widths
-  (:func:`fla_ac_isolation.families.layer_fields`); :func:`wrap_for_mode` - in torch's checkpoint wrapper
+  (:func:`fla_ac_isolation.harness.layer_widths.layer_fields`); :func:`wrap_for_mode` - in torch's checkpoint wrapper
   with the mode's SAC policy (:func:`mode_policy`) when the mode checkpoints.
 * :func:`make_seqlens`, :func:`cache_context`, :func:`base_mode` - a benchmark mode's offsets and FLA cache
   context, from the library's modes (:data:`VARIANTS` of ``isolated``, the saveable modes of :data:`SAVED`).
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fla_ac_isolation.families import family_for_layer
+from fla_ac_isolation.harness.layer_widths import family_for_layer, layer_fields
 from fla_ac_isolation.mixers import family_drop_in
 
 __all__ = [
@@ -66,10 +66,10 @@ SAVED = {
 # ----------------------------------------------------------------------------------------------- layers
 def build_layer(kind: str, hidden: int, dtype: torch.dtype, device: str, backend: str = "fla", saveable: bool = False):
     """One mixer of layer kind ``kind`` (``gdn``: Qwen3.5-MoE's GDN, ``mamba2``: Nemotron-H's Mamba2, the first
-    family of that kind, :func:`fla_ac_isolation.families.family_for_layer`) with the widths of
-    :func:`fla_ac_isolation.families.layer_fields` at model width ``hidden``."""
+    family of that kind, :func:`fla_ac_isolation.harness.layer_widths.family_for_layer`) with the widths of
+    :func:`fla_ac_isolation.harness.layer_widths.layer_fields` at model width ``hidden``."""
     family = family_for_layer(kind)
-    config = family.config_class()(**family.layer_fields(hidden))
+    config = family.config_class()(**layer_fields(family.layer, hidden))
     layer = family_drop_in(family)(config, layer_idx=0, backend=backend, saveable=saveable)
     return layer.to(device=device, dtype=dtype)
 
@@ -210,7 +210,7 @@ def probe_step(group, mode: str, i: int) -> tuple[int, dict[str, int], int]:
 
     Host syncs are counted only on CUDA (0 on CPU).
     """
-    from fla_ac_isolation.fla_cache import probe_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
     from fla_ac_isolation.harness.testing.gpu import host_sync_sites
 
     with cache_context(mode):

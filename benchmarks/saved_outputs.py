@@ -1,8 +1,8 @@
 """What ``policies.save_fla_ops`` keeps per layer: the outputs of each saveable FLA operator, in MiB.
 
 The sizes are those of the ``fla`` backend's custom operators (``ops.saveable``; kernels in
-``fla_seam.saveable_kernels``) at the benchmark's layer shapes (``fla_ac_isolation.families.layer_fields``), in
-bf16: each operator's fake kernel is run under ``FakeTensorMode`` on inputs shaped as the mixer hands them, so
+``fla_seam.saveable_kernels``) at the benchmark's layer shapes (``harness.layer_widths.layer_fields``), in bf16:
+each operator's fake kernel is run under ``FakeTensorMode`` on inputs shaped as the mixer hands them, so
 nothing is allocated and no GPU is needed.
 They are exact: a checkpointed layer under ``save_fla_ops(ops)`` holds these tensors, and only these, from
 its forward to its backward (more than without saving; the step's peak, set in the backward, need not move).
@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from benchmarks import outcome
-from fla_ac_isolation.families import layer_fields
+from fla_ac_isolation.harness.layer_widths import layer_fields
 
 MIB = 2**20
 OPERATIONS = ("gated_delta_rule", "ssd", "causal_conv1d")  # the names save_fla_ops takes
@@ -29,7 +29,7 @@ def output_bytes(kind: str, tokens: int, hidden: int) -> dict[str, dict[str, int
     """``{operation: {output name: bytes}}`` of one ``kind`` layer (``gdn`` | ``mamba2``) on ``tokens`` packed tokens.
 
     Raises:
-        ValueError: ``kind`` or ``hidden`` not accepted by :func:`fla_ac_isolation.families.layer_fields`.
+        ValueError: ``kind`` or ``hidden`` not accepted by :func:`fla_ac_isolation.harness.layer_widths.layer_fields`.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
                         help="packed tokens per layer call (per GPU), one table column each")
     parser.add_argument(
         "--hidden", type=int, default=2048,
-        help="model width D; the heads follow it as in fla_ac_isolation.families.layer_fields: GDN head dims "
+        help="model width D; the heads follow it as in harness.layer_widths.layer_fields: GDN head dims "
              "K = V = min(128, D/4) with D/K key heads and as many value heads; Mamba2 head dim P = min(64, D/4), "
              "H = 2D/P heads, min(8, H) groups, state min(128, D) (default 2048: GDN 16 heads of 128, Mamba2 64 "
              "heads of 64). Other head layouts: use the per-token formulas of docs/benchmarks.md",

@@ -2,7 +2,7 @@
 
 Blocks, each pre-norm residual (``x + f(RMSNorm(x))``), at model width ``hidden``:
 
-1. GDN (Qwen3.5-MoE's ``GatedDeltaNet`` mixer, the benchmark's widths: ``families.layer_fields``);
+1. GDN (Qwen3.5-MoE's ``GatedDeltaNet`` mixer, the benchmark's widths: ``harness.layer_widths.layer_fields``);
 2. GDN;
 3. Mamba2 (Nemotron-H's mixer);
 4. a SwiGLU MLP of width ``4 * hidden`` (the dense block between mixers; an MoE's experts have the same

@@ -34,7 +34,7 @@ warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's MoE
 
 from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit  # noqa: E402
 from fla_ac_isolation.audit import ReplayDivergenceError  # noqa: E402
-from fla_ac_isolation.fla_cache import clear_tensor_cache  # noqa: E402
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache  # noqa: E402
 from fla_ac_isolation.harness.fault_stack import run_stack  # noqa: E402
 from fla_ac_isolation.harness.modes import SharedSeqlens  # noqa: E402
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies, save_ops  # noqa: E402

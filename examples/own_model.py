@@ -40,7 +40,7 @@ from torch import nn
 warnings.filterwarnings("ignore", message=".*Triton is not supported.*")  # FLA's notice on CPU-only machines
 
 from fla_ac_isolation import LayerLocalSeqlens, ops  # noqa: E402
-from fla_ac_isolation.fla_cache import clear_tensor_cache  # noqa: E402
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache  # noqa: E402
 from fla_ac_isolation.harness.modes import SharedSeqlens  # noqa: E402
 from fla_ac_isolation.policies import POLICIES, checkpoint_layers  # noqa: E402
 

@@ -228,7 +228,7 @@ def serving(device: torch.device):
 def train_step(model: Model, batch: dict, path: str) -> dict:
     """One forward and backward: ``{"loss", "grads"}`` (gradients by parameter name, the wrapper's prefix
     dropped), or ``{"error"}``."""
-    from fla_ac_isolation.fla_cache import clear_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
 
     clear_tensor_cache()  # every step starts from an empty FLA cache
     device = batch["input_ids"].device

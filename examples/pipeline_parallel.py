@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from own_model import TinyGDNMoE  # noqa: E402  (the model of examples/own_model.py)
 
 from fla_ac_isolation import LayerLocalSeqlens  # noqa: E402
-from fla_ac_isolation.fla_cache import clear_tensor_cache  # noqa: E402
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache  # noqa: E402
 from fla_ac_isolation.harness.modes import SharedSeqlens  # noqa: E402
 from fla_ac_isolation.parallel import microbatch_seqlens, split_packed_microbatches  # noqa: E402
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies  # noqa: E402

@@ -64,7 +64,7 @@ warnings.filterwarnings("ignore", message=".*Triton is not supported.*")  # FLA'
 warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's MoE router asks for fp32 autocast
 
 from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit  # noqa: E402
-from fla_ac_isolation.fla_cache import clear_tensor_cache  # noqa: E402
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache  # noqa: E402
 from fla_ac_isolation.harness.regression.expert_parallel import ensure_torch_compat, setup_torchtitan  # noqa: E402
 from fla_ac_isolation.ops import reference  # noqa: E402
 

@@ -11,11 +11,8 @@ import importlib
 from typing import Any
 
 from fla_ac_isolation import fla_seam as _fla_seam  # noqa: F401  (stdlib only: makes a known-bad FLA install's import fail clearly)
-from fla_ac_isolation._moved import install_aliases as _install_aliases
 
-__version__ = "0.4.0"
-
-_install_aliases()
+__version__ = "0.5.0"
 
 # name -> module that defines it; resolved on first access (PEP 562)
 _LAZY = {
@@ -23,8 +20,8 @@ _LAZY = {
     "LocalSeqlens": "fla_ac_isolation.local_seqlens",
     "StaticSeqlens": "fla_ac_isolation.static_seqlens",
     "checkpoint_layers": "fla_ac_isolation.policies",
-    "probe_tensor_cache": "fla_ac_isolation.fla_cache",
-    "tensor_cache_disabled": "fla_ac_isolation.fla_cache",
+    "probe_tensor_cache": "fla_ac_isolation.fla_seam.cache",
+    "tensor_cache_disabled": "fla_ac_isolation.fla_seam.cache",
     "CPConfig": "fla_ac_isolation.parallel",
     "ReplayAudit": "fla_ac_isolation.audit",
     "ReplayDivergenceError": "fla_ac_isolation.audit",

@@ -1,5 +1,5 @@
 """The registry of model families: our drop-in mixer, the upstream classes it replaces, their configs, the
-regression's tiny decoder, CP capability and layer widths. Other libraries' FLA-backed classes are
+regression's tiny decoder and CP capability. Other libraries' FLA-backed classes are
 :mod:`fla_ac_isolation.foreign_classes`. Imports neither transformers, OLMo-core nor the mixers.
 """
 
@@ -14,55 +14,13 @@ from fla_ac_isolation.foreign_classes import ForeignClass, LeakingMixer, Upstrea
 __all__ = [
     "FAMILIES",
     "FAMILY_NAMES",
-    "LAYERS",
     "Family",
     "TinyRecipe",
     "drop_in_for",
-    "family_for_layer",
-    "layer_fields",
     "leak_remedy",
     "remedy",
     "upstream_mixers",
 ]
-
-LAYERS: tuple[str, ...] = ("gdn", "mamba2")
-"""The kinds of FLA-backed mixer a family's layers run: Gated DeltaNet, or Mamba2 (FLA's simple GLA as its SSD)."""
-
-
-def layer_fields(layer: str, hidden: int) -> dict[str, int]:
-    """transformers config fields of a ``layer`` mixer at model width ``hidden`` (``D``), as the benchmarks run it.
-
-    GDN: ``K = V = min(128, D // 4)``, ``D // K`` heads. Mamba2: ``P = min(64, D // 4)``, ``H = 2 * D // P`` heads,
-    ``G = min(8, H)`` groups, state ``N = min(128, D)``.
-
-    Raises:
-        ValueError: ``hidden`` does not split into whole heads, or ``layer`` is not one of :data:`LAYERS`.
-    """
-    if layer not in LAYERS:
-        raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
-    if hidden < 16 or hidden % 4:
-        raise ValueError(f"--hidden must be a multiple of 4 and at least 16, got {hidden}")
-    if layer == "gdn":
-        head_dim = min(128, hidden // 4)
-        if hidden % head_dim:
-            raise ValueError(f"--hidden {hidden} does not split into GDN heads of {head_dim}")
-        heads = hidden // head_dim
-        return dict(
-            hidden_size=hidden, linear_num_key_heads=heads, linear_num_value_heads=heads,
-            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
-        )
-    head_dim = min(64, hidden // 4)
-    if (2 * hidden) % head_dim:
-        raise ValueError(f"--hidden {hidden} does not split into Mamba2 heads of {head_dim}")
-    heads = 2 * hidden // head_dim
-    groups = min(8, heads)
-    if heads % groups:
-        raise ValueError(f"--hidden {hidden} gives {heads} Mamba2 heads, not a multiple of {groups} groups")
-    return dict(
-        hidden_size=hidden, mamba_num_heads=heads, mamba_head_dim=head_dim, ssm_state_size=min(128, hidden),
-        n_groups=groups, conv_kernel=4, expand=2, chunk_size=64,
-    )
-
 
 @dataclass(frozen=True)
 class TinyRecipe:
@@ -89,7 +47,7 @@ class Family:
         title: the model's name in prose (``"Qwen3.5-MoE"``).
         mixer: our drop-in's class name in :mod:`fla_ac_isolation.mixers` (for the family's own upstream class).
         upstream: the classes our mixer replaces, first the family's own (whose config class configures ours).
-        layer: the kind of FLA-backed mixer, one of :data:`LAYERS`.
+        layer: the kind of FLA-backed mixer: ``"gdn"`` (a gated delta rule, KDA's included) or ``"mamba2"``.
         fla_cp: under context parallelism its mixers run FLA's CP kernels (else head-parallel or no CP).
         tiny: how the regression builds its tiny decoder.
     """
@@ -115,9 +73,6 @@ class Family:
         """
         return self.upstream[0].config_class()
 
-    def layer_fields(self, hidden: int) -> dict[str, int]:
-        """:func:`layer_fields` of this family's :attr:`layer` at model width ``hidden``."""
-        return layer_fields(self.layer, hidden)
 
 
 _HF = "transformers.models"
@@ -201,17 +156,6 @@ def upstream_mixers() -> list[tuple[UpstreamMixer, Family]]:
     return [(upstream, family) for family in FAMILIES.values() for upstream in family.upstream]
 
 
-def family_for_layer(layer: str) -> Family:
-    """The first family (registry order) whose mixer is a ``layer`` (:data:`LAYERS`).
-
-    Raises:
-        ValueError: ``layer`` is not one of :data:`LAYERS`.
-    """
-    if layer not in LAYERS:
-        raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
-    return next(family for family in FAMILIES.values() if family.layer == layer)
-
-
 def remedy(entry: LeakingMixer) -> str:
     """What to do about a class that drops its offsets: ``swap_mixers`` where a drop-in exists, else
     ``entry.otherwise``."""
@@ -229,40 +173,3 @@ def _remedy(entry: ForeignClass, otherwise: str) -> str:
         return f"no drop-in here: {otherwise}"
     upstream, family = found
     return f"use swap_mixers(model) (drop-in fla_ac_isolation.mixers.{upstream.replacement or family.mixer})"
-
-
-def _deprecated_method(old: str, function: Any) -> Any:
-    """A deprecated method ``old`` (``"LeakingMixer.remedy"``) that warns, then calls ``function``."""
-
-    def method(self: ForeignClass) -> Any:
-        import warnings
-
-        warnings.warn(f"{old}() is deprecated since 0.4.0: call fla_ac_isolation.families.{function.__name__}(entry)",
-                      DeprecationWarning, stacklevel=2)
-        return function(self)
-
-    method.__name__, method.__qualname__ = old.split(".")[1], old
-    method.__doc__ = f"Deprecated since 0.4.0: :func:`{function.__name__}` (``{function.__name__}(entry)``)."
-    return method
-
-
-# 0.3's methods of the classes that moved to foreign_classes, which cannot call the families (it is below them):
-# attached here, where 0.3 defined the classes; every 0.3 way to an entry imports this module
-LeakingMixer.remedy = _deprecated_method("LeakingMixer.remedy", remedy)
-UpstreamMixer.leak_remedy = _deprecated_method("UpstreamMixer.leak_remedy", leak_remedy)
-
-# 0.3 names that moved to :mod:`fla_ac_isolation.foreign_classes`: still importable from here, with a warning
-_MOVED_TO_FOREIGN_CLASSES = ("FLA_BACKED_MIXERS", "FLA_LAYER_MODULES", "LEAKING_MIXERS", "PackageLeak",
-                             "fla_layer_mixer", "foreign_mixer")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_FOREIGN_CLASSES:
-        import warnings
-
-        from fla_ac_isolation import foreign_classes
-
-        warnings.warn(f"fla_ac_isolation.families.{name} is deprecated (its 0.3 place): import it from "
-                      f"fla_ac_isolation.foreign_classes", DeprecationWarning, stacklevel=2)
-        return getattr(foreign_classes, name)
-    raise AttributeError(f"module 'fla_ac_isolation.families' has no attribute {name!r}")

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from interpret_compare import compare, scaled_error  # noqa: E402
 
 from fla_ac_isolation import ops  # noqa: E402
-from fla_ac_isolation.fla_cache import probe_tensor_cache  # noqa: E402
+from fla_ac_isolation.fla_seam.cache import probe_tensor_cache  # noqa: E402
 from fla_ac_isolation.harness.fla_seam.interpreter import interpreter_shims  # noqa: E402
 from fla_ac_isolation.seqlens import LayerLocalSeqlens  # noqa: E402
 

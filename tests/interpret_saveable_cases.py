@@ -39,7 +39,7 @@ from torch import nn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from fla_ac_isolation.fla_cache import clear_tensor_cache, probe_tensor_cache  # noqa: E402
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache, probe_tensor_cache  # noqa: E402
 from fla_ac_isolation.harness.fla_seam.interpreter import interpreter_shims  # noqa: E402
 from fla_ac_isolation.policies import any_of, checkpoint_layers, save_device_to_host_copies, save_fla_ops  # noqa: E402
 from fla_ac_isolation.seqlens import LayerLocalSeqlens  # noqa: E402

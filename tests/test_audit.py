@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fla_ac_isolation.audit import ReplayAudit, ReplayDivergenceError, ReplayDivergenceWarning
-from fla_ac_isolation.fla_cache import clear_tensor_cache, tensor_cache_size
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache, tensor_cache_size
 from fla_ac_isolation.harness.fault_stack import HelperStack, run_stack
 from fla_ac_isolation.policies import (
     checkpoint_layers,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fla_ac_isolation.audit import ReplayAudit
-from fla_ac_isolation.fla_cache import clear_tensor_cache
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
 from fla_ac_isolation.harness.fault_stack import HelperStack
 from fla_ac_isolation.policies import checkpoint_layers
 from fla_ac_isolation.seqlens import LayerLocalSeqlens

@@ -544,7 +544,7 @@ def test_check_refuses_a_step_the_audit_could_not_judge_exit_2(capsys, tmp_path,
         "checkpoint with use_reentrant=False and make the loss depend on every checkpointed layer"]
 
     # the unsafe path, without the rule: the same step passes as aligned
-    import fla_ac_isolation.harness.check_runner as check_runner
+    import fla_ac_isolation.harness.check.runner as check_runner
 
     monkeypatch.setattr(check_runner, "_require_judged", lambda step, mixers: None)
     code, out, _ = _blind_check(capsys, tmp_path, name, policy)

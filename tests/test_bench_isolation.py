@@ -19,7 +19,7 @@ import torch
 from helpers import FAMILIES, HIDDEN
 
 from benchmarks import layer_step, saved_outputs
-from fla_ac_isolation.families import LAYERS, family_for_layer, layer_fields
+from fla_ac_isolation.harness.layer_widths import LAYERS, family_for_layer, layer_fields
 
 TOKENS, DOCS, ITERS = 192, 3, 3  # several 64-token chunks per document
 LAYER_FAMILY = {layer: family_for_layer(layer).name for layer in LAYERS}  # the benchmark's layer of each kind
@@ -72,7 +72,7 @@ def _helper_computations(bench, kind: str, mode: str) -> int:
     """
     from torch.utils.checkpoint import checkpoint
 
-    from fla_ac_isolation.fla_cache import probe_tensor_cache, tensor_cache_disabled
+    from fla_ac_isolation.fla_seam.cache import probe_tensor_cache, tensor_cache_disabled
     from fla_ac_isolation.harness.modes import SharedSeqlens
     from fla_ac_isolation.policies import any_of, sac_context_fn, save_fla_ops, torchtitan_selective
     from fla_ac_isolation.seqlens import LayerLocalSeqlens

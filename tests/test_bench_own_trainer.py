@@ -32,7 +32,7 @@ def _helper_computations(mode: str) -> int:
     """FLA index-helper computations of one step of the example's model in ``mode`` on the benchmark's probe
     layout (seed 2 of 3 documents in 192 tokens), counted here."""
     from benchmarks.layer_step import doc_lengths
-    from fla_ac_isolation.fla_cache import probe_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
     from fla_ac_isolation.harness.reference_kernels import reference_kernels
 
     example = load_module(str(ROOT / "examples" / "own_trainer.py"))

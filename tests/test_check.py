@@ -15,7 +15,7 @@ import pytest
 from page_output import assert_printed_as_on_page
 
 from fla_ac_isolation import swap_mixers
-from fla_ac_isolation.harness.check_runner import CheckInputError, CheckSpec, survey
+from fla_ac_isolation.harness.check import CheckInputError, CheckSpec, survey
 from fla_ac_isolation.harness.cli import main
 from fla_ac_isolation.harness.foreign_models import build_tiny
 from fla_ac_isolation.harness.transformers_kernels import transformers_version

@@ -21,10 +21,10 @@ import torch
 from page_output import assert_printed_as_on_page
 from torch import nn
 
-import fla_ac_isolation.harness.check_runner as check_runner
-import fla_ac_isolation.harness.check_step as check_step
+import fla_ac_isolation.harness.check.runner as check_runner
+import fla_ac_isolation.harness.check.step as check_step
 from fla_ac_isolation import mixer_plan
-from fla_ac_isolation.harness.check_runner import CheckInputError, CheckSpec, run_check
+from fla_ac_isolation.harness.check import CheckInputError, CheckSpec, run_check
 from fla_ac_isolation.harness.cli import main
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -98,7 +98,7 @@ def test_without_the_forward_rule_the_failed_step_was_reported_as_a_divergence(m
     region never recomputed, with a Fix: line pointing at LayerLocalSeqlens."""
     from fla_ac_isolation.harness.cli.check import render
 
-    dry = check_runner._dry_run
+    dry = check_runner.dry_run
 
     def lenient(model, batch, spec):
         try:
@@ -106,7 +106,7 @@ def test_without_the_forward_rule_the_failed_step_was_reported_as_a_divergence(m
         except CheckInputError:
             return True, None  # the old rule: a model that checkpoints itself goes on to the step
 
-    monkeypatch.setattr(check_runner, "_dry_run", lenient)
+    monkeypatch.setattr(check_runner, "dry_run", lenient)
     result = run_check(CheckSpec(model=f"{EXAMPLE}:misspelt_isolated"))
     lines = render(result).splitlines()
     assert result.as_given.error == HOOK_ERROR and result.exit_code == 1
@@ -201,7 +201,7 @@ def test_a_step_whose_every_region_diverged_is_judged_divergent_exit_1_not_blind
     diverges. Nothing was unseen: the audit is not blind (no region aligned is not "nothing judged"), and the
     check exits 1 DIVERGENT, not 2."""
     from fla_ac_isolation.audit import ReplayAudit
-    from fla_ac_isolation.fla_cache import clear_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
     from fla_ac_isolation.harness.cli.check import render
     from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
 
@@ -232,7 +232,7 @@ class Helpers(nn.Module):
 
 
 def _observed(fresh_per_call: bool) -> tuple[str, ...]:
-    from fla_ac_isolation.fla_cache import clear_tensor_cache, probe_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import clear_tensor_cache, probe_tensor_cache
 
     model = nn.ModuleDict({"a": Helpers(), "b": Helpers()})
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
@@ -293,7 +293,7 @@ def test_on_cuda_check_autocast_names_the_weight_cast_cache_and_passes_sac_conte
     """FLA's own kernels under ``torch.autocast("cuda", bfloat16)``: torch's SAC contexts diverge at a cast the
     weight-cast cache skipped (the audit sees it before any misreplayed tensor reaches a kernel); our context_fn
     aligns every region."""
-    from fla_ac_isolation.harness.check_fix import AUTOCAST_CHECK_FIX
+    from fla_ac_isolation.harness.check.fix import AUTOCAST_CHECK_FIX
 
     raw = run_check(CheckSpec(model=f"{EXAMPLE}:isolated", device="cuda", autocast="bf16", first_config=True))
     divergent = [r for r in raw.as_given.regions if r.verdict == "divergent"]
@@ -307,7 +307,7 @@ def test_on_cuda_check_autocast_names_the_weight_cast_cache_and_passes_sac_conte
 def test_misspelt_keyword_advice_needs_a_keyword_the_class_reads():
     """A watched class with no offsets keyword of its own (a leaking class: nothing to name) gets no misspelt
     advice, where an exposed one is told its keyword (the rule reads the class's first offsets keyword)."""
-    from fla_ac_isolation.harness.check_findings import CheckStep, MixerFinding
+    from fla_ac_isolation.harness.check.findings import CheckStep, MixerFinding
 
     def finding(offsets):
         return MixerFinding("m.Mixer", "Mixer", "a library", "exposed", ("layers.0.mixer",), offsets)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from page_output import assert_printed_as_on_page
 
-from fla_ac_isolation.harness.check_runner import CheckInputError, CheckSpec, autotune_notice, resolve_policy
+from fla_ac_isolation.harness.check import CheckInputError, CheckSpec, autotune_notice, resolve_policy
 from fla_ac_isolation.harness.cli import main
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -67,7 +67,7 @@ def test_check_runs_the_users_own_policy_from_a_file_and_finds_the_shared_offset
 
 
 def test_the_spec_takes_the_policy_function_itself_and_the_step_runs_it():
-    from fla_ac_isolation.harness.check_runner import run_check
+    from fla_ac_isolation.harness.check import run_check
 
     policy = _example().my_policy
     asked = []
@@ -105,7 +105,7 @@ def test_a_bad_policy_is_refused_naming_policy_and_what_it_must_be(policy, messa
 
 def test_the_spec_takes_the_model_factory_itself_and_names_it_by_module_and_qualname():
     """``CheckSpec(model=fn)`` as the pytest plugin takes it: the same verdict as its ``file.py:callable``."""
-    from fla_ac_isolation.harness.check_runner import run_check
+    from fla_ac_isolation.harness.check import run_check
     from fla_ac_isolation.harness.cli.check import render
 
     example = _example()
@@ -147,7 +147,7 @@ def test_a_policy_flag_with_full_ac_exits_2_before_anything_runs(capsys, policy)
 
 
 def test_the_spec_refuses_a_policy_with_full_ac_and_names_the_default_policy_when_none_is_given():
-    from fla_ac_isolation.harness.check_spec import DEFAULT_POLICY
+    from fla_ac_isolation.harness.check.spec import DEFAULT_POLICY
     from fla_ac_isolation.policies import save_all_copies
 
     with pytest.raises(CheckInputError) as raised:
@@ -332,7 +332,7 @@ def test_local_called_once_in_the_models_forward_is_named_in_the_fix(capsys, tmp
     """One ``.local()`` in the model's forward, its ``LocalSeqlens`` handed to every checkpointed layer: each
     layer's forward and recompute give FLA the same objects (the fault). The report says which layers were handed
     it and that ``.local()`` must run inside each layer."""
-    from fla_ac_isolation.harness.check_runner import run_check
+    from fla_ac_isolation.harness.check import run_check
 
     model = _own_fla_model(tmp_path)
     code, lines, _ = _check(capsys, "--model", f"{model}:local_once")
@@ -358,8 +358,8 @@ def test_local_called_once_in_the_models_forward_is_named_in_the_fix(capsys, tmp
 def test_the_fix_for_divergent_own_code_with_no_caller_seen_names_local_inside_each_layer():
     """The fallback line (a region diverged, no class to blame): it says where ``.local()`` must run; with
     regions handed a ``LocalSeqlens`` it names them."""
-    from fla_ac_isolation.harness.check_findings import CheckStep, RegionVerdict
-    from fla_ac_isolation.harness.check_fix import fixes
+    from fla_ac_isolation.harness.check.findings import CheckStep, RegionVerdict
+    from fla_ac_isolation.harness.check.fix import fixes
 
     step = CheckStep((RegionVerdict("layers.0", "divergent", 3),))
     assert fixes([], step) == [
@@ -390,8 +390,8 @@ class _Checkpointed(torch.nn.Module):
 
 def test_each_checkpoint_inside_a_checkpoint_names_its_outer_region_in_the_data_and_the_report():
     from fla_ac_isolation import ReplayAudit
-    from fla_ac_isolation.harness.check_findings import Nesting
-    from fla_ac_isolation.harness.check_runner import CheckResult, CheckStep, RegionVerdict
+    from fla_ac_isolation.harness.check import CheckResult, CheckStep, RegionVerdict
+    from fla_ac_isolation.harness.check.findings import Nesting
     from fla_ac_isolation.harness.cli.check import render
 
     model = _Checkpointed(_Checkpointed(_Checkpointed(), _Checkpointed(_Checkpointed())))
@@ -437,9 +437,9 @@ def test_full_ac_says_the_gradients_are_right_and_what_sac_would_do_exit_0(capsy
 def test_the_same_model_under_sac_is_divergent_exit_1_and_full_ac_gradients_were_compared(monkeypatch):
     """The full-AC exit 0 rests on the gradients compared: with a no-AC reference that differs (a gradient
     nudged by 1e-6), the same divergence is exit 1."""
-    from fla_ac_isolation import check_runner
+    import fla_ac_isolation.harness.check.runner as check_runner
 
-    dry = check_runner._dry_run
+    dry = check_runner.dry_run
 
     def nudged(model, batch, spec):
         own, grads = dry(model, batch, spec)
@@ -447,7 +447,7 @@ def test_the_same_model_under_sac_is_divergent_exit_1_and_full_ac_gradients_were
         grads[first] = grads[first] + 1e-6
         return own, grads
 
-    monkeypatch.setattr(check_runner, "_dry_run", nudged)
+    monkeypatch.setattr(check_runner, "dry_run", nudged)
     result = check_runner.run_check(CheckSpec(model=f"{EXAMPLE}:plain", ac="full", verify_fix=False))
     assert result.as_given.grad_diff == pytest.approx(1e-6, rel=1e-3)
     assert not result.harmless_under_full_ac and result.exit_code == 1
@@ -599,7 +599,7 @@ def test_the_reference_ops_name_the_autocast_cache_only_in_a_backward_under_auto
 def test_check_autocast_names_the_weight_cast_cache_and_the_checkpointings_fix_exit_1(capsys):
     """``--autocast bf16``: the model's own checkpoint with torch's SAC contexts diverges at the cast the cache
     skipped; the fix named is the checkpointing's, not FLA's (its classes are covered)."""
-    from fla_ac_isolation.harness.check_fix import AUTOCAST_CHECK_FIX
+    from fla_ac_isolation.harness.check.fix import AUTOCAST_CHECK_FIX
 
     code, lines, _ = _check(capsys, "--model", f"{EXAMPLE}:isolated", "--autocast", "bf16")
     assert lines[0] == (f"fla-ac-isolation check: Decoder (--model {EXAMPLE}:isolated) | its own checkpointing | "

@@ -23,7 +23,7 @@ import pytest
 from helpers import run_without
 
 from fla_ac_isolation.fla_seam.versions import fla_version, is_hopper_gdn_refusal
-from fla_ac_isolation.harness.check_runner import CheckResult, CheckSpec, CheckStep, RegionVerdict
+from fla_ac_isolation.harness.check import CheckResult, CheckSpec, CheckStep, RegionVerdict
 from fla_ac_isolation.harness.cli import main
 from fla_ac_isolation.harness.cli.check import render
 

@@ -17,7 +17,7 @@ from helpers import FAMILIES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fla_ac_isolation import LayerLocalSeqlens
-from fla_ac_isolation.fla_cache import probe_tensor_cache
+from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
 from fla_ac_isolation.harness.modes import MODE_NAMES, FieldCPSeqlens, SharedSeqlens, get_mode
 from fla_ac_isolation.parallel import CPConfig, cp_token_index, shard_packed_batch, unshard
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import FAULT_POLICIES, MATRIX, assert_refused, expected_shared_outcome
 
-from fla_ac_isolation.fla_cache import tensor_cache_size
+from fla_ac_isolation.fla_seam.cache import tensor_cache_size
 from fla_ac_isolation.harness.fault_stack import run_stack
 from fla_ac_isolation.policies import policy_sees_op_output
 from fla_ac_isolation.seqlens import LayerLocalSeqlens

@@ -5,7 +5,7 @@ import pytest
 import torch
 from fla.ops.utils.index import prepare_chunk_indices, prepare_lens, prepare_position_ids
 
-from fla_ac_isolation.fla_cache import (
+from fla_ac_isolation.fla_seam.cache import (
     cache_enabled,
     cache_size,
     clear_tensor_cache,

@@ -293,7 +293,7 @@ def test_the_drop_in_handed_shared_offsets_fails_under_the_same_policy(swapped):
 
 # ------------------------------------------------------------------------------------- the registry's views
 def test_isolate_seqlens_check_and_doctor_name_the_drop_in(shipped, swapped):
-    from fla_ac_isolation.harness.check_runner import survey
+    from fla_ac_isolation.harness.check import survey
     from fla_ac_isolation.harness.environment import fla_backed_classes
 
     fix = "use swap_mixers(model) (drop-in fla_ac_isolation.mixers.FlaMamba2)"

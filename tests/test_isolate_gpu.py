@@ -43,7 +43,7 @@ from helpers import (
 )
 
 from fla_ac_isolation import ReplayAudit, isolate_seqlens
-from fla_ac_isolation.fla_cache import clear_tensor_cache
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
 from fla_ac_isolation.policies import any_of, save_all_copies, save_ops
 
 pytestmark = [

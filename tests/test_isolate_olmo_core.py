@@ -40,7 +40,7 @@ from helpers import (
 from helpers import olmo_step as step
 
 from fla_ac_isolation import ReplayAudit, isolate_seqlens
-from fla_ac_isolation.fla_cache import clear_tensor_cache
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
 from fla_ac_isolation.isolate import PartialIsolationWarning
 
 pytest.importorskip("olmo_core")

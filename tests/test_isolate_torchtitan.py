@@ -25,7 +25,7 @@ from helpers import (
 )
 
 from fla_ac_isolation import ReplayAudit, isolate_seqlens
-from fla_ac_isolation.fla_cache import clear_tensor_cache
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
 
 skip_unless_torchtitan_qwen3_5()
 pytestmark = pytest.mark.usefixtures("single_thread", "served")

@@ -21,7 +21,7 @@ import torch
 from helpers import MODEL_FAMILIES, divergent, max_grad_diff, packed_batch, set_checkpointing, train_step
 
 from fla_ac_isolation import ReplayAudit, isolate_seqlens, swap_mixers
-from fla_ac_isolation.fla_cache import clear_tensor_cache
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
 from fla_ac_isolation.fla_seam.features import supports
 from fla_ac_isolation.policies import save_all_copies
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fla_ac_isolation import ops
-from fla_ac_isolation.fla_cache import probe_tensor_cache
+from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
 from fla_ac_isolation.ops import reference_kda
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 

@@ -10,8 +10,8 @@ import torch
 from fla.layers import GatedDeltaNet, Mamba2
 from torch import nn
 
-import fla_ac_isolation.harness.check_findings as check_findings
-import fla_ac_isolation.harness.check_runner as check_runner
+import fla_ac_isolation.harness.check.findings as check_findings
+import fla_ac_isolation.harness.check.runner as check_runner
 import fla_ac_isolation.isolate as isolate_module
 import fla_ac_isolation.mixer_plan as mixer_plan
 from fla_ac_isolation import isolate_seqlens

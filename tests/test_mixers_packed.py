@@ -136,7 +136,7 @@ def test_precomputed_chunk_indices_reach_the_ops_and_change_nothing(family):
     schedule and its chunk offsets, ``fla_seam.simple_gla``) all skip prepare_chunk_indices (only KDA, on FLA's
     chunk_kda, takes no schedule and still asks for it); outputs are bit-equal to the run where every op
     computes the schedule itself."""
-    from fla_ac_isolation.fla_cache import probe_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
 
     kda = family.family.name == "kimi_linear"
     mixer = family.build(seed=4)

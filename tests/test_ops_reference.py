@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import PACKED_LENS, split_documents
 
 from fla_ac_isolation import ops
-from fla_ac_isolation.fla_cache import clear_tensor_cache, probe_tensor_cache
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache, probe_tensor_cache
 from fla_ac_isolation.op_inputs import discretize_dt
 from fla_ac_isolation.ops import reference
 from fla_ac_isolation.ops.backend import resolve_backend

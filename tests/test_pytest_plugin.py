@@ -60,7 +60,7 @@ def test_the_installed_distribution_registers_the_same_entry_point():
 _IMPORTS = r"""
 import json, sys
 import fla_ac_isolation.harness.pytest_plugin
-heavy = ("torch", "fla", "transformers", "torchtitan", "numpy", "fla_ac_isolation.harness.check_runner",
+heavy = ("torch", "fla", "transformers", "torchtitan", "numpy", "fla_ac_isolation.harness.check.runner",
          "fla_ac_isolation.harness.regression")
 print(json.dumps(sorted(m for m in heavy if m in sys.modules)))
 """
@@ -228,7 +228,7 @@ def _nemotron_h():
 def test_a_model_whose_packed_documents_mix_fails_though_every_region_is_aligned():
     """The verdict is the check's exit code: aligned under AC, the model still mixes its packed documents (exit
     1, LEAKING). The unsafe rule, judging by alignment alone, would pass it: its step is aligned."""
-    from fla_ac_isolation.harness.check_runner import CheckSpec, run_check
+    from fla_ac_isolation.harness.check import CheckSpec, run_check
     from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe
 
     with pytest.raises(pytest.fail.Exception) as info:
@@ -248,7 +248,7 @@ def test_assert_ac_safe_checks_a_copy_and_leaves_the_users_model_as_it_was():
     the object itself wraps its layers, sets gradients and puts it in training mode."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from fla_ac_isolation.harness.check_runner import CheckSpec, run_check
+    from fla_ac_isolation.harness.check import CheckSpec, run_check
     from fla_ac_isolation.harness.pytest_plugin import assert_ac_safe
 
     page: dict = {}

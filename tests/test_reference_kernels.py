@@ -196,7 +196,7 @@ def test_served_chunk_kda_asks_flas_index_helper_by_keyword_as_the_kernel_does()
     before hits the conv's entry instead, and FLA's cache would then differ from the kernel's."""
     import fla.ops.kda as kda_package
 
-    from fla_ac_isolation.fla_cache import probe_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
     from fla_ac_isolation.fla_seam.layout import prepare_chunk_indices
     from fla_ac_isolation.seqlens import LayerLocalSeqlens
 

@@ -18,7 +18,7 @@ import torch._dynamo
 from helpers import FAMILIES, HIDDEN, PACKED_LENS, Block, OpRecorder
 from torch import nn
 
-from fla_ac_isolation.fla_cache import probe_tensor_cache
+from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
 from fla_ac_isolation.harness.modes import SharedSeqlens
 from fla_ac_isolation.policies import any_of, checkpoint_layers, save_device_to_host_copies, save_fla_ops
 from fla_ac_isolation.seqlens import LayerLocalSeqlens

@@ -196,7 +196,7 @@ def test_chunk_indices_equal_fla_prepare_chunk_indices(lens, dtype):
 
 
 def test_chunk_indices_are_fresh_per_call_and_leave_fla_cache_untouched():
-    from fla_ac_isolation.fla_cache import probe_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
 
     with probe_tensor_cache() as probe:
         s = LayerLocalSeqlens(cu(0, 70, 70, 200))

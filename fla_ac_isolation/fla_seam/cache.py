@@ -1,4 +1,4 @@
-"""FLA's identity-keyed ``fla.utils.tensor_cache`` (public as :mod:`fla_ac_isolation.fla_cache`): global switch,
+"""FLA's identity-keyed ``fla.utils.tensor_cache`` (a public module): global switch,
 queue size, hit/miss probe. Each of FLA's index helpers keeps its last ``FLA_TENSOR_CACHE_SIZE`` (default 4) calls
 and returns a stored result when every argument ``is`` the stored one. The only module-level mutable state here.
 """

@@ -47,12 +47,12 @@ def assert_ac_safe(model: Any, batch: dict | None = None, **spec: Any) -> Any:
             ``"path/to/file.py:callable"``.
         batch: ONE packed batch, the keyword arguments of ``model(**batch)`` (which returns the loss), holding its
             offsets (``cu_seqlens``, ``cu_seq_lens_q``, ...).
-        **spec: other fields of :class:`~fla_ac_isolation.harness.check_runner.CheckSpec` (``ac``, ``policy``,
+        **spec: other fields of :class:`~fla_ac_isolation.harness.check.runner.CheckSpec` (``ac``, ``policy``,
             ``device``, ``verify_fix``); ``policy`` only with ``ac="selective"`` (the default): with
             ``ac="full"`` the check refuses it (full AC saves no op), before the model runs.
 
     Returns:
-        The :class:`~fla_ac_isolation.harness.check_runner.CheckResult` of a passing check.
+        The :class:`~fla_ac_isolation.harness.check.runner.CheckResult` of a passing check.
 
     Warns:
         UserWarning: under ``ac="full"`` a region diverged with the gradients of no AC (it passes; SAC would not).
@@ -63,7 +63,7 @@ def assert_ac_safe(model: Any, batch: dict | None = None, **spec: Any) -> Any:
             ``pytest.raises(pytest.fail.Exception)``.
         TypeError: ``model`` / ``batch`` of another kind than above.
     """
-    from fla_ac_isolation.harness.check_runner import CheckInputError, CheckSpec, run_check
+    from fla_ac_isolation.harness.check import CheckInputError, CheckSpec, run_check
     from fla_ac_isolation.harness.cli.check import render
 
     target, owned = _check_target(model, batch)

@@ -19,25 +19,7 @@ from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE
 from fla_ac_isolation.op_inputs import check_heads, check_packed, l2_normalize
 from fla_ac_isolation.ops.documents import packed_documents
 
-__all__ = ["chunk_kda", "kda_recurrence"]
-
-
-def kda_recurrence(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-) -> torch.Tensor:
-    """One document of KDA from a zero state: FLA's ``naive_recurrent_kda`` with the scale already applied.
-
-    Args:
-        q: ``[B, L, HV, K]`` queries, already scaled (and L2-normalised) and repeated to the value heads.
-        k: ``[B, L, HV, K]`` keys, likewise.
-        v: ``[B, L, HV, V]`` values.
-        g: ``[B, L, HV, K]`` log decay per key channel.
-        beta: ``[B, L, HV]`` write strength.
-
-    Returns:
-        ``o [B, L, HV, V]`` in the dtype of ``v``, computed in float32 (``L == 0`` gives an empty output).
-    """
-    return naive_recurrent_kda(q, k, v, g, beta, scale=1.0)
+__all__ = ["chunk_kda"]
 
 
 def chunk_kda(

@@ -129,7 +129,7 @@ def olmo_step(model: nn.Module, batch: dict, bf16: bool = False) -> Step:
 
     FLA's cache is cleared first, so every step starts from the same cache state. An exception is returned.
     """
-    from fla_ac_isolation.fla_cache import clear_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
 
     clear_tensor_cache()
     model.zero_grad(set_to_none=True)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fla_ac_isolation import ReplayAudit
-from fla_ac_isolation.fla_cache import clear_tensor_cache
+from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
 from fla_ac_isolation.harness.foreign_models import VOCAB, packed_batch
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
 

@@ -86,7 +86,7 @@ def _mamba2_fields() -> dict[str, Any]:
 
 
 LAYER_FIELDS = {"gdn": _gdn_fields, "mamba2": _mamba2_fields}
-"""Tiny test widths per layer kind (:data:`fla_ac_isolation.families.LAYERS`), at :data:`HIDDEN`."""
+"""Tiny test widths per layer kind (:data:`fla_ac_isolation.harness.layer_widths.LAYERS`), at :data:`HIDDEN`."""
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ class RecordedStep:
 
 def recorded_step(layers: nn.ModuleList, x: torch.Tensor, seqlens: Any) -> RecordedStep:
     """``loss_and_grads`` (:mod:`helpers.mixers`) with an :class:`OpRecorder` (and a cache probe) around the forward and the backward."""
-    from fla_ac_isolation.fla_cache import clear_tensor_cache, probe_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import clear_tensor_cache, probe_tensor_cache
 
     clear_tensor_cache()
     h = x.clone().requires_grad_()

@@ -1,9 +1,9 @@
 """``fla-ac-isolation check``: one training step of YOUR model under :class:`~fla_ac_isolation.ReplayAudit`, which
 FLA-backed classes it holds (exposed, covered, leaking) and the one-line fix.
 
-The check itself is :mod:`fla_ac_isolation.harness.check_runner`
-(:class:`~fla_ac_isolation.harness.check_runner.CheckSpec`,
-:func:`~fla_ac_isolation.harness.check_runner.run_check`; the contract of ``--model`` is there); this module parses the
+The check itself is :mod:`fla_ac_isolation.harness.check.runner`
+(:class:`~fla_ac_isolation.harness.check.runner.CheckSpec`,
+:func:`~fla_ac_isolation.harness.check.runner.run_check`; the contract of ``--model`` is there); this module parses the
 flags into its spec and prints the result, or its JSON (``--json``).
 
 ``--model`` names the model to run, as in ``audit`` and ``regress``: a built-in tiny model (a transformers or
@@ -39,7 +39,7 @@ import dataclasses
 import json
 import sys
 
-from fla_ac_isolation.harness.check_runner import (
+from fla_ac_isolation.harness.check import (
     CheckEnvironmentError,
     CheckInputError,
     CheckResult,
@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_arguments(args: argparse.Namespace) -> CheckSpec:
-    """The :class:`~fla_ac_isolation.harness.check_runner.CheckSpec` of parsed ``args``, validated.
+    """The :class:`~fla_ac_isolation.harness.check.runner.CheckSpec` of parsed ``args``, validated.
 
     Raises:
         CheckInputError: the spec's message for the first rule the arguments break (``--policy`` with

@@ -2,7 +2,7 @@
 which FLA-backed classes it holds (exposed, covered, leaking), and the one-line fix (``fla-ac-isolation check``
 renders what :func:`run_check` returns).
 
-The model comes from one of (:class:`~fla_ac_isolation.harness.check_spec.CheckSpec`):
+The model comes from one of (:class:`~fla_ac_isolation.harness.check.spec.CheckSpec`):
 
 * ``model="module:callable"`` (or ``"path/to/file.py:callable"``): ``callable()`` takes no argument and returns
   ``(model, batch)``: an ``nn.Module`` (without activation checkpointing: the check applies it; or one that
@@ -16,7 +16,7 @@ The model comes from one of (:class:`~fla_ac_isolation.harness.check_spec.CheckS
 * ``config="<model_type or config class name>"``: a tiny model of transformers or FLA
   (:func:`fla_ac_isolation.harness.foreign_models.build_tiny`).
 
-The step (:mod:`~fla_ac_isolation.harness.check_step`): every layer of the model's layer list
+The step (:mod:`~fla_ac_isolation.harness.check.step`): every layer of the model's layer list
 (:func:`~fla_ac_isolation.policies.checkpoint_layers`: ``model.layers``, ``model.model.layers``, ``blocks``, ...)
 checkpointed with the chosen SAC policy (default ``save-all-copies``, the field's most sensitive on a CPU) or full
 AC; model and batch on ``device`` (``cpu``: FLA's kernels served by
@@ -25,7 +25,7 @@ first. Before it, the same step runs once without AC: a batch the model cannot t
 shape) fails there and is bad input, not a divergence; so does a forward that fails in a model that checkpoints
 itself (a forward runs the ops it runs without AC). When a region diverges and a fix exists for the classes found
 (``swap_mixers`` for a leaking class with a drop-in, then ``isolate_seqlens``), a fresh model gets it and runs
-the same step (:mod:`~fla_ac_isolation.harness.check_fix`).
+the same step (:mod:`~fla_ac_isolation.harness.check.fix`).
 
 Outcome (:attr:`CheckResult.exit_code`): 0 when every checkpointed region is aligned, the step ran and no mixer
 leaks across packed documents here (a class known to drop the offsets, or one that leaks without a package
@@ -39,7 +39,7 @@ class and no call of FLA's index helpers). A step that fails without AC because 
 :class:`CheckEnvironmentError` instead, naming what to install (the command exits with 3): neither the model nor AC
 is at fault.
 
-This module holds the order of the check and that rule; the names of the modules above are re-exported here.
+This module holds the order of the check and that rule.
 """
 
 from __future__ import annotations
@@ -48,29 +48,21 @@ from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from fla_ac_isolation.harness.check_findings import CheckResult, CheckStep, MixerFinding, RegionVerdict, survey
-from fla_ac_isolation.harness.check_fix import OWN_CODE_FIX, apply_fix, fixes, observed_covered, observed_own
-from fla_ac_isolation.harness.check_load import load_model, offsets_keywords
-from fla_ac_isolation.harness.check_spec import (
-    CheckEnvironmentError,
+from fla_ac_isolation.harness.check.findings import CheckResult, CheckStep, MixerFinding, survey
+from fla_ac_isolation.harness.check.fix import apply_fix, fixes, observed_covered, observed_own
+from fla_ac_isolation.harness.check.load import load_model, offsets_keywords
+from fla_ac_isolation.harness.check.spec import (
     CheckInputError,
     CheckSpec,
-    load_callable,
-    resolve_policy,
 )
-from fla_ac_isolation.harness.check_step import audited_step, autotune_notice, dry_run
+from fla_ac_isolation.harness.check.step import audited_step, dry_run
 from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.mixer_plan import classify
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["OWN_CODE_FIX", "CheckEnvironmentError", "CheckInputError", "CheckResult", "CheckSpec", "CheckStep",
-           "MixerFinding", "RegionVerdict", "autotune_notice", "load_callable", "load_model", "resolve_policy",
-           "run_check", "survey"]
-
-_dry_run, _step = dry_run, audited_step  # run_check calls these names (tests replace them here)
-
+__all__ = ["run_check"]
 
 def _misspelt(step: CheckStep, mixers: list[MixerFinding]) -> str | None:
     """Advice for layer calls that were handed offsets under keywords their class does not read (a misspelt
@@ -160,10 +152,10 @@ def run_check(spec: CheckSpec) -> CheckResult:
         spec = replace(spec, device=resolve_device("auto"))
     model, batch = load_model(spec)
     mixers = survey(model, classify(model))
-    self_checkpointed, reference = _dry_run(model, batch, spec)
+    self_checkpointed, reference = dry_run(model, batch, spec)
     watch = tuple(p for m in mixers if m.status == "exposed" for p in m.paths)
     surveyed = tuple(p for m in mixers for p in m.paths)
-    as_given = _step(model, batch, spec, self_checkpointed=self_checkpointed, watch=watch, surveyed=surveyed,
+    as_given = audited_step(model, batch, spec, self_checkpointed=self_checkpointed, watch=watch, surveyed=surveyed,
                      reference=reference)
     _require_judged(as_given, mixers)
     mixers = observed_covered(mixers, as_given.fresh_offsets) + observed_own(as_given)
@@ -174,6 +166,6 @@ def run_check(spec: CheckSpec) -> CheckResult:
         fresh, fresh_batch = load_model(spec)
         applied = apply_fix(fresh, mixers)
         if applied:
-            result.fixed = _step(fresh, fresh_batch, spec, self_checkpointed=self_checkpointed)
+            result.fixed = audited_step(fresh, fresh_batch, spec, self_checkpointed=self_checkpointed)
             result.fix_applied = applied
     return result

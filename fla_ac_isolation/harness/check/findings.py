@@ -12,7 +12,7 @@ from torch import nn
 
 from fla_ac_isolation.families import drop_in_for, leak_remedy, remedy
 from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer
-from fla_ac_isolation.harness.check_spec import CheckSpec
+from fla_ac_isolation.harness.check.spec import CheckSpec
 from fla_ac_isolation.mixer_plan import DROP_IN, EXPOSED, LEAKING, PlannedMixer, classify
 
 __all__ = ["CheckResult", "CheckStep", "MixerFinding", "Nesting", "OwnCaller", "RegionVerdict", "survey"]

@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from fla_ac_isolation.audit.labels import clean_path
-from fla_ac_isolation.harness.check_findings import OwnCaller
+from fla_ac_isolation.harness.check.findings import OwnCaller
 from fla_ac_isolation.local_seqlens import LocalSeqlens
 
 __all__ = ["FlaCallers", "fresh_paths"]

@@ -11,7 +11,7 @@ from torch import nn
 
 from fla_ac_isolation.families import drop_in_for
 from fla_ac_isolation.foreign_classes import ForeignClass
-from fla_ac_isolation.harness.check_findings import CheckStep, MixerFinding
+from fla_ac_isolation.harness.check.findings import CheckStep, MixerFinding
 from fla_ac_isolation.mixer_plan import EXPOSED
 
 __all__ = ["AUTOCAST_CHECK_FIX", "OWN_CODE", "OWN_CODE_FIX", "apply_fix", "fixes", "observed_covered",

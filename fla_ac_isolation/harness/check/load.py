@@ -1,4 +1,4 @@
-"""The model and batch of a :class:`~fla_ac_isolation.harness.check_spec.CheckSpec`, loaded on the spec's device."""
+"""The model and batch of a :class:`~fla_ac_isolation.harness.check.spec.CheckSpec`, loaded on the spec's device."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fla_ac_isolation.foreign_classes import FLA_BACKED_MIXERS
-from fla_ac_isolation.harness.check_spec import CheckInputError, CheckSpec, load_callable
+from fla_ac_isolation.harness.check.spec import CheckInputError, CheckSpec, load_callable
 from fla_ac_isolation.harness.failures import first_line
 
 __all__ = ["load_model", "offsets_keywords"]

@@ -1,7 +1,7 @@
 """One step of ``check``: the step without AC first (gradients kept; whether the model checkpoints itself; a
 failure there refused as bad input), then one step under :class:`~fla_ac_isolation.ReplayAudit` with the check's
 AC (or the model's own), and which watched modules handed FLA's cached index helpers offsets of their own in
-every call (read from :func:`~fla_ac_isolation.fla_cache.probe_tensor_cache`, so on any device).
+every call (read from :func:`~fla_ac_isolation.fla_seam.cache.probe_tensor_cache`, so on any device).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from fla_ac_isolation.audit import ReplayAudit
-from fla_ac_isolation.harness.check_callers import FlaCallers, fresh_paths
-from fla_ac_isolation.harness.check_findings import CheckStep, RegionVerdict
-from fla_ac_isolation.harness.check_spec import (
+from fla_ac_isolation.harness.check.callers import FlaCallers, fresh_paths
+from fla_ac_isolation.harness.check.findings import CheckStep, RegionVerdict
+from fla_ac_isolation.harness.check.spec import (
     AUTOCAST_DTYPES,
     CheckEnvironmentError,
     CheckInputError,
@@ -142,7 +142,7 @@ def _refuse_environment(err: Exception) -> None:
 class _OffsetsSeen:
     """The tensors FLA's cached index helpers received during each call of each watched module
     (``{(path, n-th call): [the tensors of each helper call]}``; a forward and each recompute are separate calls),
-    as :func:`~fla_ac_isolation.fla_cache.probe_tensor_cache` records them (``arguments=True``: a hit's are those
+    as :func:`~fla_ac_isolation.fla_seam.cache.probe_tensor_cache` records them (``arguments=True``: a hit's are those
     of the entry it matched): on any device. The batch's own tensors are nobody's own."""
 
     def __init__(self, model: nn.Module, paths: list[str], probe: Any, batch: dict) -> None:
@@ -201,7 +201,7 @@ def audited_step(model: nn.Module, batch: dict, spec: CheckSpec, *, self_checkpo
     (:attr:`CheckStep.fresh_offsets`); ``surveyed``: the paths of every class the survey found (FLA calls made
     inside them are not the user's own, :attr:`CheckStep.own_callers`); ``reference``: the gradients without AC
     to compare with."""
-    from fla_ac_isolation.fla_cache import clear_tensor_cache, probe_tensor_cache
+    from fla_ac_isolation.fla_seam.cache import clear_tensor_cache, probe_tensor_cache
     from fla_ac_isolation.policies import checkpoint_layers
 
     if not self_checkpointed:

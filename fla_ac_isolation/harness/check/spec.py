@@ -1,7 +1,7 @@
 """What ``check`` is asked to check (:class:`CheckSpec`), each field checked at the boundary; the errors of the
 check (:class:`CheckInputError`: exit 2, :class:`CheckEnvironmentError`: exit 3); the user's SAC policy and
 ``module:callable`` targets resolved (:func:`resolve_policy`, :func:`load_callable`). The check itself:
-:mod:`fla_ac_isolation.harness.check_runner`.
+:mod:`fla_ac_isolation.harness.check.runner`.
 """
 
 from __future__ import annotations
