@@ -1,24 +1,20 @@
-"""The registry of model families: our drop-in mixer, the upstream classes it replaces, their configs, the
-regression's tiny decoder and CP capability. Other libraries' FLA-backed classes are
+"""The registry of model families: the upstream classes our drop-ins replace, their configs, the regression's
+tiny decoder and CP capability. Other libraries' FLA-backed classes, and which drop-in replaces which, are
 :mod:`fla_ac_isolation.foreign_classes`. Imports neither transformers, OLMo-core nor the mixers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from fla_ac_isolation.foreign_classes import ForeignClass, LeakingMixer, UpstreamMixer, named
+from fla_ac_isolation.foreign_classes import DROP_IN_NAMES, UpstreamMixer, named
 
 __all__ = [
     "FAMILIES",
     "FAMILY_NAMES",
     "Family",
     "TinyRecipe",
-    "drop_in_for",
-    "leak_remedy",
-    "remedy",
     "upstream_mixers",
 ]
 
@@ -45,7 +41,6 @@ class Family:
     Attributes:
         name: registry key, also the ``--model`` name of the regression and the audit.
         title: the model's name in prose (``"Qwen3.5-MoE"``).
-        mixer: our drop-in's class name in :mod:`fla_ac_isolation.mixers` (for the family's own upstream class).
         upstream: the classes our mixer replaces, first the family's own (whose config class configures ours).
         layer: the kind of FLA-backed mixer: ``"gdn"`` (a gated delta rule, KDA's included) or ``"mamba2"``.
         fla_cp: under context parallelism its mixers run FLA's CP kernels (else head-parallel or no CP).
@@ -54,16 +49,20 @@ class Family:
 
     name: str
     title: str
-    mixer: str
     upstream: tuple[UpstreamMixer, ...]
     layer: str
     fla_cp: bool
     tiny: TinyRecipe
 
+    @property
+    def mixer(self) -> str:
+        """Our drop-in's class name in :mod:`fla_ac_isolation.mixers` for the family's own upstream class."""
+        return self.drop_in_name()
+
     def drop_in_name(self, upstream: UpstreamMixer | None = None) -> str:
         """The name of our drop-in replacing ``upstream`` (default: the family's own class) in
         :mod:`fla_ac_isolation.mixers`."""
-        return upstream.replacement if upstream is not None and upstream.replacement else self.mixer
+        return DROP_IN_NAMES[(upstream or self.upstream[0]).qualified]
 
     def config_class(self) -> type:
         """The transformers config class of the family's own upstream mixer (imports transformers).
@@ -74,17 +73,15 @@ class Family:
         return self.upstream[0].config_class()
 
 
-
 _HF = "transformers.models"
 
 
-def _hf(folder: str, name: str, own_drop_in: bool = False) -> UpstreamMixer:
-    """transformers' class ``name`` of ``models/<folder>``, as ``FLA_BACKED_MIXERS`` names it; with
-    ``own_drop_in``, replaced by a drop-in of the same name (not the family's own)."""
+def _hf(folder: str, name: str) -> UpstreamMixer:
+    """transformers' class ``name`` of ``models/<folder>``, as ``FLA_BACKED_MIXERS`` names it."""
     found = named(f"{_HF}.{folder}.modeling_{folder}.{name}")
     if not isinstance(found, UpstreamMixer):
         raise TypeError(f"{found.qualified} is named as leaking, not as handing FLA its offsets")
-    return dataclasses.replace(found, replacement=name) if own_drop_in else found
+    return found
 
 
 FAMILIES: dict[str, Family] = {
@@ -92,30 +89,29 @@ FAMILIES: dict[str, Family] = {
     for f in (
         # Qwen3.5-MoE, and every other transformers Gated DeltaNet: same path, each class its own drop-in
         Family(
-            "qwen3_5_moe", "Qwen3.5-MoE", "Qwen3_5MoeGatedDeltaNet",
-            (_hf("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"), _hf("qwen3_5", "Qwen3_5GatedDeltaNet", True),
-             _hf("qwen3_next", "Qwen3NextGatedDeltaNet", True), _hf("olmo_hybrid", "OlmoHybridGatedDeltaNet", True),
-             _hf("lara_mini", "LaraMiniGatedDeltaNet", True)),
+            "qwen3_5_moe", "Qwen3.5-MoE",
+            (_hf("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"), _hf("qwen3_5", "Qwen3_5GatedDeltaNet"),
+             _hf("qwen3_next", "Qwen3NextGatedDeltaNet"), _hf("olmo_hybrid", "OlmoHybridGatedDeltaNet"),
+             _hf("lara_mini", "LaraMiniGatedDeltaNet")),
             layer="gdn", fla_cp=True, tiny=TinyRecipe("qwen"),
         ),
         Family(
-            "qwen3_8", "Qwen3.8-Flash-Next", "Qwen3_8FlashNextGatedDeltaNet",
+            "qwen3_8", "Qwen3.8-Flash-Next",
             (_hf("qwen4_exp", "Qwen4ExpTextGatedDeltaNet"),),
             layer="gdn", fla_cp=True,
             tiny=TinyRecipe("qwen", attention_type="indexed_attention", config=(("output_gate_type", "sigmoid"),)),
         ),
         Family(
-            "nemotron_h", "Nemotron-H", "NemotronHMamba2Mixer",
+            "nemotron_h", "Nemotron-H",
             (
                 # transformers' torch path and mamba_ssm: no FLA call, so nothing to isolate (offsets empty)
                 UpstreamMixer(f"{_HF}.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer",
                               f"{_HF}.nemotron_h.configuration_nemotron_h.NemotronHConfig"),
                 # OLMo-core 3.0: pure-torch SSD that drops cu_doc_lens; configured by its attributes
-                UpstreamMixer("olmo_core.nn.attention.recurrent", "NemotronMamba2Mixer", None,
-                              replacement="OlmoNemotronMamba2Mixer"),
+                UpstreamMixer("olmo_core.nn.attention.recurrent", "NemotronMamba2Mixer", None),
                 # flash-linear-attention 0.6: never reads cu_seqlens (the FLA rule names it leaking); configured by
                 # its attributes (fla.models' Mamba2Block builds it from keywords)
-                UpstreamMixer("fla.layers.mamba2", "Mamba2", None, replacement="FlaMamba2"),
+                UpstreamMixer("fla.layers.mamba2", "Mamba2", None),
             ),
             layer="mamba2", fla_cp=False, tiny=TinyRecipe("nemotron_h"),
         ),
@@ -123,16 +119,14 @@ FAMILIES: dict[str, Family] = {
         # chunk_kda without offsets (LEAKING_MIXERS; offsets empty here); the drop-ins keep documents apart. Tiny
         # decoder: the "qwen" layout with KDA widths; no FLA CP path (the mixers refuse CP seqlens).
         Family(
-            "kimi_linear", "Kimi-Linear", "KimiLinearDeltaAttention",
+            "kimi_linear", "Kimi-Linear",
             (
                 UpstreamMixer(f"{_HF}.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention",
                               f"{_HF}.kimi_linear.configuration_kimi_linear.KimiLinearConfig"),
                 UpstreamMixer(f"{_HF}.glm5_next.modeling_glm5_next", "Glm5NextTextLinearAttention",
-                              f"{_HF}.glm5_next.configuration_glm5_next.Glm5NextTextConfig",
-                              replacement="Glm5NextTextLinearAttention"),
+                              f"{_HF}.glm5_next.configuration_glm5_next.Glm5NextTextConfig"),
                 UpstreamMixer(f"{_HF}.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention",
-                              f"{_HF}.bailing_hybrid.configuration_bailing_hybrid.BailingHybridConfig",
-                              replacement="BailingHybridDeltaAttention"),
+                              f"{_HF}.bailing_hybrid.configuration_bailing_hybrid.BailingHybridConfig"),
             ),
             layer="gdn", fla_cp=False,
             tiny=TinyRecipe("qwen", config=(("linear_num_heads", 4), ("linear_head_dim", 16), ("pad_token_id", None),
@@ -145,31 +139,6 @@ FAMILIES: dict[str, Family] = {
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
 
 
-def drop_in_for(entry: ForeignClass) -> tuple[UpstreamMixer, Family] | None:
-    """``(upstream, family)`` whose drop-in :func:`~fla_ac_isolation.swap_mixers` puts in place of ``entry``'s class,
-    or ``None``."""
-    return next(((u, f) for u, f in upstream_mixers() if u.qualified == entry.qualified), None)
-
-
 def upstream_mixers() -> list[tuple[UpstreamMixer, Family]]:
     """Every upstream class with the family whose mixer replaces it, in registry order."""
     return [(upstream, family) for family in FAMILIES.values() for upstream in family.upstream]
-
-
-def remedy(entry: LeakingMixer) -> str:
-    """What to do about a class that drops its offsets: ``swap_mixers`` where a drop-in exists, else
-    ``entry.otherwise``."""
-    return _remedy(entry, entry.otherwise)
-
-
-def leak_remedy(entry: UpstreamMixer) -> str | None:
-    """What to do about ``entry.leak()`` (as :func:`remedy`); ``None`` without ``leaks_without``."""
-    return None if entry.leaks_without is None else _remedy(entry, entry.leaks_without.otherwise)
-
-
-def _remedy(entry: ForeignClass, otherwise: str) -> str:
-    found = drop_in_for(entry)
-    if found is None:
-        return f"no drop-in here: {otherwise}"
-    upstream, family = found
-    return f"use swap_mixers(model) (drop-in fla_ac_isolation.mixers.{upstream.replacement or family.mixer})"

@@ -1,6 +1,7 @@
 """Other libraries' FLA-backed classes: which hand packed offsets to FLA (:data:`FLA_BACKED_MIXERS`), which drop
-them (:data:`LEAKING_MIXERS`), and the rule for FLA's own layers (:func:`fla_layer_mixer`). Matched by module and
-class name; nothing here imports those libraries. ``docs/foreign-classes.md``'s table is rendered from here.
+them (:data:`LEAKING_MIXERS`), the rule for FLA's own layers (:func:`fla_layer_mixer`), and which of them a drop-in
+of :mod:`fla_ac_isolation.mixers` replaces (:data:`DROP_IN_NAMES`, names only). Matched by module and class name;
+nothing here imports those libraries or the mixers. ``docs/foreign-classes.md``'s table is rendered from here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 __all__ = [
+    "DROP_IN_NAMES",
     "FLA_BACKED_MIXERS",
     "FLA_LAYER_MODULES",
     "LEAKING_MIXERS",
@@ -20,10 +22,13 @@ __all__ = [
     "LeakingMixer",
     "PackageLeak",
     "UpstreamMixer",
+    "drop_in_name",
     "fla_layer_mixer",
     "foreign_mixer",
     "is_drop_in",
+    "leak_remedy",
     "named",
+    "remedy",
 ]
 
 _FRAMEWORKS = (("transformers.", "transformers"), ("torchtitan.", "torchtitan"), ("olmo_core.", "OLMo-core"),
@@ -103,14 +108,12 @@ class UpstreamMixer(ForeignClass):
         offsets: the ``forward`` arguments carrying packed offsets to FLA (``[N + 1]`` integer tensors or
             NamedTuples holding them); empty: no FLA call with offsets.
         fla_keywords: FLA keywords (``cu_seqlens_cpu``, ``chunk_indices``) its ``forward`` hands on to FLA.
-        replacement: our class replacing it (:mod:`fla_ac_isolation.mixers`) when not the family's own mixer.
         leaks_without: the package whose absence makes it mix packed documents (:class:`PackageLeak`), or ``None``.
     """
 
     config: str | None = None
     offsets: tuple[str, ...] = ()
     fla_keywords: tuple[str, ...] = ()
-    replacement: str | None = None
     leaks_without: PackageLeak | None = None
 
     def leak(self) -> str | None:
@@ -241,6 +244,49 @@ def fla_layer_mixer(cls: type, sources: dict | None = None) -> UpstreamMixer | L
     if target.__module__.startswith("fla.layers."):
         return LeakingMixer(target.__module__, target.__qualname__, _FLA_DROPS_WHY, _FLA_DROPS_OTHERWISE)
     return None
+
+
+DROP_IN_NAMES: dict[str, str] = {
+    **{f"{_HF}.{folder}.modeling_{folder}.{name}": drop_in for folder, name, drop_in in (
+        ("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
+        ("qwen3_5", "Qwen3_5GatedDeltaNet", "Qwen3_5GatedDeltaNet"),
+        ("qwen4_exp", "Qwen4ExpTextGatedDeltaNet", "Qwen3_8FlashNextGatedDeltaNet"),
+        ("qwen3_next", "Qwen3NextGatedDeltaNet", "Qwen3NextGatedDeltaNet"),
+        ("olmo_hybrid", "OlmoHybridGatedDeltaNet", "OlmoHybridGatedDeltaNet"),
+        ("lara_mini", "LaraMiniGatedDeltaNet", "LaraMiniGatedDeltaNet"),
+        ("nemotron_h", "NemotronHMamba2Mixer", "NemotronHMamba2Mixer"),
+        ("kimi_linear", "KimiLinearDeltaAttention", "KimiLinearDeltaAttention"),
+        ("glm5_next", "Glm5NextTextLinearAttention", "Glm5NextTextLinearAttention"),
+        ("bailing_hybrid", "BailingHybridDeltaAttention", "BailingHybridDeltaAttention"),
+    )},
+    "olmo_core.nn.attention.recurrent.NemotronMamba2Mixer": "OlmoNemotronMamba2Mixer",
+    "fla.layers.mamba2.Mamba2": "FlaMamba2",
+}
+"""``{replaced class ("module.Class"): the name of our drop-in in fla_ac_isolation.mixers}``: what
+:func:`~fla_ac_isolation.swap_mixers` replaces (the families say how each is configured and tested)."""
+
+
+def drop_in_name(entry: ForeignClass) -> str | None:
+    """The name of the drop-in replacing ``entry``'s class (:data:`DROP_IN_NAMES`), or ``None``."""
+    return DROP_IN_NAMES.get(entry.qualified)
+
+
+def remedy(entry: LeakingMixer) -> str:
+    """What to do about a class that drops its offsets: ``swap_mixers`` where a drop-in exists, else
+    ``entry.otherwise``."""
+    return _remedy(entry, entry.otherwise)
+
+
+def leak_remedy(entry: UpstreamMixer) -> str | None:
+    """What to do about ``entry.leak()`` (as :func:`remedy`); ``None`` without ``leaks_without``."""
+    return None if entry.leaks_without is None else _remedy(entry, entry.leaks_without.otherwise)
+
+
+def _remedy(entry: ForeignClass, otherwise: str) -> str:
+    name = drop_in_name(entry)
+    if name is None:
+        return f"no drop-in here: {otherwise}"
+    return f"use swap_mixers(model) (drop-in fla_ac_isolation.mixers.{name})"
 
 
 def is_drop_in(cls: type) -> bool:

@@ -14,8 +14,14 @@ from typing import Any
 
 from torch import nn
 
-from fla_ac_isolation.families import leak_remedy, remedy
-from fla_ac_isolation.foreign_classes import FLA_BACKED_MIXERS, FLA_LAYER_MODULES, LeakingMixer, UpstreamMixer
+from fla_ac_isolation.foreign_classes import (
+    FLA_BACKED_MIXERS,
+    FLA_LAYER_MODULES,
+    LeakingMixer,
+    UpstreamMixer,
+    leak_remedy,
+    remedy,
+)
 from fla_ac_isolation.mixer_plan import DROP_IN, EXPOSED, HOOKED, PlannedMixer, classify
 from fla_ac_isolation.offsets_hook import HOOK_ATTRIBUTE, CallCounter, HostOffsets, OffsetsHook, is_isolated
 

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fla_ac_isolation.families import drop_in_for
-from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer, foreign_mixer, is_drop_in
+from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer, drop_in_name, foreign_mixer, is_drop_in
 from fla_ac_isolation.offsets_hook import is_isolated
 
 __all__ = ["DROP_IN", "EXPOSED", "HOOKED", "LEAKING", "STATUSES", "PlannedMixer", "classify"]
@@ -49,7 +48,7 @@ class PlannedMixer:
     @property
     def swappable(self) -> bool:
         """:func:`~fla_ac_isolation.swap_mixers` has a drop-in for its class."""
-        return self.entry is not None and drop_in_for(self.entry) is not None
+        return self.entry is not None and drop_in_name(self.entry) is not None
 
 
 def classify(model: nn.Module) -> tuple[PlannedMixer, ...]:

@@ -31,8 +31,7 @@ from helpers import (
 from torch import nn
 
 from fla_ac_isolation import isolate_seqlens, swap_mixers
-from fla_ac_isolation.families import drop_in_for
-from fla_ac_isolation.foreign_classes import ForeignClass, LeakingMixer, UpstreamMixer, fla_layer_mixer
+from fla_ac_isolation.foreign_classes import ForeignClass, LeakingMixer, UpstreamMixer, drop_in_name, fla_layer_mixer
 from fla_ac_isolation.harness.foreign_models import build_tiny
 from fla_ac_isolation.harness.reference_kernels import reference_kernels
 from fla_ac_isolation.isolate import LeakingMixerWarning
@@ -229,7 +228,7 @@ def test_transformers_kda_leaks_across_documents_and_isolate_seqlens_names_it(na
     assert message.startswith(head)
     remedy = message[len(head):]
     cls = type(model.get_submodule(paths[0]))
-    if drop_in_for(ForeignClass(cls.__module__, cls.__qualname__)) is None:
+    if drop_in_name(ForeignClass(cls.__module__, cls.__qualname__)) is None:
         assert remedy == "no drop-in here: train it on unpacked batches (one document per row) until a drop-in exists"
     else:  # once the KDA drop-in's family is registered (families.FAMILIES), swap_mixers is the answer
         assert remedy.startswith("use swap_mixers(model) (drop-in fla_ac_isolation.mixers.")

@@ -8,8 +8,8 @@ import re
 import pytest
 
 import fla_ac_isolation.harness.registry_table as registry_table
-from fla_ac_isolation.families import drop_in_for, upstream_mixers
-from fla_ac_isolation.foreign_classes import FLA_BACKED_MIXERS, LEAKING_MIXERS, LeakingMixer
+from fla_ac_isolation.families import upstream_mixers
+from fla_ac_isolation.foreign_classes import FLA_BACKED_MIXERS, LEAKING_MIXERS, LeakingMixer, drop_in_name
 
 PAGE = registry_table.PAGE
 
@@ -50,7 +50,7 @@ def test_the_block_has_one_row_per_named_class_and_upstream_class():
     assert [(r[0], r[1].strip("`").rpartition(".")[2]) for r in rows[: len(named)]] == [
         (e.framework, e.name) for e in named]
     assert {r[4].strip("`") for r in rows} - {"no drop-in"} == {
-        u.replacement or f.mixer for u, f in upstream_mixers()}
+        f.drop_in_name(u) for u, f in upstream_mixers()}
 
 
 def test_a_registry_entry_without_its_row_fails(monkeypatch):
@@ -83,7 +83,7 @@ def test_the_measured_table_has_a_row_for_every_named_class_and_no_other():
         matches = [k for k in keys if k and qualified.endswith("." + k)]
         assert matches, f"docs/foreign-classes.md's table has no row for {qualified}"
         answer = keys[matches[0]][5]
-        assert ("swap" in answer) == (drop_in_for(entry) is not None), (qualified, answer)
+        assert ("swap" in answer) == (drop_in_name(entry) is not None), (qualified, answer)
     for key, row in keys.items():
         if row[0].startswith("flash-linear-attention"):  # FLA's classes: the rule, not a list
             continue
@@ -96,4 +96,4 @@ def test_the_measured_table_names_each_fla_class_a_drop_in_replaces():
         if not upstream.module.startswith("fla."):
             continue
         (row,) = [r for r in rows if r[0] == "flash-linear-attention" and _key(r[0], r[1]) == upstream.name]
-        assert f"swap (`{upstream.replacement or family.mixer}`)" in row[5]
+        assert f"swap (`{family.drop_in_name(upstream)}`)" in row[5]

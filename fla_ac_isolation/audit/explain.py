@@ -5,8 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from fla_ac_isolation.audit.records import CacheDifference
-from fla_ac_isolation.families import drop_in_for, remedy
-from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer, foreign_mixer
+from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer, drop_in_name, foreign_mixer, remedy
 
 __all__ = ["AUTOCAST_FIX", "autocast_skipped_cast", "explain", "foreign_fix"]
 
@@ -24,7 +23,7 @@ def foreign_fix(running: list[nn.Module]) -> str | None:
         if isinstance(entry, LeakingMixer):
             return f"{entry.name} ({entry.framework}) drops the packed offsets: {remedy(entry)}."
         if isinstance(entry, UpstreamMixer) and entry.offsets:
-            swap = " (or swap_mixers(model), which replaces it with a drop-in)" if drop_in_for(entry) else ""
+            swap = " (or swap_mixers(model), which replaces it with a drop-in)" if drop_in_name(entry) else ""
             return (f"{entry.name} ({entry.framework}) is code you do not own: call isolate_seqlens(model) once after "
                     f"building the model{swap}; it gives every {entry.name} call fresh {', '.join(entry.offsets)}.")
     return None

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fla_ac_isolation.families import drop_in_for, leak_remedy, remedy
 from fla_ac_isolation.fla_seam import cache
 from fla_ac_isolation.fla_seam import features as fla_features
 from fla_ac_isolation.fla_seam import versions as fla_versions
@@ -21,7 +20,10 @@ from fla_ac_isolation.foreign_classes import (
     LeakingMixer,
     PackageLeak,
     UpstreamMixer,
+    drop_in_name,
     fla_layer_mixer,
+    leak_remedy,
+    remedy,
 )
 from fla_ac_isolation.harness.tested_versions import CI_PASSED, newer_than_tested
 
@@ -308,7 +310,7 @@ def _package_leaks() -> dict[PackageLeak, list[str]]:
 def _status(entry: UpstreamMixer | LeakingMixer) -> str:
     if isinstance(entry, LeakingMixer):
         return f"leaking (documents are not kept apart): {remedy(entry)}"
-    swap = "; swap_mixers has a drop-in" if drop_in_for(entry) else ""
+    swap = "; swap_mixers has a drop-in" if drop_in_name(entry) else ""
     covered = f"covered by isolate_seqlens ({', '.join(entry.offsets)}){swap}"
     why = entry.leak()
     if why is None:

@@ -7,8 +7,14 @@ import argparse
 import pathlib
 import sys
 
-from fla_ac_isolation.families import drop_in_for, upstream_mixers
-from fla_ac_isolation.foreign_classes import FLA_BACKED_MIXERS, FLA_LAYER_MODULES, LEAKING_MIXERS, ForeignClass
+from fla_ac_isolation.families import upstream_mixers
+from fla_ac_isolation.foreign_classes import (
+    FLA_BACKED_MIXERS,
+    FLA_LAYER_MODULES,
+    LEAKING_MIXERS,
+    ForeignClass,
+    drop_in_name,
+)
 
 __all__ = ["BEGIN", "END", "PAGE", "main", "render", "replace_block", "rows"]
 
@@ -32,11 +38,8 @@ def _where(entry: ForeignClass) -> str:
 
 
 def _swap(entry: ForeignClass) -> str:
-    found = drop_in_for(entry)
-    if found is None:
-        return "no drop-in"
-    upstream, family = found
-    return f"`{upstream.replacement or family.mixer}`"
+    name = drop_in_name(entry)
+    return "no drop-in" if name is None else f"`{name}`"
 
 
 def rows() -> list[tuple[str, ...]]:

@@ -100,8 +100,8 @@ class MixerFamily:
 
     @property
     def ours(self) -> str:
-        """Our class name in fla_ac_isolation.mixers (the upstream class's replacement, else the family's)."""
-        return self.upstream.replacement or self.family.mixer
+        """Our class name in fla_ac_isolation.mixers (DROP_IN_NAMES: the drop-in replacing its upstream class)."""
+        return self.family.drop_in_name(self.upstream)
 
     @property
     def hf_module(self) -> str:

@@ -10,8 +10,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from fla_ac_isolation.families import drop_in_for, leak_remedy, remedy
-from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer
+from fla_ac_isolation.foreign_classes import LeakingMixer, UpstreamMixer, drop_in_name, leak_remedy, remedy
 from fla_ac_isolation.harness.check.spec import CheckSpec
 from fla_ac_isolation.mixer_plan import DROP_IN, EXPOSED, LEAKING, PlannedMixer, classify
 
@@ -210,7 +209,7 @@ def _finding(entry: UpstreamMixer | LeakingMixer, status: str, paths: list[str])
                             fix=remedy(entry))
     fix = None
     if status == "exposed":
-        swap = drop_in_for(entry)
+        swap = drop_in_name(entry)
         fix = "isolate_seqlens(model)" + (" (or swap_mixers(model): a drop-in replaces it)" if swap else "")
     why = entry.leak()  # e.g. transformers' Gated DeltaNets without causal_conv1d: their conv mixes documents
     return MixerFinding(entry.qualified, entry.name, entry.framework, status, tuple(paths), entry.offsets, why=why,

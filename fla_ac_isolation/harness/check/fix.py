@@ -9,8 +9,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from fla_ac_isolation.families import drop_in_for
-from fla_ac_isolation.foreign_classes import ForeignClass
+from fla_ac_isolation.foreign_classes import ForeignClass, drop_in_name
 from fla_ac_isolation.harness.check.findings import CheckStep, MixerFinding
 from fla_ac_isolation.mixer_plan import EXPOSED
 
@@ -49,7 +48,7 @@ def apply_fix(model: nn.Module, mixers: list[MixerFinding]) -> tuple[str, ...]:
     leaking = [m for m in mixers if m.status == "leaking" or m.leak_fix is not None]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the leaking classes are reported already
-        if any(drop_in_for(ForeignClass(*m.cls.rsplit(".", 1))) for m in leaking):
+        if any(drop_in_name(ForeignClass(*m.cls.rsplit(".", 1))) for m in leaking):
             swapped = set(swap_mixers(model))
             applied.append("swap_mixers(model)")
         if any(p not in swapped for m in mixers if m.status == EXPOSED and m.framework != OWN_CODE for p in m.paths):
