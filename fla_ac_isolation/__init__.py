@@ -21,7 +21,8 @@ _install_aliases()
 _LAZY = {
     "LayerLocalSeqlens": "fla_ac_isolation.seqlens",
     "LocalSeqlens": "fla_ac_isolation.local_seqlens",
-    "StaticSeqlens": "fla_ac_isolation.static_seqlens",
+    "PackedSeqlens": "fla_ac_isolation.local_seqlens",
+    "StaticSeqlens": "fla_ac_isolation.graphs",
     "checkpoint_layers": "fla_ac_isolation.policies",
     "probe_tensor_cache": "fla_ac_isolation.fla_cache",
     "tensor_cache_disabled": "fla_ac_isolation.fla_cache",
