@@ -10,14 +10,14 @@ layout is checked to hold at least one document with tokens on two ranks.
 Modes (``fla_ac_isolation.harness.modes``; every mode but ``no-ac`` wraps the mixer in torch's non-reentrant
 checkpoint wrapper with torchtitan 0.3's op-level SAC policy, ``policies.torchtitan_selective``, as
 ``bench_isolation`` does). Every mode gets the global offsets on the device and on the host
-(``cu_seqlens_cpu``; CP metadata is computed on the host, and ``LayerLocalSeqlens`` refuses CP without them):
+(``cu_seqlens_cpu``; CP metadata is computed on the host, and ``CPSeqlens`` refuses device offsets without them):
 
-    no-ac           no checkpointing, ``SharedSeqlens(cp=...)``: the floor for time, the ceiling for memory
-    shared          SAC, ``SharedSeqlens(cp=...)``: one FLA CP context for every layer call (the UNSAFE path;
+    no-ac           no checkpointing, ``SharedCPSeqlens``: the floor for time, the ceiling for memory
+    shared          SAC, ``SharedCPSeqlens``: one FLA CP context for every layer call (the UNSAFE path;
                     no precomputed chunk schedule, so FLA builds it from the context's offsets)
-    isolated        SAC, ``LayerLocalSeqlens(cp=...)``: FLA's CP context built once per batch on the host,
+    isolated        SAC, ``CPSeqlens``: FLA's CP context built once per batch on the host,
                     a fresh copy (fresh offsets, precomputed chunk schedule) per ``.local()`` call
-    global-disable  SAC, ``SharedSeqlens(cp=...)``, FLA's tensor cache disabled process-wide
+    global-disable  SAC, ``SharedCPSeqlens``, FLA's tensor cache disabled process-wide
                     (``tensor_cache_disabled()``) on every rank, for every step of this mode only
 
 Method. Per (tokens, layout) group each rank builds every mode's layer up front (one build from seed 0, so the
@@ -26,7 +26,7 @@ rank) with one ``grad_out``. ``layer_step.measure`` then runs ``--warmup`` untim
 step and one memory step per mode, and ``--iters`` timed iterations; each iteration runs every mode once, in
 an order rotated by the iteration index (iteration ``i`` starts at mode ``i % n_modes``), so every rank runs
 the same mode at the same time without exchanging anything. Each step builds new offsets (as a data loader
-does: ``LayerLocalSeqlens`` construction, FLA's CP context and the chunk schedule included) outside the timed
+does: ``CPSeqlens`` construction, FLA's CP context and the chunk schedule included) outside the timed
 region, then synchronises the device and the ranks (``dist.barrier()``), then times one layer forward, its
 recompute and its backward with CUDA events on every rank. The gradients of the replicated parameters are
 left per rank (a data-parallel reduction would add the same all-reduce to every mode).

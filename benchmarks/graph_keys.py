@@ -30,7 +30,7 @@ import statistics
 
 import torch
 
-from fla_ac_isolation.static_seqlens import max_chunks_for
+from fla_ac_isolation.graphs import max_chunks_for
 
 __all__ = ["DISTRIBUTIONS", "cache_hit_rate", "pack", "summarise"]
 

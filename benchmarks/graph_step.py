@@ -1,12 +1,12 @@
 """One training step (forward, recompute, backward) captured in a CUDA graph and replayed across packings.
 
 torch's whole-network capture (``torch.cuda.graph``, after a warm-up on a side stream) records every kernel
-of one step at fixed addresses; :class:`~fla_ac_isolation.static_seqlens.StaticSeqlens` keeps the varlen
+of one step at fixed addresses; :class:`~fla_ac_isolation.graphs.StaticSeqlens` keeps the varlen
 metadata at fixed addresses and fixed sizes, so the same graph replays any packing of ``T`` tokens in at
 most ``max_docs`` documents. What a replay needs before it runs, on the replaying stream:
 
 * this step's inputs copied into the static input (``GraphedStep.load``);
-* this step's offsets written into the static buffers: ``LayerLocalSeqlens(cu_seqlens_cpu, static=static)``.
+* this step's offsets written into the static buffers: ``static.fill(cu_seqlens_cpu)``.
 
 Gradients land in the tensors the capture allocated (the ``.grad`` of the parameters and of the input at the
 end of the capture: :attr:`GraphedStep.grads`); each replay overwrites them (the capture ran with every
@@ -55,8 +55,8 @@ def capture(step: Callable[[], None], *, warmup: int = 2,
 class GraphedStep:
     """A module's step ``module(x, seqlens).backward(grad_out)`` captured once, replayable for any packing.
 
-    Build with :meth:`build`: ``x`` is the static input ``[1, T, D]`` (requires grad), ``seqlens`` the
-    ``LayerLocalSeqlens(..., static=static)`` the capture ran with.
+    Build with :meth:`build`: ``x`` is the static input ``[1, T, D]`` (requires grad), ``seqlens`` the filled
+    ``StaticSeqlens`` the capture ran with.
     """
 
     module: torch.nn.Module

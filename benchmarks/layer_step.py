@@ -131,7 +131,8 @@ def make_seqlens(mode: str, lens: list[int], device: str, *, with_host: bool = F
     """New offsets for one step of ``mode`` (see the module docstring), as a loader would build them.
 
     ``with_host``: the loader also hands over the host offsets (``cu_seqlens_cpu``, as ``isolated+cpu``
-    does; needed under context parallelism). ``kwargs``: more keywords of ``LayerLocalSeqlens`` (``cp=``).
+    does; needed under context parallelism). ``kwargs``: more keywords of the mode's ``seqlens`` (``cp=``: the
+    mode's ``CPSeqlens``).
     """
     host = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     options = dict(VARIANTS.get(mode, (mode, {}))[1])

@@ -106,7 +106,7 @@ class Group:
         shape = (1, tokens, hidden)
         inputs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(NUM_INPUTS)]
         layouts = [doc_lengths(tokens, docs, seed) for seed, docs in enumerate(LAYOUTS)]
-        from fla_ac_isolation.static_seqlens import StaticSeqlens
+        from fla_ac_isolation.graphs import StaticSeqlens
 
         statics = {name: StaticSeqlens(tokens, max_docs, device=device) for name in modes if MODES[name].static}
         return cls(kind, tokens, device, dtype, modules, inputs, torch.randn(shape, device=device, dtype=dtype),
@@ -117,12 +117,14 @@ class Group:
         return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
 
     def seqlens(self, i: int, static=None):
-        """Layout ``i``'s offsets as a loader hands them over (host and device), or written into ``static``."""
+        """Layout ``i``'s offsets as a loader hands them over (host and device), or written into ``static`` (then
+        ``static`` itself, which holds them until the next fill)."""
         from fla_ac_isolation import LayerLocalSeqlens
 
         host = self.host_offsets(i)
         if static is not None:
-            return LayerLocalSeqlens(host, static=static)
+            static.fill(host)
+            return static
         return LayerLocalSeqlens(host.to(self.device), cu_seqlens_cpu=host)
 
     def step(self, mode: str, i: int) -> Step:
@@ -210,7 +212,7 @@ def padded_vs_plain(group: Group, mode: str, i: int) -> dict[str, float]:
     """Eager gradients of ``mode`` with static (padded) vs ordinary metadata for layout ``i``: the tensors that
     differ, with their largest difference (empty: equal bit for bit)."""
     from benchmarks.graph_step import mismatches
-    from fla_ac_isolation.static_seqlens import StaticSeqlens
+    from fla_ac_isolation.graphs import StaticSeqlens
 
     static = StaticSeqlens(group.tokens, group.max_docs, device=group.device)
     module = group.modules[mode]
@@ -229,7 +231,7 @@ def graphed_phase(group: Group, modes: list[str], iters: int, deadline: float, f
     """The graphed rows of ``group`` (see the module docstring); needs CUDA. A mode whose capture or replay
     raises is recorded in ``failures`` under ``"<mode> (graphed)"`` and the next mode runs."""
     from benchmarks.graph_step import GraphedStep, mismatches
-    from fla_ac_isolation.static_seqlens import StaticSeqlens
+    from fla_ac_isolation.graphs import StaticSeqlens
 
     static = StaticSeqlens(group.tokens, group.max_docs, device=group.device)
     unseen = len(group.layouts) - 1  # never captured

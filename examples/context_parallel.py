@@ -6,7 +6,7 @@ cuts, one is empty, and rank 1 holds no document start. The model is an embeddin
 head. ``backend="fla"`` runs FLA's CP conv and gated delta rule, which pass the conv history and the
 recurrent state between the ranks. Each rank:
 
-1. builds ``seqlens = LayerLocalSeqlens.from_seq_lens(DOC_LENS, cp=CPConfig(group=..., layout="zigzag",
+1. builds ``seqlens = CPSeqlens.from_seq_lens(DOC_LENS, cp=CPConfig(group=..., layout="zigzag",
    conv_kernel_size=4))`` from the GLOBAL document lengths: FLA's CP context, once per batch, from host
    offsets;
 2. takes its 64 tokens of the batch with ``shard_packed_batch`` (labels shifted before the cut);
@@ -64,12 +64,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3_5MoeTextConfig
 
-from fla_ac_isolation import LayerLocalSeqlens
+from fla_ac_isolation import LayerLocalSeqlens, PackedSeqlens
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.harness.fla_seam.interpreter import cpu_cp_kernels  # FLA's CP kernels on a CPU (the interpreter)
 from fla_ac_isolation.harness.modes import FieldCPSeqlens
 from fla_ac_isolation.mixers import Qwen3_5MoeGatedDeltaNet
-from fla_ac_isolation.parallel import CPConfig, shard_packed_batch
+from fla_ac_isolation.parallel import CPConfig, CPSeqlens, shard_packed_batch
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
 
 DOC_LENS = [10, 0, 20, 70, 28]  # 128 tokens; zigzag: rank 0 holds tokens 0-31 and 96-127, rank 1 tokens 32-95
@@ -101,7 +101,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN, bias=False), nn.SiLU(),
                                  nn.Linear(2 * HIDDEN, HIDDEN, bias=False))
 
-    def forward(self, x: torch.Tensor, seqlens: LayerLocalSeqlens) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seqlens: PackedSeqlens) -> torch.Tensor:
         x = x + self.mixer(self.norm1(x), seqlens)  # the mixer takes seqlens.local() inside (this block's region)
         return x + self.mlp(self.norm2(x))
 
@@ -118,7 +118,7 @@ class TinyModel(nn.Module):
         self.layers = nn.ModuleList(Block(config, i, backend) for i in range(2))
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, seqlens: LayerLocalSeqlens) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, seqlens: PackedSeqlens) -> torch.Tensor:
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, seqlens)
@@ -160,7 +160,7 @@ def cp2_step(mode: str, group: dist.ProcessGroup) -> tuple[float, dict[str, torc
     input_ids, labels, offsets = global_batch()                         # the GLOBAL batch, labels already shifted
     cp = CPConfig(group=group, layout="zigzag", conv_kernel_size=4)     # the model's (widest) conv width
     shard = shard_packed_batch({"input_ids": input_ids, "labels": labels}, offsets, cp)
-    seqlens_class = FieldCPSeqlens if mode == "field" else LayerLocalSeqlens
+    seqlens_class = FieldCPSeqlens if mode == "field" else CPSeqlens
     seqlens = seqlens_class.from_seq_lens(DOC_LENS, cp=cp)              # GLOBAL document lengths
     logits = model(shard.tensors["input_ids"], seqlens)                 # this rank's 64 tokens
     num_targets = (labels != -100).sum()                                # GLOBAL count, the same on every rank

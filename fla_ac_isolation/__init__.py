@@ -18,7 +18,8 @@ __version__ = "0.5.0"
 _LAZY = {
     "LayerLocalSeqlens": "fla_ac_isolation.seqlens",
     "LocalSeqlens": "fla_ac_isolation.local_seqlens",
-    "StaticSeqlens": "fla_ac_isolation.static_seqlens",
+    "PackedSeqlens": "fla_ac_isolation.local_seqlens",
+    "StaticSeqlens": "fla_ac_isolation.graphs",
     "checkpoint_layers": "fla_ac_isolation.policies",
     "probe_tensor_cache": "fla_ac_isolation.fla_seam.cache",
     "tensor_cache_disabled": "fla_ac_isolation.fla_seam.cache",

@@ -1,4 +1,6 @@
-"""The checks of packed-sequence offsets run at :class:`~fla_ac_isolation.LayerLocalSeqlens`'s boundary.
+"""The checks of packed-sequence offsets run at the boundary of the three ``seqlens`` forms
+(:class:`~fla_ac_isolation.LayerLocalSeqlens`, ``CPSeqlens``, ``StaticSeqlens.fill``), and the offsets of
+document lengths.
 
 Each raises ``TypeError`` for a wrong kind of value and ``ValueError`` for a wrong value, naming the argument.
 """
@@ -21,7 +23,9 @@ __all__ = [
     "check_positions",
     "checked_host_copy",
     "lengths",
+    "offsets_of_lengths",
     "parse_device",
+    "snapshot",
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -148,3 +152,41 @@ def check_fits(last_offset: int, dtype: torch.dtype, name: str) -> None:
             f"{name} add up to {last_offset} tokens, more than {dtype} offsets can hold ({limit}); "
             "pass dtype=torch.int64"
         )
+
+
+def snapshot(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(own, host)``: a clone of the checked ``cu_seqlens`` (stream-ordered on a GPU: no sync) and its host offsets
+    (``cu_seqlens_cpu``'s clone checked equal, else ``own`` on a CPU or one device-to-host copy).
+
+    Raises:
+        ValueError: ``cu_seqlens`` on the meta device; see :func:`checked_host_copy`.
+    """
+    if cu_seqlens.device.type == "meta":
+        raise ValueError("cu_seqlens is a meta tensor, which holds no values; build it on the activations' device")
+    own = cu_seqlens.detach().clone()
+    if cu_seqlens_cpu is not None:
+        return own, checked_host_copy(cu_seqlens_cpu, own)
+    return own, own if own.device.type == "cpu" else own.cpu()
+
+
+def offsets_of_lengths(
+    seq_lens: object, device: torch.device | str | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cu_seqlens on device, cu_seqlens_cpu)`` of document lengths, e.g. ``[5, 0, 17]`` -> ``[0, 5, 5, 22]``
+    (on the CPU both are one tensor).
+
+    Raises:
+        TypeError: ``seq_lens`` is not an iterable of integers, or ``dtype`` is not int32/int64.
+        ValueError: no or a negative length; a total ``dtype`` cannot hold; a bad or unusable ``device``.
+    """
+    lens = lengths(seq_lens)
+    if dtype not in INDEX_DTYPES:
+        raise TypeError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
+    offsets = [0, *itertools.accumulate(lens)]
+    check_fits(offsets[-1], dtype, "seq_lens")
+    target = None
+    if device is not None:
+        target = parse_device(device)
+        check_available(target)
+    host = torch.tensor(offsets, dtype=dtype)
+    return (host.to(target) if target is not None else host), host

@@ -8,30 +8,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-from fla_ac_isolation.cp_interface import check_cp_argument
 from fla_ac_isolation.fla_seam.layout import chunk_indices_for, chunk_offsets_for
-from fla_ac_isolation.local_seqlens import LocalSeqlens, fresh_copy, host_to_device
+from fla_ac_isolation.local_seqlens import LocalSeqlens, PackedSeqlens, fresh_copy, host_to_device
 from fla_ac_isolation.offsets import (
-    INDEX_DTYPES,
-    check_available,
     check_fits,
     check_index_tensor,
     check_num_tokens,
     check_offsets,
     check_positions,
-    checked_host_copy,
-    lengths,
+    offsets_of_lengths,
     parse_device,
+    snapshot,
 )
-
-if TYPE_CHECKING:
-    from fla_ac_isolation.cp_interface import CPBatchSeqlens
-    from fla_ac_isolation.parallel.config import CPConfig
-    from fla_ac_isolation.static_seqlens import StaticSeqlens
 
 __all__ = ["LayerLocalSeqlens", "devices_match"]
 
@@ -45,11 +36,13 @@ def devices_match(actual: torch.device, expected: torch.device) -> bool:
     return actual.index == expected.index
 
 
-class LayerLocalSeqlens:
+class LayerLocalSeqlens(PackedSeqlens):
     """Packed-sequence boundaries that hand each layer its own ``cu_seqlens`` object.
 
     Build one per model forward (validated once, on a snapshot clone; one device-to-host copy unless
-    ``cu_seqlens_cpu`` is given) and pass it to every layer, which calls :meth:`local` inside its forward.
+    ``cu_seqlens_cpu`` is given) and pass it to every layer, which calls :meth:`local` inside its forward. Its
+    siblings: :class:`~fla_ac_isolation.parallel.CPSeqlens` (context parallelism) and
+    :class:`~fla_ac_isolation.graphs.StaticSeqlens` (CUDA graphs).
 
     Args:
         cu_seqlens: ``[N + 1]`` int32/int64 offsets on the activations' device: from 0, non-decreasing (empty
@@ -60,18 +53,12 @@ class LayerLocalSeqlens:
         num_tokens: optional ``T`` (``hidden_states.shape[1]``), checked against ``cu_seqlens[-1]``.
         chunk_indices: precompute FLA's chunk schedule once (so FLA skips ``prepare_chunk_indices`` and its
             blocking copy); ``False``: FLA computes it.
-        cp: :class:`~fla_ac_isolation.parallel.CPConfig`; ``cu_seqlens``/``num_tokens`` then describe the WHOLE
-            batch of all CP ranks (``docs/context-parallel.md``).
-        static: :class:`~fla_ac_isolation.static_seqlens.StaticSeqlens` whose buffers receive this batch in place
-            (``docs/graphs.md``); ``cu_seqlens`` may be host offsets; valid until the next batch is filled in.
 
     Raises:
         TypeError: an argument of the wrong type or dtype.
         ValueError: malformed offsets (not 1-D, not from 0, decreasing, meta or wrong device, last value !=
             ``num_tokens``); ``cu_seqlens_cpu`` off the CPU or with other values; ``max_seqlen`` below the longest
-            document; with ``cp``: device offsets without ``cu_seqlens_cpu``, or a batch that does not split; with
-            ``static``: ``cp`` or ``chunk_indices=False`` too, another device, too many documents or tokens.
-        RuntimeError: with ``static``, construction during CUDA graph capture.
+            document.
 
     Example::
 
@@ -81,8 +68,8 @@ class LayerLocalSeqlens:
     """
 
     __slots__ = (
-        "_chunk_indices", "_chunk_offsets", "_cp", "_cu_seqlens", "_cu_seqlens_cpu", "_generation", "_host_given",
-        "_static", "max_seqlen", "num_seqs", "num_tokens",
+        "_chunk_indices", "_chunk_offsets", "_cu_seqlens", "_cu_seqlens_cpu", "_host_given", "max_seqlen",
+        "num_seqs", "num_tokens",
     )
 
     def __init__(
@@ -94,35 +81,18 @@ class LayerLocalSeqlens:
         device: torch.device | str | None = None,
         num_tokens: int | None = None,
         chunk_indices: bool = True,
-        cp: CPConfig | None = None,
-        static: StaticSeqlens | None = None,
     ) -> None:
         check_index_tensor(cu_seqlens, "cu_seqlens")
-        if cp is not None:
-            check_cp_argument(cp, cu_seqlens, cu_seqlens_cpu)
         if not isinstance(chunk_indices, bool):
             raise TypeError(f"chunk_indices must be a bool (precompute FLA's chunk schedule), got {chunk_indices!r}")
-        if static is not None:
-            _check_static(static, cu_seqlens, device, cp, chunk_indices)
-            device = None  # checked against static.device; cu_seqlens may be the host offsets
         if device is not None and not devices_match(cu_seqlens.device, parse_device(device)):
             raise ValueError(
                 f"cu_seqlens must be on the activations' device {torch.device(device)}, got {cu_seqlens.device}"
             )
-        if cu_seqlens.device.type == "meta":
-            raise ValueError("cu_seqlens is a meta tensor, which holds no values; build it on the activations' device")
         check_num_tokens(num_tokens)
-        # the snapshot (stream-ordered on a GPU: no sync)
-        own = cu_seqlens.detach().clone()
-        own_host = None if cu_seqlens_cpu is None else checked_host_copy(cu_seqlens_cpu, own)
-        host = own_host if own_host is not None else (own if own.device.type == "cpu" else own.cpu())
+        own, host = snapshot(cu_seqlens, cu_seqlens_cpu)
         offsets = host.tolist()
-        lens = check_offsets(offsets, num_tokens if cp is None else None)
-        if cp is not None and num_tokens is not None and offsets[-1] != num_tokens:
-            raise ValueError(
-                f"cu_seqlens[-1] must equal num_tokens={num_tokens}, got {offsets[-1]}: with cp=, both count the "
-                f"WHOLE packed batch of all {cp.world_size} CP ranks, not this rank's hidden_states.shape[1]"
-            )
+        lens = check_offsets(offsets, num_tokens)
         longest = max(lens)
         if max_seqlen is None:
             max_seqlen = longest
@@ -138,15 +108,9 @@ class LayerLocalSeqlens:
         self.num_tokens: int = offsets[-1]
         self.num_seqs: int = len(lens)
         self._chunk_indices = self._chunk_offsets = None
-        if chunk_indices and static is None:
+        if chunk_indices:
             self._chunk_indices = host_to_device(chunk_indices_for(offsets).to(own.dtype), own.device)
             self._chunk_offsets = host_to_device(chunk_offsets_for(offsets).to(own.dtype), own.device)
-        self._static = static
-        self._generation = static.fill(offsets) if static is not None else 0
-        # under CP, the per-batch part comes from the CP object itself (parallel/ sits above this module)
-        self._cp: CPBatchSeqlens | None = (
-            None if cp is None else cp.batch_seqlens(host, cu_seqlens.device, chunk_indices=chunk_indices)
-        )
 
     @classmethod
     def from_seq_lens(
@@ -157,7 +121,6 @@ class LayerLocalSeqlens:
         *,
         with_cpu: bool = True,
         chunk_indices: bool | None = None,
-        cp: CPConfig | None = None,
     ) -> LayerLocalSeqlens:
         """Build from document lengths, e.g. ``[5, 0, 17]`` -> ``cu_seqlens = [0, 5, 5, 22]``.
 
@@ -167,24 +130,13 @@ class LayerLocalSeqlens:
             dtype: ``torch.int32`` (FLA's convention) or ``torch.int64``.
             with_cpu: also keep the host offsets as ``cu_seqlens_cpu``.
             chunk_indices: as in the class; ``None`` keeps the class default.
-            cp: as in the class.
 
         Raises:
             TypeError: ``seq_lens`` is not an iterable of integers, or ``dtype`` is not int32/int64.
             ValueError: no or a negative length; a total ``dtype`` cannot hold; a bad or unusable ``device``.
         """
-        lens = lengths(seq_lens)
-        if dtype not in INDEX_DTYPES:
-            raise TypeError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
-        offsets = [0, *itertools.accumulate(lens)]
-        check_fits(offsets[-1], dtype, "seq_lens")
-        target = None
-        if device is not None:
-            target = parse_device(device)
-            check_available(target)
-        host = torch.tensor(offsets, dtype=dtype)
-        cu = host.to(target) if target is not None else host
-        return cls(cu, cu_seqlens_cpu=host if with_cpu else None, **_given(chunk_indices=chunk_indices, cp=cp))
+        cu, host = offsets_of_lengths(seq_lens, device, dtype)
+        return cls(cu, cu_seqlens_cpu=host if with_cpu else None, **_given(chunk_indices=chunk_indices))
 
     @classmethod
     def from_position_ids(
@@ -228,23 +180,8 @@ class LayerLocalSeqlens:
         """Fresh offsets (new objects, same values, no sync) for the calling layer; call it inside its forward.
 
         Returns:
-            :class:`LocalSeqlens` with ``cu_seqlens_cpu`` set; with ``static=``: copies of the padded buffers. With
-            ``cp=``: this rank's offsets and a fresh ``cp_context``, or with ``whole_batch=True`` the GLOBAL
-            offsets and no ``cp_context`` (head-parallel Mamba2, gathered attention); ignored without ``cp``.
-
-        Raises:
-            RuntimeError: with ``static=``, another batch has been filled into the buffers since this one.
+            :class:`LocalSeqlens` with ``cu_seqlens_cpu`` set (``whole_batch`` makes no difference here).
         """
-        if self._cp is not None and not whole_batch:
-            return self._cp.local()
-        if self._static is not None:
-            if self._static.generation != self._generation:
-                raise RuntimeError(
-                    f"this LayerLocalSeqlens wrote batch {self._generation} into {self._static!r}, which now holds "
-                    f"batch {self._static.generation}: build a new LayerLocalSeqlens(..., static=) per batch and "
-                    "use one StaticSeqlens per batch in flight"
-                )
-            return self._static.local()
         has_schedule = self._chunk_indices is not None
         return LocalSeqlens(
             fresh_copy(self._cu_seqlens), fresh_copy(self._cu_seqlens_cpu), self.max_seqlen,
@@ -253,29 +190,22 @@ class LayerLocalSeqlens:
         )
 
     def check_tokens(self, num_tokens: int, name: str = "hidden_states") -> None:
-        """Raise ``ValueError`` naming ``name`` unless ``num_tokens == cu_seqlens[-1]`` (under CP: ``T / W``)."""
-        if self._cp is not None:
-            self._cp.check_tokens(num_tokens, name, self.num_tokens)
-        elif num_tokens != self.num_tokens:
+        """Raise ``ValueError`` naming ``name`` unless ``num_tokens == cu_seqlens[-1]``."""
+        if num_tokens != self.num_tokens:
             raise ValueError(
                 f"{name} has {num_tokens} packed tokens but cu_seqlens[-1] = {self.num_tokens}: "
                 "the offsets must describe exactly the tokens of this batch"
             )
 
     @property
-    def cp(self) -> CPConfig | None:
-        """The context-parallel configuration given at construction, or ``None``."""
-        return self._cp.config if self._cp is not None else None
-
-    @property
     def device(self) -> torch.device:
-        """Device of ``cu_seqlens`` (with ``static=``: of the static buffers)."""
-        return self._static.device if self._static is not None else self._cu_seqlens.device
+        """Device of ``cu_seqlens``."""
+        return self._cu_seqlens.device
 
     @property
     def dtype(self) -> torch.dtype:
-        """Integer dtype of ``cu_seqlens`` (int32 or int64; with ``static=``: of the static buffers)."""
-        return self._static.dtype if self._static is not None else self._cu_seqlens.dtype
+        """Integer dtype of ``cu_seqlens`` (int32 or int64)."""
+        return self._cu_seqlens.dtype
 
     def seq_lens(self) -> list[int]:
         """Document lengths in tokens, from the host offsets (no sync)."""
@@ -287,28 +217,7 @@ class LayerLocalSeqlens:
             f"LayerLocalSeqlens(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
             f"max_seqlen={self.max_seqlen}, device={self.device}, dtype={self.dtype}, "
             f"cu_seqlens_cpu={'given' if self._host_given else 'not given'}, "
-            f"chunk_indices={'precomputed' if self._chunk_indices is not None else 'off'}"
-            + (f", cp={self._cp!r}" if self._cp is not None else "")
-            + (f", static={self._static!r})" if self._static is not None else ")")
-        )
-
-
-def _check_static(static: object, cu_seqlens: torch.Tensor, device: object, cp: object, chunk_indices: bool) -> None:
-    """The checks ``static=`` adds at construction."""
-    from fla_ac_isolation.static_seqlens import StaticSeqlens
-
-    if not isinstance(static, StaticSeqlens):
-        raise TypeError(f"static must be a StaticSeqlens, got {type(static).__name__}")
-    if cp is not None:
-        raise ValueError("static= and cp= cannot be combined: static buffers hold whole-batch offsets only")
-    if not chunk_indices:
-        raise ValueError("static= always hands out the padded chunk schedule; do not pass chunk_indices=False with it")
-    if device is not None and not devices_match(static.device, parse_device(device)):
-        raise ValueError(f"device={torch.device(device)} differs from the static buffers' device {static.device}")
-    if cu_seqlens.device.type != "cpu" and not devices_match(cu_seqlens.device, static.device):
-        raise ValueError(
-            f"cu_seqlens must be host offsets or live on the static buffers' device {static.device}, "
-            f"got {cu_seqlens.device}"
+            f"chunk_indices={'precomputed' if self._chunk_indices is not None else 'off'})"
         )
 
 

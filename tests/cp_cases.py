@@ -38,7 +38,7 @@ import fla_ac_isolation.harness.regression._preload  # noqa: E402,F401  (torchti
 from fla_ac_isolation import LayerLocalSeqlens  # noqa: E402
 from fla_ac_isolation.harness.failures import first_line  # noqa: E402
 from fla_ac_isolation.harness.regression.spec import CP1_REFERENCE, RegressionSpec  # noqa: E402
-from fla_ac_isolation.parallel import CPConfig, gather_unshard, shard_packed_batch  # noqa: E402
+from fla_ac_isolation.parallel import CPConfig, CPSeqlens, gather_unshard, shard_packed_batch  # noqa: E402
 
 # documents crossing the cuts, a zero-length document, and rank 1 holding no document start, per layout
 LENS = {"contiguous": [10, 0, 30, 88], "zigzag": [10, 0, 20, 70, 28]}
@@ -87,7 +87,7 @@ def case_mixer(name: str, layout: str, cp_backend: str = "fla", n_groups: int | 
 
     shard = shard_packed_batch({"x": x, "weight": weight}, _offsets(lens), cp)
     x2 = shard.tensors["x"].clone().requires_grad_()
-    out2 = sharded(x2, LayerLocalSeqlens.from_seq_lens(lens, cp=cp))
+    out2 = sharded(x2, CPSeqlens.from_seq_lens(lens, cp=cp))
     (out2 * shard.tensors["weight"]).sum().backward()
 
     result = {"output": _error(gather_unshard(out2.detach(), cp), out1.detach()),

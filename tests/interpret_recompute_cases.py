@@ -68,7 +68,8 @@ def case_simple_gla() -> dict:
     local = LayerLocalSeqlens(cu).local()
     given = _run(lambda *t: simple_gla(*t, 1.0, local.cu_seqlens, local.chunk_indices, local.chunk_offsets), inputs)
     static = StaticSeqlens(tokens, MAX_DOCS, device="cpu")
-    padded = LayerLocalSeqlens(cu, static=static).local()
+    static.fill(cu)
+    padded = static.local()
     pad = _run(lambda *t: simple_gla(*t, 1.0, padded.cu_seqlens, padded.chunk_indices, padded.chunk_offsets), inputs)
     op = _run(lambda *t: torch.ops.fla_ac_isolation.simple_gla(*t, 1.0, local.cu_seqlens, None, local.chunk_indices,
                                                                local.chunk_offsets)[0], inputs)
@@ -121,11 +122,12 @@ def case_padded() -> dict:
         layer = _checkpointed(FAMILIES[name].build(0, seed=0, backend="fla"))
         names = ["out", "x", *(n for n, _ in layer.named_parameters())]
         static = StaticSeqlens(tokens, MAX_DOCS, device="cpu")
-        LayerLocalSeqlens(_offsets(LENS), static=static)  # an earlier batch in the same buffers
+        static.fill(_offsets(LENS))  # an earlier batch in the same buffers
         x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(3))
         for label, lens in PADDED_LAYOUTS.items():
             runs = []
-            for seqlens in (LayerLocalSeqlens(_offsets(lens), static=static), LayerLocalSeqlens(_offsets(lens))):
+            static.fill(_offsets(lens))
+            for seqlens in (static, LayerLocalSeqlens(_offsets(lens))):
                 layer.zero_grad(set_to_none=True)
                 runs.append(_run(lambda t, s=seqlens, m=layer: m(t, s), [x]) + [p.grad for p in layer.parameters()])
             results[f"padded_{name}_{label}"] = [n for n, same in zip(names, _equal(*runs), strict=True) if not same]

@@ -1,5 +1,5 @@
 """Context parallelism without a process group or a kernel: CPConfig, batch sharding in FLA's layouts,
-LayerLocalSeqlens(cp=...) metadata and freshness, the bad-input errors, the modes, and the regression's
+CPSeqlens metadata and freshness, the bad-input errors, the modes, and the regression's
 CP spec, data, CLI and verdicts. Kernels on two gloo ranks: ``test_context_parallel_gloo.py``.
 
 Independent references: FLA's own ``get_cp_cu_seqlens`` (metadata, with ``world_size``/``rank``), and
@@ -16,10 +16,10 @@ from fla.ops.cp.context import get_cp_cu_seqlens
 from helpers import FAMILIES
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fla_ac_isolation import LayerLocalSeqlens
+from fla_ac_isolation import LayerLocalSeqlens, PackedSeqlens
 from fla_ac_isolation.fla_seam.cache import probe_tensor_cache
-from fla_ac_isolation.harness.modes import MODE_NAMES, FieldCPSeqlens, SharedSeqlens, get_mode
-from fla_ac_isolation.parallel import CPConfig, cp_token_index, shard_packed_batch, unshard
+from fla_ac_isolation.harness.modes import MODE_NAMES, FieldCPSeqlens, SharedCPSeqlens, SharedSeqlens, get_mode
+from fla_ac_isolation.parallel import CPConfig, CPSeqlens, cp_token_index, shard_packed_batch, unshard
 
 FLA_CP_METADATA = get_cp_cu_seqlens.__wrapped__  # FLA's function behind build_cp_context, without its cache
 
@@ -170,14 +170,14 @@ def test_sharding_errors(call, error, message):
     assert str(info.value) == message
 
 
-# ------------------------------------------------------------------------- LayerLocalSeqlens(cp=...)
+# ---------------------------------------------------------------------------------------- CPSeqlens
 LENS = [10, 0, 20, 70, 28]
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_cp_context_is_flas_own(layout, rank):
-    s = LayerLocalSeqlens.from_seq_lens(LENS, cp=cp(layout, 2, rank))
+    s = CPSeqlens.from_seq_lens(LENS, cp=cp(layout, 2, rank))
     host = torch.tensor(offsets(LENS))
     theirs = FLA_CP_METADATA(host, cu_seqlens_cpu=host, world_size=2, rank=rank, conv1d_kernel_size=4, layout=layout)
     ours = s.local().cp_context
@@ -189,8 +189,20 @@ def test_cp_context_is_flas_own(layout, rank):
     assert s.cp.layout == layout and s.num_tokens == 128
 
 
+def test_cp_seqlens_is_a_sibling_that_describes_the_whole_batch():
+    s = CPSeqlens.from_seq_lens(LENS, dtype=torch.int64, cp=cp("zigzag", 2, 1))
+    assert isinstance(s, PackedSeqlens) and not isinstance(s, LayerLocalSeqlens)
+    assert (s.num_seqs, s.num_tokens, s.max_seqlen, s.seq_lens()) == (5, 128, 70, LENS)
+    assert (s.device, s.dtype) == (torch.device("cpu"), torch.int64)
+    assert s.local(whole_batch=True).cu_seqlens.dtype == torch.int64, "the whole batch keeps its dtype"
+    assert s.local().cu_seqlens.dtype == torch.int32, "FLA's rank-local offsets are int32"
+    assert repr(s) == ("CPSeqlens(num_seqs=5, num_tokens=128, max_seqlen=70, device=cpu, layout='zigzag', rank=1/2, "
+                       "local_tokens=64)")
+    assert LayerLocalSeqlens.from_seq_lens(LENS).cp is None
+
+
 def test_local_hands_each_layer_a_fresh_context_holding_its_fresh_offsets():
-    s = LayerLocalSeqlens.from_seq_lens(LENS, cp=cp("zigzag"))
+    s = CPSeqlens.from_seq_lens(LENS, cp=cp("zigzag"))
     a, b = s.local(), s.local()
     assert a.cp_context is not b.cp_context
     assert a.cp_context.cu_seqlens is a.cu_seqlens and a.cp_context.cu_seqlens_cpu is a.cu_seqlens_cpu
@@ -211,16 +223,16 @@ def test_cp_metadata_is_built_without_dispatch_ops_or_fla_cache_entries():
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
-    s = LayerLocalSeqlens.from_seq_lens(LENS, cp=cp("zigzag"))
+    s = CPSeqlens.from_seq_lens(LENS, cp=cp("zigzag"))
     with probe_tensor_cache() as probe:
-        s = LayerLocalSeqlens.from_seq_lens(LENS, cp=cp("zigzag"))
+        s = CPSeqlens.from_seq_lens(LENS, cp=cp("zigzag"))
         with Record():
             s.local(), s.local()
     assert seen == [] and probe.events == []
 
 
 def test_whole_batch_gives_fresh_global_offsets_without_a_context():
-    s = LayerLocalSeqlens.from_seq_lens(LENS, cp=cp())
+    s = CPSeqlens.from_seq_lens(LENS, cp=cp())
     whole = s.local(whole_batch=True)
     assert whole.cp_context is None and whole.cu_seqlens.tolist() == offsets(LENS)
     assert whole.cu_seqlens is not s.local(whole_batch=True).cu_seqlens
@@ -228,7 +240,7 @@ def test_whole_batch_gives_fresh_global_offsets_without_a_context():
 
 
 def test_check_tokens_expects_this_ranks_share():
-    s = LayerLocalSeqlens.from_seq_lens(LENS, cp=cp("zigzag", 2, 1))
+    s = CPSeqlens.from_seq_lens(LENS, cp=cp("zigzag", 2, 1))
     s.check_tokens(64)
     with pytest.raises(ValueError) as info:
         s.check_tokens(128)
@@ -241,10 +253,13 @@ def test_check_tokens_expects_this_ranks_share():
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"cp": "zigzag"}, TypeError, "cp must be a fla_ac_isolation.parallel.CPConfig or None, got str"),
+        ({"cp": "zigzag"}, TypeError, "cp must be a fla_ac_isolation.parallel.CPConfig, got str"),
+        ({}, TypeError, "CPSeqlens.__init__() missing 1 required keyword-only argument: 'cp'"),
         ({"cp": cp("zigzag", 4)}, ValueError, "cu_seqlens[-1] = 130 packed tokens cannot be split by the zigzag CP layout over 4 ranks: it needs a positive multiple of 2 * world_size = 8; pad the batch to 136 tokens (e.g. with a document whose labels are all ignored)"),
-        ({"cp": cp("contiguous", 2), "meta": True}, ValueError, "cp=CPConfig(...) needs the host offsets cu_seqlens_cpu when cu_seqlens is on meta: FLA's CP metadata is computed on the host, and reading device offsets there is a device-to-host sync; pass cu_seqlens_cpu= (or build with LayerLocalSeqlens.from_seq_lens)"),
-        ({"cp": cp("contiguous", 2), "num_tokens": 65}, ValueError, "cu_seqlens[-1] must equal num_tokens=65, got 130: with cp=, both count the WHOLE packed batch of all 2 CP ranks, not this rank's hidden_states.shape[1]"),
+        ({"cp": cp("contiguous", 2), "meta": True}, ValueError, "CPSeqlens needs the host offsets cu_seqlens_cpu when cu_seqlens is on meta: FLA's CP metadata is computed on the host, and reading device offsets there is a device-to-host sync; pass cu_seqlens_cpu= (or build with CPSeqlens.from_seq_lens)"),
+        ({"cp": cp("contiguous", 2), "num_tokens": 65}, ValueError, "cu_seqlens[-1] must equal num_tokens=65, got 130: under CP, both count the WHOLE packed batch of all 2 CP ranks, not this rank's hidden_states.shape[1]"),
+        ({"cp": cp("contiguous", 2), "num_tokens": 65.0}, TypeError, "num_tokens must be an int (the packed token count, hidden_states.shape[1]), got float"),
+        ({"cp": cp("contiguous", 2), "max_seqlen": 50}, ValueError, "max_seqlen=50 is smaller than the longest document (80 tokens)"),
     ],
 )
 def test_cp_bad_input_is_refused_at_construction(kwargs, error, message):
@@ -252,14 +267,22 @@ def test_cp_bad_input_is_refused_at_construction(kwargs, error, message):
     if kwargs.pop("meta", False):
         cu = cu.to("meta")
     with pytest.raises(error) as info:
-        LayerLocalSeqlens(cu, **kwargs)
+        CPSeqlens(cu, **kwargs)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("keyword", ["cp", "static"])
+def test_layer_local_seqlens_takes_neither_cp_nor_static(keyword):
+    """0.5 made CP and CUDA graphs siblings (CPSeqlens, graphs.StaticSeqlens), not arguments."""
+    with pytest.raises(TypeError) as info:
+        LayerLocalSeqlens(torch.tensor(offsets([50, 78])), **{keyword: cp()})
+    assert str(info.value) == f"LayerLocalSeqlens.__init__() got an unexpected keyword argument '{keyword}'"
 
 
 def test_a_rank_with_fewer_tokens_than_the_conv_history_is_refused():
     """FLA's contiguous CP conv reads its history from the previous rank only and does not check this."""
     with pytest.raises(ValueError) as info:
-        LayerLocalSeqlens.from_seq_lens([4, 4], cp=cp("contiguous", 4))
+        CPSeqlens.from_seq_lens([4, 4], cp=cp("contiguous", 4))
     assert str(info.value) == (
         "each CP interval of the contiguous layout holds 2 tokens (cu_seqlens[-1] = 8 over 4 intervals), fewer than "
         "conv_kernel_size - 1 = 3: FLA's CP conv takes its history from the previous interval only; use fewer "
@@ -276,7 +299,7 @@ def _local_hidden(tokens=64, hidden=64):
 def test_the_reference_backend_refuses_cp(backend):
     mixer = FAMILIES["qwen3_5_moe"].build(backend=backend)
     with pytest.raises(NotImplementedError) as info:
-        mixer(_local_hidden(), LayerLocalSeqlens.from_seq_lens(LENS, cp=cp()))
+        mixer(_local_hidden(), CPSeqlens.from_seq_lens(LENS, cp=cp()))
     chosen = "backend='reference'" if backend == "reference" else "backend='auto' (which picks 'reference' for cpu tensors)"
     assert str(info.value) == (
         f"context parallelism needs FLA's CP kernels, but {chosen} has none: the reference backend computes whole "
@@ -295,12 +318,12 @@ def test_the_reference_backend_refuses_cp(backend):
 def test_gdn_mixer_checks_the_cp_config_before_any_kernel(config, message):
     mixer = FAMILIES["qwen3_8"].build(backend="fla")
     with pytest.raises(ValueError) as info:
-        mixer(_local_hidden(), LayerLocalSeqlens.from_seq_lens(LENS, cp=config))
+        mixer(_local_hidden(), CPSeqlens.from_seq_lens(LENS, cp=config))
     assert str(info.value) == message
 
 
 def test_mamba2_head_parallel_needs_heads_divisible_by_the_cp_degree():
-    from fla_ac_isolation.mixers.mamba2_cp import head_shard
+    from fla_ac_isolation.parallel.mamba2_cp import head_shard
 
     mixer = FAMILIES["nemotron_h"].build()  # 4 heads, 2 B/C groups
     with pytest.raises(ValueError) as info:
@@ -318,7 +341,7 @@ def test_mamba2_head_parallel_needs_heads_divisible_by_the_cp_degree():
 def test_mamba2_head_parallel_needs_the_process_group():
     mixer = FAMILIES["nemotron_h"].build()
     with pytest.raises(ValueError) as info:
-        mixer(_local_hidden(), LayerLocalSeqlens.from_seq_lens(LENS, cp=cp()))
+        mixer(_local_hidden(), CPSeqlens.from_seq_lens(LENS, cp=cp()))
     assert str(info.value) == (
         "seqlens was built with CPConfig(world_size=..., rank=...) and no group: head-parallel context parallelism "
         "needs the CP process group for its all-to-alls (CPConfig(group=...))"
@@ -327,17 +350,30 @@ def test_mamba2_head_parallel_needs_the_process_group():
 
 # ---------------------------------------------------------------------------------------------- modes
 def test_shared_mode_hands_every_layer_one_context_and_field_needs_cp():
-    shared = SharedSeqlens.from_seq_lens(LENS, cp=cp())
+    shared = SharedCPSeqlens.from_seq_lens(LENS, cp=cp())
     assert shared.local().cp_context is shared.local().cp_context
+    assert shared.local().cu_seqlens is shared.local().cu_seqlens
+    assert shared.local(whole_batch=True).cu_seqlens is shared.local(whole_batch=True).cu_seqlens
+    assert shared.local(whole_batch=True).cu_seqlens.tolist() == offsets(LENS)
     assert shared.local().chunk_indices is None, "models sharing one object do not precompute FLA's schedule"
-    for kwargs in ({}, {"cp": cp()}):
-        with pytest.raises(ValueError) as info:
-            FieldCPSeqlens.from_seq_lens(LENS, **kwargs)
-        assert str(info.value) == (
-            "mode 'field' builds FLA's CP context inside each layer and needs cp=CPConfig(group=...); it is "
-            "meaningful only under context parallelism"
-        )
-    assert get_mode("field").seqlens_class is FieldCPSeqlens and get_mode("field").checkpointed
+    with pytest.raises(ValueError) as info:
+        FieldCPSeqlens.from_seq_lens(LENS, cp=cp())
+    assert str(info.value) == (
+        "mode 'field' builds FLA's CP context inside each layer and needs CPConfig(group=...): FLA's "
+        "build_cp_context takes the CP process group"
+    )
+    with pytest.raises(ValueError) as info:
+        get_mode("field").from_seq_lens(LENS)
+    assert str(info.value) == (
+        "mode 'field' builds FLA's CP context inside each layer: it is meaningful only under context parallelism "
+        "(cp=CPConfig(group=...))"
+    )
+    assert {name: get_mode(name).cp_seqlens_class for name in (*MODE_NAMES, "field")} == {
+        "no-ac": SharedCPSeqlens, "shared": SharedCPSeqlens, "isolated": CPSeqlens, "global-disable": SharedCPSeqlens,
+        "field": FieldCPSeqlens}
+    assert type(get_mode("isolated").from_seq_lens(LENS, cp=cp())) is CPSeqlens
+    assert type(get_mode("shared").from_seq_lens(LENS)) is SharedSeqlens
+    assert get_mode("field").checkpointed
     assert MODE_NAMES == ("no-ac", "shared", "isolated", "global-disable"), "the four modes of every check"
 
 

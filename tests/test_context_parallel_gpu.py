@@ -2,7 +2,7 @@
 
 Not run on the CPU machines (no CUDA). What it checks:
 
-* ``LayerLocalSeqlens(cu_cuda, cu_seqlens_cpu=host, cp=...)`` synchronises the host only where validation
+* ``CPSeqlens(cu_cuda, cu_seqlens_cpu=host, cp=...)`` synchronises the host only where validation
   compares the device offsets with the host copy (``offsets.checked_host_copy``); building FLA's CP context adds none,
   and ``.local()`` none. The context's ``cu_seqlens`` lives on the GPU, its ``cu_seqlens_cpu`` on the host.
 * The field's in-layer build (``fla_seam.cp.build_cp_context_in_layer``, FLA's cached ``build_cp_context``
@@ -14,7 +14,7 @@ Not run on the CPU machines (no CUDA). What it checks:
   one-rank CP group, then an EP-style dispatch that copies its split sizes to the host and splits) under
   the field's SAC rule (``save_device_to_host_copies``). Each block building FLA's CP context from the one
   shared ``cu_seqlens`` fails in block 0's recompute with ``split_with_sizes`` handed FLA's offsets;
-  ``LayerLocalSeqlens(cp=...)`` equals no AC bit for bit (printed as ``GPU_CP_FIELD``).
+  ``CPSeqlens`` equals no AC bit for bit (printed as ``GPU_CP_FIELD``).
 
 Run on a CUDA machine: ``python -m pytest -m gpu -s tests/test_context_parallel_gpu.py``. FLA's #640 guard
 is lifted for this module's run (printed), as in ``test_mixers_gpu.py``.
@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fla_ac_isolation import LayerLocalSeqlens
 from fla_ac_isolation.harness.modes import FieldCPSeqlens
-from fla_ac_isolation.parallel import CPConfig
+from fla_ac_isolation.parallel import CPConfig, CPSeqlens
 from fla_ac_isolation.policies import sac_context_fn, save_device_to_host_copies
 
 pytestmark = [
@@ -67,8 +67,8 @@ def test_cp_metadata_syncs_only_in_validation_and_never_per_layer():
     cu = host.cuda()
     torch.cuda.synchronize()
     with host_sync_sites() as built:
-        seqlens = LayerLocalSeqlens(cu, cu_seqlens_cpu=host, cp=CPConfig(layout="zigzag", world_size=2, rank=1,
-                                                                          conv_kernel_size=4))
+        seqlens = CPSeqlens(cu, cu_seqlens_cpu=host, cp=CPConfig(layout="zigzag", world_size=2, rank=1,
+                                                                  conv_kernel_size=4))
     with host_sync_sites() as per_layer:
         local = seqlens.local()
         seqlens.local()
@@ -105,7 +105,10 @@ def test_gdn_mixer_over_a_one_rank_cp_group_equals_no_cp(name, one_rank_group):
     results = []
     for cp in (None, CPConfig(group=one_rank_group, conv_kernel_size=4)):
         mixer.zero_grad()
-        seqlens = LayerLocalSeqlens(_offsets().to(device), cu_seqlens_cpu=_offsets(), cp=cp)
+        if cp is None:
+            seqlens = LayerLocalSeqlens(_offsets().to(device), cu_seqlens_cpu=_offsets())
+        else:
+            seqlens = CPSeqlens(_offsets().to(device), cu_seqlens_cpu=_offsets(), cp=cp)
         leaf = x.clone().requires_grad_()
         out = mixer(leaf, seqlens)
         (out * torch.cos(torch.arange(out.numel(), device=device)).reshape(out.shape)).sum().backward()
@@ -163,9 +166,9 @@ def test_field_in_layer_cp_build_fails_under_the_d2h_rule_and_isolation_equals_n
     cp = CPConfig(group=one_rank_group, conv_kernel_size=4)
     cu, host = _offsets().to(device), _offsets()
 
-    one = LayerLocalSeqlens(cu, cu_seqlens_cpu=host, cp=cp)
+    one = CPSeqlens(cu, cu_seqlens_cpu=host, cp=cp)
     loss_ref, grads_ref = _field_step(blocks, lambda: one, x, checkpointed=False)
-    isolated = LayerLocalSeqlens(cu, cu_seqlens_cpu=host, cp=cp)
+    isolated = CPSeqlens(cu, cu_seqlens_cpu=host, cp=cp)
     loss_iso, grads_iso = _field_step(blocks, lambda: isolated, x, checkpointed=True)
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads_iso, grads_ref))
     print(f"GPU_CP_FIELD isolated: loss {loss_iso.item():.6f} / no AC {loss_ref.item():.6f}; max |grad diff| {diff:.3e}")

@@ -16,12 +16,11 @@ import textwrap
 import pytest
 import torch
 
-from fla_ac_isolation import LayerLocalSeqlens
 from fla_ac_isolation.fla_seam import features
 from fla_ac_isolation.fla_seam.features import FlaFeatureError, import_problem, module, module_path, require, supports
 from fla_ac_isolation.fla_seam.layout import conv_takes_chunk_indices
 from fla_ac_isolation.fla_seam.versions import fla_version
-from fla_ac_isolation.parallel import CPConfig
+from fla_ac_isolation.parallel import CPConfig, CPSeqlens
 
 VERSION = fla_version()
 NEW = tuple(int(p) for p in VERSION.split(".")[:2]) >= (0, 6)  # fla-core 0.6.x; else 0.5.2
@@ -60,7 +59,7 @@ def _needs_06(where: str, feature: str, api: str) -> str:
             "'fla-core>=0.6.0,<0.7' (pip install -U fla-ac-isolation brings it)")
 
 
-CP = ("context parallelism (CPConfig, LayerLocalSeqlens(cp=), CP kernels on a CPU)",
+CP = ("context parallelism (CPConfig, CPSeqlens, CP kernels on a CPU)",
       "fla.ops.cp.context.get_cp_cu_seqlens(layout=) and its layout-aware FLACPContext")
 
 
@@ -75,15 +74,15 @@ def test_zigzag_cp_needs_06_at_the_config_and_contiguous_config_validates_on_bot
         assert str(info.value) == _needs_06("CPConfig(layout='zigzag')", *CP)
 
 
-def test_layer_local_seqlens_with_cp_needs_06_where_flas_context_is_built():
+def test_cp_seqlens_needs_06_where_flas_context_is_built():
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     if NEW:
-        seqlens = LayerLocalSeqlens(cu, cu_seqlens_cpu=cu, num_tokens=16, cp=CPConfig(world_size=2, rank=1))
+        seqlens = CPSeqlens(cu, cu_seqlens_cpu=cu, num_tokens=16, cp=CPConfig(world_size=2, rank=1))
         assert seqlens.local().cp_context.cu_seqlens.tolist() == [0, 8]  # rank 1 holds tokens 8..15 of document 2
     else:
         with pytest.raises(FlaFeatureError) as info:
-            LayerLocalSeqlens(cu, cu_seqlens_cpu=cu, num_tokens=16, cp=CPConfig(world_size=2, rank=1))
-        assert str(info.value) == _needs_06("LayerLocalSeqlens(..., cp=CPConfig(layout='contiguous'))", *CP)
+            CPSeqlens(cu, cu_seqlens_cpu=cu, num_tokens=16, cp=CPConfig(world_size=2, rank=1))
+        assert str(info.value) == _needs_06("CPSeqlens(cp=CPConfig(layout='contiguous'))", *CP)
 
 
 def test_the_cp_probe_reads_layout_in_flas_signature_not_the_modules_presence(monkeypatch):

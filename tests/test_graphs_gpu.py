@@ -24,7 +24,7 @@ from benchmarks.layer_step import build_layer
 from benchmarks.levers import MODES
 from benchmarks.stack import apply_mode, build_stack
 from fla_ac_isolation import LayerLocalSeqlens
-from fla_ac_isolation.static_seqlens import StaticSeqlens
+from fla_ac_isolation.graphs import StaticSeqlens
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,11 +69,11 @@ def _within_a_rounding(got: torch.Tensor, want: torch.Tensor) -> bool:
 def _replays_equal_eager(graphed: GraphedStep, static: StaticSeqlens, lens: list[int], x: torch.Tensor):
     """Replay layout ``lens``; returns (replay vs eager-static mismatches, eager-static vs eager-plain mismatches)."""
     names = ["x", *(n for n, p in graphed.module.named_parameters() if p.requires_grad)]
-    seqlens = LayerLocalSeqlens(_offsets(lens), static=static)
+    static.fill(_offsets(lens))
     graphed.load(x)
     graphed.replay()
     replayed = graphed.snapshot()
-    eager_static = graphed.eager_grads(seqlens)
+    eager_static = graphed.eager_grads(static)
     plain = LayerLocalSeqlens(_offsets(lens).cuda(), cu_seqlens_cpu=_offsets(lens))
     eager_plain = graphed.eager_grads(plain)
     return (mismatches(replayed, eager_static, names),
@@ -87,7 +87,8 @@ def test_replay_equals_eager_for_layouts_the_graph_was_not_captured_with(kind, m
     module = _module(kind, mode)
     x0 = torch.randn(1, TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad_out = torch.randn(1, TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    graphed = GraphedStep.build(module, x0, grad_out, LayerLocalSeqlens(_offsets(CAPTURED), static=static))
+    static.fill(_offsets(CAPTURED))
+    graphed = GraphedStep.build(module, x0, grad_out, static)
     try:
         for name, lens in [*LAYOUTS.items(), ("captured", CAPTURED)]:
             x = torch.randn(1, TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -111,8 +112,9 @@ def test_capture_keeps_forward_and_recompute_alike_in_flas_cache():
     static = StaticSeqlens(TOKENS, MAX_DOCS, device="cuda")
     module = _module("stack", "sac")
     x = torch.randn(1, TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static.fill(_offsets(CAPTURED))
     with ReplayAudit(on_divergence="raise") as audit:
-        graphed = GraphedStep.build(module, x, torch.randn_like(x), LayerLocalSeqlens(_offsets(CAPTURED), static=static))
+        graphed = GraphedStep.build(module, x, torch.randn_like(x), static)
     graphed.release()
     regions = audit.regions
     print(f"GPU_GRAPH_AUDIT {len(regions)} regions; caches {[(r.forward_cache, r.recompute_cache) for r in regions]}")
@@ -125,7 +127,8 @@ def test_a_stack_replays_every_layout_equal_to_eager():
     static = StaticSeqlens(TOKENS, MAX_DOCS, device="cuda")
     module = _module("stack", "sac+save-core")
     x0 = torch.randn(1, TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    graphed = GraphedStep.build(module, x0, torch.randn_like(x0), LayerLocalSeqlens(_offsets(CAPTURED), static=static))
+    static.fill(_offsets(CAPTURED))
+    graphed = GraphedStep.build(module, x0, torch.randn_like(x0), static)
     try:
         for name, lens in LAYOUTS.items():
             replay_diff, _ = _replays_equal_eager(graphed, static, lens, torch.randn_like(x0))
@@ -139,25 +142,25 @@ def test_make_graphed_callables_replays_a_checkpointed_layer_across_layouts():
     gradients for a layout it was not captured with equal the eager layer's, bit for bit."""
     static = StaticSeqlens(TOKENS, MAX_DOCS, device="cuda")
     layer = _module("gdn", "sac+save-core")
-    current = {"seqlens": LayerLocalSeqlens(_offsets(CAPTURED), static=static)}
+    static.fill(_offsets(CAPTURED))
 
-    class Bound(torch.nn.Module):  # the layer with the batch's seqlens, as the captured callable
+    class Bound(torch.nn.Module):  # the layer with the static seqlens, as the captured callable
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
 
         def forward(self, x):
-            return self.inner(x, current["seqlens"])
+            return self.inner(x, static)
 
     eager = copy.deepcopy(layer)
     sample = torch.randn(1, TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     graphed = torch.cuda.make_graphed_callables(Bound(layer), (sample,))
     for name, lens in LAYOUTS.items():
-        current["seqlens"] = LayerLocalSeqlens(_offsets(lens), static=static)  # written in place
+        static.fill(_offsets(lens))  # written in place
         x = torch.randn(1, TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
         grad_out = torch.randn_like(x)
         results = []
-        for module in (graphed, lambda t: eager(t, current["seqlens"])):
+        for module in (graphed, lambda t: eager(t, static)):
             layer.zero_grad(set_to_none=True)
             eager.zero_grad(set_to_none=True)
             leaf = x.clone().requires_grad_()
@@ -172,7 +175,7 @@ def test_filling_static_buffers_inside_a_capture_is_refused():
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="while a CUDA graph is being captured"), torch.cuda.graph(graph):
-        LayerLocalSeqlens(_offsets(CAPTURED), static=static)
+        static.fill(_offsets(CAPTURED))
 
 
 #: The page's recipes run in a fresh process. In one H200 run they failed inside pytest after this file's other

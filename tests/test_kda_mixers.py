@@ -101,15 +101,17 @@ def test_a_conv_activation_fla_does_not_offer_is_refused():
 
 
 def test_context_parallel_seqlens_are_refused():
-    """No CP path: offsets built with cp= are refused before any computation."""
-    from fla_ac_isolation.parallel import CPConfig
+    """No CP path: a CPSeqlens is refused before any computation."""
+    from fla_ac_isolation.parallel import CPConfig, CPSeqlens
 
     mixer = FAMILIES["kimi_linear"].build()
     cp = CPConfig(world_size=2, rank=0, conv_kernel_size=4)
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    seqlens = LayerLocalSeqlens(cu, cu_seqlens_cpu=cu, cp=cp)
-    with pytest.raises(NotImplementedError, match="KimiLinearDeltaAttention has no context-parallel path"):
+    seqlens = CPSeqlens(cu, cu_seqlens_cpu=cu, cp=cp)
+    with pytest.raises(NotImplementedError) as info:
         mixer(torch.randn(1, 4, HIDDEN), seqlens)
+    assert str(info.value) == ("KimiLinearDeltaAttention has no context-parallel path: pass a LayerLocalSeqlens, not a "
+                               "CPSeqlens (whole sequences on every rank)")
 
 
 @pytest.mark.parametrize("name", KDA)

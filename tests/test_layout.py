@@ -239,6 +239,28 @@ def test_the_library_never_imports_the_harness():
     assert _harness_imports(PACKAGE) == []
 
 
+CORE = ("fla_ac_isolation.seqlens", "fla_ac_isolation.local_seqlens", "fla_ac_isolation.offsets")
+
+
+def _reached(graph: dict[str, dict[str, int]], start: tuple[str, ...]) -> set[str]:
+    """Every module ``start`` imports, directly or through others (function-local imports counted)."""
+    seen, todo = set(), list(start)
+    while todo:
+        for target in graph.get(todo.pop(), {}):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_core_imports_neither_parallel_nor_the_graphs_part():
+    """CP (``parallel/``) and CUDA graphs (``graphs.py``) are siblings above the core, never arguments of it."""
+    reached = _reached(_import_graph(PACKAGE), CORE)
+    above = sorted(m for m in reached if m.startswith("fla_ac_isolation.parallel") or m == "fla_ac_isolation.graphs")
+    assert above == []
+    assert "fla_ac_isolation.fla_seam.layout" in reached, "the walk follows the core's real imports"
+
+
 def test_the_harness_check_sees_every_kind_of_import(tmp_path):
     """The check above on a planted package: each kind of import into the harness is caught, none else."""
     pkg = tmp_path / "fla_ac_isolation"

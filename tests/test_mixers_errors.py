@@ -64,8 +64,9 @@ def test_float_and_decreasing_offsets(mixer):
 
 
 def test_seqlens_of_the_wrong_type(mixer):
-    with pytest.raises(TypeError, match=r"seqlens must be a fla_ac_isolation\.LayerLocalSeqlens, got Tensor; pass "
-                                        r"offsets tensors as cu_seqlens= \(FLA's name\) or cu_seq_lens_q="):
+    with pytest.raises(TypeError, match=r"seqlens must be a fla_ac_isolation\.PackedSeqlens \(LayerLocalSeqlens, "
+                                        r"CPSeqlens or StaticSeqlens\), got Tensor; pass offsets tensors as "
+                                        r"cu_seqlens= \(FLA's name\) or cu_seq_lens_q="):
         mixer(torch.randn(1, T, HIDDEN), seqlens=_cu())
 
 

@@ -20,7 +20,8 @@ TOP_LEVEL = {
     "ReplayAudit": "fla_ac_isolation.audit.replay_audit",
     "LayerLocalSeqlens": "fla_ac_isolation.seqlens",
     "LocalSeqlens": "fla_ac_isolation.local_seqlens",
-    "StaticSeqlens": "fla_ac_isolation.static_seqlens",
+    "PackedSeqlens": "fla_ac_isolation.local_seqlens",
+    "StaticSeqlens": "fla_ac_isolation.graphs",
     "swap_mixers": "fla_ac_isolation.swap",
     "isolate_seqlens": "fla_ac_isolation.isolate",
 }
@@ -105,7 +106,7 @@ def test_a_0_3_top_level_mixer_name_is_gone(name):
 
 def test_all_is_the_library_calls_and_no_mixer():
     assert sorted(fla_ac_isolation.__all__) == sorted([
-        "LayerLocalSeqlens", "LocalSeqlens", "StaticSeqlens", "checkpoint_layers", "probe_tensor_cache",
-        "tensor_cache_disabled", "CPConfig", "ReplayAudit", "ReplayDivergenceError", "swap_mixers",
+        "LayerLocalSeqlens", "LocalSeqlens", "PackedSeqlens", "StaticSeqlens", "checkpoint_layers",
+        "probe_tensor_cache", "tensor_cache_disabled", "CPConfig", "ReplayAudit", "ReplayDivergenceError", "swap_mixers",
         "restore_mixers", "isolate_seqlens", "IsolationHandle", "LeakingMixerWarning",
     ])

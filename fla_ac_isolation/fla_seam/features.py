@@ -139,7 +139,7 @@ class FlaFeature:
 
 FEATURES: tuple[FlaFeature, ...] = (
     FlaFeature(
-        "cp", "context parallelism (CPConfig, LayerLocalSeqlens(cp=), CP kernels on a CPU)", "0.6.0",
+        "cp", "context parallelism (CPConfig, CPSeqlens, CP kernels on a CPU)", "0.6.0",
         "fla.ops.cp.context.get_cp_cu_seqlens(layout=) and its layout-aware FLACPContext",
         lambda: _has_parameter("fla.ops.cp.context", "get_cp_cu_seqlens", "layout"),
     ),

@@ -1,7 +1,8 @@
 """The modes every regression, audit, benchmark and test runs a model in: ``no-ac`` (reference), ``shared``
 (one ``cu_seqlens`` for every layer: UNSAFE, on purpose), ``isolated`` (:class:`~fla_ac_isolation.LayerLocalSeqlens`),
 ``global-disable`` (FLA's tensor cache off), and under CP ``field`` (:data:`CP_MODES`). A mode's
-:attr:`Mode.role` says whether it decides a check's exit code."""
+:attr:`Mode.role` says whether it decides a check's exit code; its ``seqlens`` are a
+:class:`~fla_ac_isolation.LayerLocalSeqlens`, or under CP a :class:`~fla_ac_isolation.parallel.CPSeqlens`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Any
 import torch
 
 from fla_ac_isolation.fla_seam.cache import tensor_cache_disabled
-from fla_ac_isolation.seqlens import LayerLocalSeqlens, LocalSeqlens
+from fla_ac_isolation.local_seqlens import LocalSeqlens, PackedSeqlens
+from fla_ac_isolation.parallel import CPConfig, CPSeqlens
+from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = [
     "ALL_MODES",
@@ -23,6 +26,7 @@ __all__ = [
     "ROLES",
     "FieldCPSeqlens",
     "Mode",
+    "SharedCPSeqlens",
     "SharedSeqlens",
     "get_mode",
     "modes_with_role",
@@ -50,42 +54,59 @@ class SharedSeqlens(LayerLocalSeqlens):
         )
 
     def local(self, *, whole_batch: bool = False) -> LocalSeqlens:
-        """The same objects on every call; under CP, one FLA CP context."""
-        if self._cp is not None and not whole_batch:
-            return self._cp.shared()
+        """The same objects on every call."""
         return self._shared
 
 
-class FieldCPSeqlens(SharedSeqlens):
+class SharedCPSeqlens(CPSeqlens):
+    """The UNSAFE path under CP, on purpose: :meth:`local` returns one FLA CP context (and its offsets) on every
+    call, ``local(whole_batch=True)`` one set of whole-batch offsets. Built like
+    :class:`~fla_ac_isolation.parallel.CPSeqlens`, but ``chunk_indices`` defaults to ``False``.
+    """
+
+    __slots__ = ("_shared_local", "_shared_whole")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("chunk_indices", False)
+        super().__init__(*args, **kwargs)
+        self._shared_local = super().local()
+        self._shared_whole = super().local(whole_batch=True)
+
+    def local(self, *, whole_batch: bool = False) -> LocalSeqlens:
+        """The same objects on every call: one FLA CP context, or with ``whole_batch`` one set of global offsets."""
+        return self._shared_whole if whole_batch else self._shared_local
+
+
+class FieldCPSeqlens(SharedCPSeqlens):
     """UNSAFE under CP, on purpose: each :meth:`local` calls FLA's ``build_cp_context`` in the layer on the shared
     ``cu_seqlens``, so its cache misses in the forward and hits in the recompute. Built like
-    :class:`~fla_ac_isolation.LayerLocalSeqlens` with ``cp=`` (required).
+    :class:`~fla_ac_isolation.parallel.CPSeqlens`.
 
     Raises:
-        ValueError: ``cp`` is missing or has no process group.
+        ValueError: ``cp`` has no process group.
     """
 
     __slots__ = ()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self._cp is None or self._cp.config.group is None:
+        if self.cp.group is None:
             raise ValueError(
-                "mode 'field' builds FLA's CP context inside each layer and needs cp=CPConfig(group=...); "
-                "it is meaningful only under context parallelism"
+                "mode 'field' builds FLA's CP context inside each layer and needs CPConfig(group=...): FLA's "
+                "build_cp_context takes the CP process group"
             )
 
     def local(self, *, whole_batch: bool = False) -> LocalSeqlens:
         """FLA's CP context from the shared ``cu_seqlens``, built now."""
         if whole_batch:
-            return self._shared
+            return self._shared_whole
         from fla_ac_isolation.fla_seam.cp import build_cp_context_in_layer
 
-        cp = self._cp.config
+        cp = self.cp
         context = build_cp_context_in_layer(
-            self._cu_seqlens, group=cp.group, layout=cp.layout, conv_kernel_size=cp.conv_kernel_size
+            self._shared_whole.cu_seqlens, group=cp.group, layout=cp.layout, conv_kernel_size=cp.conv_kernel_size
         )
-        return LocalSeqlens(context.cu_seqlens, context.cu_seqlens_cpu, self._cp.max_seqlen, None, context)
+        return LocalSeqlens(context.cu_seqlens, context.cu_seqlens_cpu, self._shared_local.max_seqlen, None, context)
 
 
 @dataclass(frozen=True)
@@ -99,7 +120,7 @@ class Mode:
         isolated: every layer gets fresh ``cu_seqlens`` objects (:class:`~fla_ac_isolation.LayerLocalSeqlens`).
         cache_disabled: FLA's tensor cache is disabled process-wide while the step runs.
         role: ``"reference"``, ``"required"`` or ``"unsafe"`` (:data:`ROLES`).
-        field: layers build FLA's CP context from the shared ``cu_seqlens`` (:class:`FieldCPSeqlens`); needs CP.
+        field: layers build FLA's CP context from the shared ``cu_seqlens`` (:class:`FieldCPSeqlens`); CP only.
     """
 
     name: str
@@ -116,19 +137,39 @@ class Mode:
 
     @property
     def seqlens_class(self) -> type[LayerLocalSeqlens]:
-        """The ``seqlens`` class of this mode."""
+        """The ``seqlens`` class of this mode without CP.
+
+        Raises:
+            ValueError: for ``field``, which exists only under CP.
+        """
         if self.field:
-            return FieldCPSeqlens
+            raise ValueError(
+                f"mode {self.name!r} builds FLA's CP context inside each layer: it is meaningful only under context "
+                "parallelism (cp=CPConfig(group=...))"
+            )
         return LayerLocalSeqlens if self.isolated else SharedSeqlens
 
-    def seqlens(self, cu_seqlens: torch.Tensor, **kwargs: Any) -> LayerLocalSeqlens:
-        """This mode's ``seqlens`` for ``cu_seqlens`` (keywords of :class:`~fla_ac_isolation.LayerLocalSeqlens`)."""
+    @property
+    def cp_seqlens_class(self) -> type[CPSeqlens]:
+        """The ``seqlens`` class of this mode under CP."""
+        if self.field:
+            return FieldCPSeqlens
+        return CPSeqlens if self.isolated else SharedCPSeqlens
+
+    def seqlens(self, cu_seqlens: torch.Tensor, *, cp: CPConfig | None = None, **kwargs: Any) -> PackedSeqlens:
+        """This mode's ``seqlens`` for ``cu_seqlens`` (keywords of :class:`~fla_ac_isolation.LayerLocalSeqlens`), or
+        with ``cp`` the whole batch's under CP. ``ValueError`` for ``field`` without ``cp``."""
+        if cp is not None:
+            return self.cp_seqlens_class(cu_seqlens, cp=cp, **kwargs)
         return self.seqlens_class(cu_seqlens, **kwargs)
 
     def from_seq_lens(
-        self, seq_lens: Sequence[int], device: torch.device | str | None = None, **kwargs: Any
-    ) -> LayerLocalSeqlens:
-        """This mode's ``seqlens`` for document lengths."""
+        self, seq_lens: Sequence[int], device: torch.device | str | None = None, *, cp: CPConfig | None = None,
+        **kwargs: Any,
+    ) -> PackedSeqlens:
+        """This mode's ``seqlens`` for document lengths (with ``cp``: the whole batch's, under CP)."""
+        if cp is not None:
+            return self.cp_seqlens_class.from_seq_lens(seq_lens, device, cp=cp, **kwargs)
         return self.seqlens_class.from_seq_lens(seq_lens, device, **kwargs)
 
     def cache_context(self) -> contextlib.AbstractContextManager:

@@ -23,10 +23,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fla_ac_isolation.local_seqlens import LocalSeqlens
+from fla_ac_isolation.local_seqlens import LocalSeqlens, PackedSeqlens
 from fla_ac_isolation.mixers.offsets_keywords import COMPANIONS, SOURCES, resolve_offsets
 from fla_ac_isolation.ops.backend import check_backend, check_saveable
-from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["CACHE_NAMES", "DropIn", "PackedCacheWarning"]
 
@@ -110,8 +109,8 @@ class DropIn(nn.Module):
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """The replaced class's call convention and return value; packed offsets as keywords (:data:`SOURCES`), or a
-        :class:`~fla_ac_isolation.LayerLocalSeqlens` as the second positional argument (``mixer(h, seqlens)``)."""
-        if args and isinstance(args[0], LayerLocalSeqlens):
+        :class:`~fla_ac_isolation.PackedSeqlens` as the second positional argument (``mixer(h, seqlens)``)."""
+        if args and isinstance(args[0], PackedSeqlens):
             if kwargs.get("seqlens") is not None:
                 raise TypeError(f"{type(self).__name__} got seqlens both positionally and as a keyword")
             args, kwargs = args[1:], {**kwargs, "seqlens": args[0]}
@@ -139,7 +138,7 @@ class DropIn(nn.Module):
         return False
 
     def packed_forward(self, hidden_states: torch.Tensor, local: LocalSeqlens | None,
-                       attention_mask: torch.Tensor | None, seqlens: LayerLocalSeqlens | None) -> torch.Tensor:
+                       attention_mask: torch.Tensor | None, seqlens: PackedSeqlens | None) -> torch.Tensor:
         """Our path: ``[B, T, D]`` -> ``[B, T, D]`` with this call's offsets (``None``: one document per row)."""
         raise NotImplementedError
 

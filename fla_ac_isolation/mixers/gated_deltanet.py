@@ -8,8 +8,9 @@
 
 Then, as the replaced forward: the short causal conv + SiLU (restarted at every document here), ``beta = sigmoid(b)``,
 ``g = -exp(A_log) * softplus(a + dt_bias)``, the gated delta rule (restarted at every document), the class's own gated
-RMSNorm and output projection. Under context parallelism (``seqlens`` built with ``cp=``) ``hidden_states`` is this
-rank's ``[1, T / W, D]`` and replicated parameters' gradients are this rank's part, to be summed over the CP group.
+RMSNorm and output projection. Under context parallelism (``seqlens`` a
+:class:`~fla_ac_isolation.parallel.CPSeqlens`) ``hidden_states`` is this rank's ``[1, T / W, D]`` and replicated
+parameters' gradients are this rank's part, to be summed over the CP group.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from fla_ac_isolation import ops
-from fla_ac_isolation.local_seqlens import LocalSeqlens
-from fla_ac_isolation.mixers._cp import check_cp_conv
+from fla_ac_isolation.local_seqlens import LocalSeqlens, PackedSeqlens
 from fla_ac_isolation.mixers.base import DropIn, apply_padding_mask
 from fla_ac_isolation.ops.backend import resolve_backend
-from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["GatedDeltaNetPath", "varlen"]
 
@@ -70,12 +69,14 @@ class GatedDeltaNetPath(DropIn):
         return self.in_proj_qkv(hidden_states), self.in_proj_b(hidden_states), self.in_proj_a(hidden_states), z
 
     def packed_forward(self, hidden_states: torch.Tensor, local: LocalSeqlens | None,
-                       attention_mask: torch.Tensor | None, seqlens: LayerLocalSeqlens | None) -> torch.Tensor:
+                       attention_mask: torch.Tensor | None, seqlens: PackedSeqlens | None) -> torch.Tensor:
         batch, tokens = hidden_states.shape[:2]
         kw = varlen(local, self.backend, hidden_states, saveable=self.saveable)
         chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
         cp_context = local.cp_context if local is not None else None  # FLA's CP metadata (context parallelism)
         if cp_context is not None:
+            from fla_ac_isolation.parallel.gdn_cp import check_cp_conv
+
             check_cp_conv(cp_context, self.backend, hidden_states, self.conv_kernel_size, self.saveable)
         hidden_states = apply_padding_mask(hidden_states, attention_mask)
 

@@ -17,10 +17,9 @@ from typing import Any
 import torch
 
 from fla_ac_isolation import ops
-from fla_ac_isolation.local_seqlens import LocalSeqlens
+from fla_ac_isolation.local_seqlens import LocalSeqlens, PackedSeqlens
 from fla_ac_isolation.mixers.base import DropIn, apply_padding_mask
 from fla_ac_isolation.mixers.gated_deltanet import varlen
-from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["KimiDeltaAttentionPath"]
 
@@ -60,10 +59,10 @@ class KimiDeltaAttentionPath(DropIn):
             raise ValueError(f"hidden_act must be 'silu' (the conv activation FLA offers), got {self.activation!r}")
 
     def packed_forward(self, hidden_states: torch.Tensor, local: LocalSeqlens | None,
-                       attention_mask: torch.Tensor | None, seqlens: LayerLocalSeqlens | None) -> torch.Tensor:
+                       attention_mask: torch.Tensor | None, seqlens: PackedSeqlens | None) -> torch.Tensor:
         if local is not None and local.cp_context is not None:
-            raise NotImplementedError(f"{type(self).__name__} has no context-parallel path: pass seqlens built "
-                                      "without cp= (whole sequences on every rank)")
+            raise NotImplementedError(f"{type(self).__name__} has no context-parallel path: pass a "
+                                      "LayerLocalSeqlens, not a CPSeqlens (whole sequences on every rank)")
         batch, tokens = hidden_states.shape[:2]
         kw = varlen(local, self.backend, hidden_states)
         hidden_states = apply_padding_mask(hidden_states, attention_mask)

@@ -4,7 +4,7 @@
 short causal conv (+ bias) and SiLU, then the SSD scan (:func:`fla_ac_isolation.ops.ssd`, FLA's simple GLA on
 CUDA), both restarted at every document with no host synchronisation (CUDA-graph capturable); the class's gated
 RMSNorm; ``out_proj``. Under context parallelism transformers' class runs head-parallel
-(:mod:`fla_ac_isolation.mixers.mamba2_cp`).
+(:mod:`fla_ac_isolation.parallel.mamba2_cp`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from fla_ac_isolation import ops
-from fla_ac_isolation.local_seqlens import LocalSeqlens
+from fla_ac_isolation.local_seqlens import LocalSeqlens, PackedSeqlens
 from fla_ac_isolation.mixers.base import DropIn, apply_padding_mask
 from fla_ac_isolation.mixers.gated_deltanet import varlen
 from fla_ac_isolation.ops.backend import resolve_backend
-from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["FlaMamba2Path", "Mamba2Path", "NemotronHMamba2Path", "OlmoMamba2Path", "grouped_gated_rms_norm"]
 
@@ -72,9 +71,9 @@ class Mamba2Path(DropIn):
         return projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
 
     def packed_forward(self, hidden_states: torch.Tensor, local: LocalSeqlens | None,
-                       attention_mask: torch.Tensor | None, seqlens: LayerLocalSeqlens | None) -> torch.Tensor:
+                       attention_mask: torch.Tensor | None, seqlens: PackedSeqlens | None) -> torch.Tensor:
         if seqlens is not None and seqlens.cp is not None:  # context parallelism: head-parallel
-            from fla_ac_isolation.mixers.mamba2_cp import head_parallel_forward
+            from fla_ac_isolation.parallel.mamba2_cp import head_parallel_forward
 
             return head_parallel_forward(self, hidden_states, seqlens, attention_mask=attention_mask)
         batch, tokens = hidden_states.shape[:2]

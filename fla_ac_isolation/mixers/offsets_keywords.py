@@ -1,9 +1,9 @@
 """The packed offsets a drop-in mixer reads from its call: ours (``seqlens``, a
-:class:`~fla_ac_isolation.LayerLocalSeqlens`), FLA's (``cu_seqlens``, with ``cu_seqlens_cpu``), transformers'
-(``cu_seq_lens_q``/``cu_seq_lens_k`` with ``max_length_q``, or ``seq_idx``) and OLMo-core's (``cu_doc_lens``, with
-``max_doc_len``). Two that describe different documents, or an offsets-like keyword none of these (named ``cu_*``
-and holding offsets), raise naming them: a packed batch never runs as one sequence because of a keyword the mixer
-did not read.
+:class:`~fla_ac_isolation.PackedSeqlens`: ``LayerLocalSeqlens``, ``CPSeqlens`` or ``StaticSeqlens``), FLA's
+(``cu_seqlens``, with ``cu_seqlens_cpu``), transformers' (``cu_seq_lens_q``/``cu_seq_lens_k`` with
+``max_length_q``, or ``seq_idx``) and OLMo-core's (``cu_doc_lens``, with ``max_doc_len``). Two that describe
+different documents, or an offsets-like keyword none of these (named ``cu_*`` and holding offsets), raise naming
+them: a packed batch never runs as one sequence because of a keyword the mixer did not read.
 
 A model-level offsets tensor is validated once per batch: the first layer's call builds a ``LayerLocalSeqlens``
 for that object (its values read on the host, outside the dispatcher: SAC and the audit see nothing), later calls
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fla_ac_isolation.local_seqlens import PackedSeqlens
 from fla_ac_isolation.offsets_hook import offsets_like_keywords
 from fla_ac_isolation.seqlens import LayerLocalSeqlens, devices_match
 
@@ -34,7 +35,7 @@ _CACHE_LIMIT = 8  # model-level offsets objects kept (one per batch in flight)
 _BY_ID: dict[int, tuple[weakref.ref, LayerLocalSeqlens]] = {}
 
 
-def _describe(seqlens: LayerLocalSeqlens) -> str:
+def _describe(seqlens: PackedSeqlens) -> str:
     offsets = seqlens.seq_lens()
     shown = offsets if len(offsets) <= 8 else [*offsets[:8], "..."]
     return f"{seqlens.num_seqs} documents of {shown} tokens"
@@ -77,10 +78,11 @@ def _from_seq_idx(seq_idx: torch.Tensor) -> LayerLocalSeqlens:
     return LayerLocalSeqlens(offsets.to(seq_idx.device), cu_seqlens_cpu=offsets)
 
 
-def _one_source(name: str, value: Any, kwargs: dict, hidden_states: torch.Tensor) -> LayerLocalSeqlens:
+def _one_source(name: str, value: Any, kwargs: dict, hidden_states: torch.Tensor) -> PackedSeqlens:
     if name == "seqlens":
-        if not isinstance(value, LayerLocalSeqlens):
-            raise TypeError(f"seqlens must be a fla_ac_isolation.LayerLocalSeqlens, got {type(value).__name__}; "
+        if not isinstance(value, PackedSeqlens):
+            raise TypeError(f"seqlens must be a fla_ac_isolation.PackedSeqlens (LayerLocalSeqlens, CPSeqlens or "
+                            f"StaticSeqlens), got {type(value).__name__}; "
                             "pass offsets tensors as cu_seqlens= (FLA's name) or cu_seq_lens_q= (transformers')")
         return value
     if not isinstance(value, torch.Tensor):
@@ -96,11 +98,11 @@ def _one_source(name: str, value: Any, kwargs: dict, hidden_states: torch.Tensor
         num_tokens=hidden_states.shape[1]), name)
 
 
-def _same(a: LayerLocalSeqlens, b: LayerLocalSeqlens) -> bool:
+def _same(a: PackedSeqlens, b: PackedSeqlens) -> bool:
     return a is b or a.seq_lens() == b.seq_lens()
 
 
-def resolve_offsets(kwargs: dict, hidden_states: torch.Tensor, where: str) -> LayerLocalSeqlens | None:
+def resolve_offsets(kwargs: dict, hidden_states: torch.Tensor, where: str) -> PackedSeqlens | None:
     """The packed offsets of one mixer call, validated against ``hidden_states [B, T, D]``; ``None`` unpacked.
     Reads (and leaves in place) :data:`SOURCES` and :data:`COMPANIONS` of ``kwargs``.
 
@@ -110,7 +112,7 @@ def resolve_offsets(kwargs: dict, hidden_states: torch.Tensor, where: str) -> La
         where: the mixer, for messages (``"Qwen3_5MoeGatedDeltaNet"``).
 
     Raises:
-        TypeError: a source of the wrong type (``seqlens`` not a ``LayerLocalSeqlens``, a non-tensor offsets).
+        TypeError: a source of the wrong type (``seqlens`` not a ``PackedSeqlens``, a non-tensor offsets).
         ValueError: invalid offsets; two sources describing different documents; ``cu_seq_lens_k`` unequal to
             ``cu_seq_lens_q``; an offsets-like keyword this mixer does not read; packed input with ``B > 1``;
             offsets not ending at ``T`` or on another device than ``hidden_states``.

@@ -1,4 +1,5 @@
-"""Context and pipeline parallelism (CP, PP): packed batches cut for them, isolated per layer under AC.
+"""Context and pipeline parallelism (CP, PP): packed batches cut for them, isolated per layer under AC
+(:class:`CPSeqlens`), and the mixers' CP paths (``gdn_cp``, ``mamba2_cp``, imported when a ``CPSeqlens`` arrives).
 
 Collectives are ``torch.distributed``'s, CP kernels FLA's, pipelining ``torch.distributed.pipelining``'s
 (``docs/context-parallel.md``, ``docs/pipeline-parallel.md``).
@@ -16,6 +17,7 @@ from fla_ac_isolation.parallel.pipeline import (
     microbatch_seqlens,
     stage_indices,
 )
+from fla_ac_isolation.parallel.seqlens_cp import CPSeqlens
 from fla_ac_isolation.parallel.sharding import CPShard, cp_token_index, gather_unshard, shard_packed_batch, unshard
 from fla_ac_isolation.parallel.stage_tags import StageRegionTags
 
@@ -23,6 +25,7 @@ __all__ = [
     "LAYOUTS",
     "SCHEDULES",
     "CPConfig",
+    "CPSeqlens",
     "CPShard",
     "PackedMicrobatches",
     "ParallelMesh",

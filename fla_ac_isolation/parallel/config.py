@@ -8,14 +8,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-from fla_ac_isolation.cp_interface import CPSplit
-
-if TYPE_CHECKING:
-    import torch
-
-    from fla_ac_isolation.parallel.seqlens_cp import CPSeqlens
+from typing import Any
 
 __all__ = ["LAYOUTS", "CPConfig"]
 
@@ -28,8 +21,9 @@ def _is_int(value: object) -> bool:
 
 
 @dataclass(frozen=True)
-class CPConfig(CPSplit):
-    """One context-parallel (CP) group as FLA's CP kernels see it; ``LayerLocalSeqlens(..., cp=)`` takes it.
+class CPConfig:
+    """One context-parallel (CP) group as FLA's CP kernels see it; :class:`~fla_ac_isolation.parallel.CPSeqlens`
+    takes it.
 
     Args:
         group: the CP process group; ``None``: metadata only (tests, sharding off-rank), with ``world_size``/``rank``.
@@ -133,13 +127,3 @@ class CPConfig(CPSplit):
     def local_num_tokens(self, num_tokens: int) -> int:
         """Tokens each rank holds, ``T / W`` (after :meth:`check_num_tokens`)."""
         return num_tokens // self.world_size
-
-    def batch_seqlens(self, host: torch.Tensor, device: torch.device, *, chunk_indices: bool) -> CPSeqlens:
-        """:class:`~fla_ac_isolation.parallel.seqlens_cp.CPSeqlens` (see
-        :meth:`~fla_ac_isolation.cp_interface.CPSplit.batch_seqlens`); ``FlaFeatureError`` for fla-core < 0.6."""
-        from fla_ac_isolation.fla_seam.features import require
-        from fla_ac_isolation.parallel.seqlens_cp import CPSeqlens
-
-        require("cp", where=f"LayerLocalSeqlens(..., cp=CPConfig(layout={self.layout!r}))")
-
-        return CPSeqlens(self, host, device, chunk_indices=chunk_indices)

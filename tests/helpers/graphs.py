@@ -30,8 +30,6 @@ class CpuGraph:
         params, current = self._grads()
         if self.owned is None:
             self.owned = current  # what the capture produced (GraphedStep.grads)
-        seqlens = self.cells["seqlens"]
-        seqlens._generation = seqlens._static.generation  # a replay runs no Python, so no stale check
         self.cells["x"].grad = None
         for p in params:
             p.grad = None

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fla_ac_isolation.local_seqlens import PackedSeqlens
 from fla_ac_isolation.parallel import CPConfig, cp_token_index, gather_unshard
-from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["AttentionLayout", "PackedAttention"]
 
@@ -30,7 +30,7 @@ class AttentionLayout(NamedTuple):
     cp: CPConfig | None = None
 
     @classmethod
-    def from_seqlens(cls, seqlens: LayerLocalSeqlens, device: torch.device) -> AttentionLayout:
+    def from_seqlens(cls, seqlens: PackedSeqlens, device: torch.device) -> AttentionLayout:
         lens = torch.tensor(seqlens.seq_lens(), dtype=torch.int64)
         doc = torch.repeat_interleave(torch.arange(lens.numel()), lens)              # [T] document id
         starts = torch.cumsum(lens, 0) - lens

@@ -13,7 +13,7 @@ from torch import nn
 from fla_ac_isolation.families import FAMILIES
 from fla_ac_isolation.harness.regression.attention import AttentionLayout, PackedAttention
 from fla_ac_isolation.harness.regression.expert_parallel import MoEShape, build_moe
-from fla_ac_isolation.seqlens import LayerLocalSeqlens
+from fla_ac_isolation.local_seqlens import PackedSeqlens
 
 if TYPE_CHECKING:
     from fla_ac_isolation.families import Family
@@ -58,7 +58,7 @@ class DecoderBlock(nn.Module):
         self.mlp = moe
 
     def forward(
-        self, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, layout: AttentionLayout
+        self, hidden_states: torch.Tensor, seqlens: PackedSeqlens, layout: AttentionLayout
     ) -> torch.Tensor:
         if self.mixer is not None:
             h = self.input_layernorm(hidden_states)
@@ -99,7 +99,7 @@ class TinyDecoder(nn.Module):
 
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def forward(self, input_ids: torch.Tensor, seqlens: LayerLocalSeqlens) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, seqlens: PackedSeqlens) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be packed as [1, T], got shape {tuple(input_ids.shape)}")
         seqlens.check_tokens(input_ids.shape[1], name="input_ids")

@@ -1,4 +1,5 @@
-"""Checks at a Gated DeltaNet mixer's boundary before FLA's CP kernels run, raising errors that name the argument."""
+"""The Gated DeltaNet drop-ins' CP checks: run at the mixer's boundary before FLA's CP kernels, raising errors that
+name the argument (imported by ``mixers/gated_deltanet.py`` only when a CP context arrives)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Graph-safe metadata (``StaticSeqlens``, ``LayerLocalSeqlens(static=)``) on a CPU: the padded layout, the
-in-place fill, fresh copies, the checks, and the mixers' numbers (reference backend) with and without padding.
+"""Graph-safe metadata (``fla_ac_isolation.graphs.StaticSeqlens``) on a CPU: the padded layout, the in-place
+fill, fresh copies, the checks, and the mixers' numbers (reference backend) with and without padding.
 
 FLA's kernels with padded metadata are compared under Triton's interpreter in ``test_recompute_interpret.py``;
 replays of CUDA graphs in ``test_graphs_gpu.py``.
@@ -13,11 +13,11 @@ import pytest
 import torch
 from helpers import FAMILIES, HIDDEN, Block, loss_and_grads
 
-from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit, StaticSeqlens
+from fla_ac_isolation import LayerLocalSeqlens, PackedSeqlens, ReplayAudit
 from fla_ac_isolation.fla_seam.layout import chunk_indices_for, chunk_offsets_for
+from fla_ac_isolation.graphs import StaticSeqlens, max_chunks_for, padded_metadata
 from fla_ac_isolation.local_seqlens import LocalSeqlens
 from fla_ac_isolation.policies import checkpoint_layers, save_all_copies
-from fla_ac_isolation.static_seqlens import max_chunks_for, padded_metadata
 
 
 def _offsets(lens: list[int]) -> torch.Tensor:
@@ -61,20 +61,21 @@ def test_a_batch_is_written_into_the_same_buffers_in_place():
     static = StaticSeqlens(200, 6, device="cpu")
     addresses = [static.cu_seqlens.data_ptr(), static.chunk_indices.data_ptr(), static.chunk_offsets.data_ptr()]
     for lens in ([200], [70, 0, 130], [1, 1, 1, 1, 1, 195]):
-        seqlens = LayerLocalSeqlens(_offsets(lens), static=static)
+        static.fill(_offsets(lens))
         cu, rows, starts = padded_metadata(_offsets(lens).tolist(), 200, 6)
         assert [static.cu_seqlens.data_ptr(), static.chunk_indices.data_ptr(),
                 static.chunk_offsets.data_ptr()] == addresses
         assert torch.equal(static.cu_seqlens, cu.int()) and torch.equal(static.chunk_indices, rows.int())
         assert torch.equal(static.chunk_offsets, starts.int())
-        assert static.seq_lens()[: len(lens)] == lens and seqlens.num_seqs == len(lens)
+        assert static.seq_lens() == lens and static.num_seqs == len(lens)
+        assert torch.equal(static.cu_seqlens_cpu, cu.int())
     assert static.generation == 3
 
 
 def test_local_hands_each_call_fresh_copies_of_the_buffers():
     static = StaticSeqlens(200, 6, device="cpu")
-    seqlens = LayerLocalSeqlens(_offsets([70, 0, 130]), static=static)
-    a, b = seqlens.local(), seqlens.local()
+    static.fill(_offsets([70, 0, 130]))
+    a, b = static.local(), static.local()
     for name in ("cu_seqlens", "cu_seqlens_cpu", "chunk_indices", "chunk_offsets"):
         first, second = getattr(a, name), getattr(b, name)
         assert first is not second and first.data_ptr() != second.data_ptr()
@@ -83,12 +84,26 @@ def test_local_hands_each_call_fresh_copies_of_the_buffers():
     assert torch.equal(a.cu_seqlens, static.cu_seqlens) and a.max_seqlen == 200 and a.cp_context is None
 
 
-def test_a_later_batch_makes_the_earlier_object_refuse_to_hand_out_its_offsets():
+def test_the_static_seqlens_is_what_the_layers_take_and_hands_out_nothing_before_a_fill():
     static = StaticSeqlens(200, 6, device="cpu")
-    first = LayerLocalSeqlens(_offsets([200]), static=static)
-    LayerLocalSeqlens(_offsets([100, 100]), static=static)
-    with pytest.raises(RuntimeError, match=r"wrote batch 1 into .* which now holds batch 2"):
-        first.local()
+    assert isinstance(static, PackedSeqlens) and static.cp is None
+    for call in (static.local, static.seq_lens, lambda: static.num_seqs):
+        with pytest.raises(RuntimeError) as info:
+            call()
+        assert str(info.value) == (
+            "StaticSeqlens(num_tokens=200, max_docs=6, max_chunks=9, device=cpu, dtype=torch.int32, generation=0) "
+            "holds no batch yet: call fill(cu_seqlens) before handing it to a layer"
+        )
+    static.fill(_offsets([100, 100]))
+    assert (static.num_tokens, static.max_seqlen, static.device, static.dtype) == (200, 200, torch.device("cpu"),
+                                                                                    torch.int32)
+    static.check_tokens(200)
+    with pytest.raises(ValueError) as info:
+        static.check_tokens(199, name="x")
+    assert str(info.value) == (
+        "x has 199 packed tokens but the static buffers hold batches of num_tokens=200: every batch of one "
+        "StaticSeqlens has its token count"
+    )
 
 
 def test_without_static_the_schedule_comes_with_its_chunk_offsets():
@@ -98,22 +113,28 @@ def test_without_static_the_schedule_comes_with_its_chunk_offsets():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
+    ("args", "error", "message"),
     [
-        ({"lens": [10] * 7}, ValueError, "has 7 documents but the static buffers hold at most max_docs=6"),
-        ({"lens": [10, 10]}, ValueError, "must equal the static num_tokens=200, got 20"),
-        ({"chunk_indices": False}, ValueError, "static= always hands out the padded chunk schedule"),
-        ({"static": "buffers"}, TypeError, r"static must be a StaticSeqlens, got str"),
-        ({"device": "meta"}, ValueError, r"device=meta differs from the static buffers' device cpu"),
+        ((_offsets([10] * 7),), ValueError, "the batch has 7 documents but the static buffers hold at most max_docs=6: build the StaticSeqlens with a larger max_docs, or run this batch without them (eager)"),
+        ((_offsets([10, 10]),), ValueError, "cu_seqlens[-1] must equal the static num_tokens=200, got 20"),
+        ((_offsets([200]).to("meta"),), ValueError, "cu_seqlens must be host offsets or live on the static buffers' device cpu, got meta"),
+        (([0, 200],), TypeError, "cu_seqlens must be a torch.Tensor of int32/int64 offsets, got list"),
+        ((torch.tensor([0, 150, 100, 200], dtype=torch.int32),), ValueError, "cu_seqlens must be non-decreasing, but cu_seqlens[2]=100 < cu_seqlens[1]=150"),
+        ((_offsets([200, 0]), _offsets([199, 1])), ValueError, "cu_seqlens_cpu must hold the same values as cu_seqlens, but cu_seqlens_cpu[1]=199 != cu_seqlens[1]=200"),
     ],
+    ids=["documents", "tokens", "device", "type", "decreasing", "host-copy"],
 )
-def test_bad_static_input_is_refused_at_construction(kwargs, error, message):
+def test_bad_batches_are_refused_by_fill_and_leave_the_buffers_as_they_were(args, error, message):
+    """``fill`` validates as LayerLocalSeqlens does (offsets.py's checks), and writes nothing it refused."""
     static = StaticSeqlens(200, 6, device="cpu")
-    lens = kwargs.pop("lens", [200])
-    kwargs.setdefault("static", static)
-    with pytest.raises(error, match=message):
-        LayerLocalSeqlens(_offsets(lens), **kwargs)
-    assert static.generation == 0  # nothing was written
+    static.fill(_offsets([70, 130]))
+    before = [t.clone() for t in (static.cu_seqlens, static.chunk_indices, static.chunk_offsets, static.cu_seqlens_cpu)]
+    with pytest.raises(error) as info:
+        static.fill(*args)
+    assert str(info.value) == message
+    assert static.generation == 1 and static.seq_lens() == [70, 130]
+    after = (static.cu_seqlens, static.chunk_indices, static.chunk_offsets, static.cu_seqlens_cpu)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -157,21 +178,25 @@ def test_mixers_give_the_same_numbers_with_padded_metadata(name, checkpointed, s
             checkpoint_layers(layers, mode="selective", policy=save_all_copies())
         return loss_and_grads(layers, x, seqlens_for())
 
+    def filled(lens):
+        static.fill(_offsets(lens))
+        return static
+
     for lens in LAYOUTS:
-        loss_s, dx_s, grads_s = run(lambda lens=lens: LayerLocalSeqlens(_offsets(lens), static=static))
+        loss_s, dx_s, grads_s = run(lambda lens=lens: filled(lens))
         loss_p, dx_p, grads_p = run(lambda lens=lens: LayerLocalSeqlens(_offsets(lens)))
         assert torch.equal(loss_s, loss_p) and torch.equal(dx_s, dx_p), lens
         assert all(torch.equal(grads_s[n], g) for n, g in grads_p.items()), lens
 
 
-class _SharedStatic(LayerLocalSeqlens):
+class _SharedStatic(StaticSeqlens):
     """The unsafe control: the static buffers themselves, one object for every call (no fresh copy)."""
 
     __slots__ = ()
 
     def local(self, *, whole_batch: bool = False) -> LocalSeqlens:
-        s = self._static
-        return LocalSeqlens(s.cu_seqlens, s.cu_seqlens_cpu, s.num_tokens, s.chunk_indices, None, s.chunk_offsets)
+        return LocalSeqlens(self.cu_seqlens, self.cu_seqlens_cpu, self.num_tokens, self.chunk_indices, None,
+                            self.chunk_offsets)
 
 
 def test_static_offsets_keep_forward_and_recompute_alike_and_shared_ones_do_not(single_thread):
@@ -181,15 +206,16 @@ def test_static_offsets_keep_forward_and_recompute_alike_and_shared_ones_do_not(
     x = torch.randn(1, 64, HIDDEN, generator=torch.Generator().manual_seed(0))
 
     def audit(cls):
-        static = StaticSeqlens(64, 6, device="cpu")
+        static = cls(64, 6, device="cpu")
+        static.fill(_offsets(LAYOUTS[0]))
         layers = torch.nn.ModuleList(Block(FAMILIES["qwen3_5_moe"].build(i, seed=i, backend="reference"))
                                      for i in range(2))
         checkpoint_layers(layers, mode="selective", policy=save_all_copies())
         with ReplayAudit(on_divergence="record") as result:
-            loss_and_grads(layers, x, cls(_offsets(LAYOUTS[0]), static=static))
+            loss_and_grads(layers, x, static)
         return result
 
-    fresh, shared = audit(LayerLocalSeqlens), audit(_SharedStatic)
+    fresh, shared = audit(StaticSeqlens), audit(_SharedStatic)
     assert fresh.ok and len(fresh.regions) == 2, fresh.summary()
     assert all(r.forward_cache == r.recompute_cache for r in fresh.regions), fresh.summary()
     assert [r.verdict for r in shared.regions] == ["divergent", "aligned"], shared.summary()

@@ -1,6 +1,7 @@
 """A Mamba2 drop-in under context parallelism, head-parallel (Ulysses): an all-to-all to every token of this
 rank's heads, the conv and SSD on whole documents with the GLOBAL offsets, an all-to-all back. Same parameters as
-without CP; every gradient is this rank's part, to be summed over the CP group.
+without CP; every gradient is this rank's part, to be summed over the CP group. Imported by ``mixers/mamba2.py``
+only when a :class:`~fla_ac_isolation.parallel.CPSeqlens` arrives.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import torch
 
 from fla_ac_isolation import ops
 from fla_ac_isolation.ops.backend import resolve_backend
-from fla_ac_isolation.parallel import CPConfig, heads_to_sequence, sequence_to_heads
-from fla_ac_isolation.seqlens import LayerLocalSeqlens, devices_match
+from fla_ac_isolation.parallel.config import CPConfig
+from fla_ac_isolation.parallel.head_parallel import heads_to_sequence, sequence_to_heads
+from fla_ac_isolation.parallel.seqlens_cp import CPSeqlens
+from fla_ac_isolation.seqlens import devices_match
 
 __all__ = ["head_parallel_forward", "head_shard"]
 
@@ -52,7 +55,7 @@ def head_shard(mixer: Any, cp: CPConfig) -> tuple[list[torch.Tensor], torch.Tens
     return channels, mine[0], mine[1]
 
 
-def _check(mixer: Any, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, attention_mask: Any) -> None:
+def _check(mixer: Any, hidden_states: torch.Tensor, seqlens: CPSeqlens, attention_mask: Any) -> None:
     if hidden_states.shape[0] != 1:
         raise ValueError(
             f"packed input (cu_seqlens given) must have batch size 1, got hidden_states of shape "
@@ -74,7 +77,7 @@ def _check(mixer: Any, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, 
 
 
 def head_parallel_forward(
-    mixer: Any, hidden_states: torch.Tensor, seqlens: LayerLocalSeqlens, *, attention_mask: Any = None
+    mixer: Any, hidden_states: torch.Tensor, seqlens: CPSeqlens, *, attention_mask: Any = None
 ) -> torch.Tensor:
     """A Mamba2 drop-in's forward (:class:`~fla_ac_isolation.mixers.mamba2.Mamba2Path`) under ``seqlens.cp``: this
     rank's ``[1, T / W, D]`` shard -> ``[1, T / W, D]``.
