@@ -1,12 +1,11 @@
-"""The registry of model families: the upstream classes our drop-ins replace, their configs, the regression's
-tiny decoder and CP capability. Other libraries' FLA-backed classes, and which drop-in replaces which, are
+"""The registry of model families: the upstream classes our drop-ins replace, their configs, the CP
+capability. Other libraries' FLA-backed classes, and which drop-in replaces which, are
 :mod:`fla_ac_isolation.foreign_classes`. Imports neither transformers, OLMo-core nor the mixers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from fla_ac_isolation.foreign_classes import DROP_IN_NAMES, UpstreamMixer, named
 
@@ -14,25 +13,8 @@ __all__ = [
     "FAMILIES",
     "FAMILY_NAMES",
     "Family",
-    "TinyRecipe",
     "upstream_mixers",
 ]
-
-@dataclass(frozen=True)
-class TinyRecipe:
-    """How the regression builds a family's tiny decoder (from :meth:`Family.config_class`).
-
-    Attributes:
-        layout: ``"qwen"`` (three mixer blocks then a gated attention block, each with an MoE; ``layer_types``)
-            or ``"nemotron_h"`` (Mamba2 / MoE / attention / MoE blocks; ``layers_block_type``).
-        attention_type: the config's name of the attention layers.
-        config: further config fields the family sets, as ``(name, value)`` pairs.
-    """
-
-    layout: str
-    attention_type: str = "full_attention"
-    config: tuple[tuple[str, Any], ...] = ()
-
 
 @dataclass(frozen=True)
 class Family:
@@ -44,7 +26,6 @@ class Family:
         upstream: the classes our mixer replaces, first the family's own (whose config class configures ours).
         layer: the kind of FLA-backed mixer: ``"gdn"`` (a gated delta rule, KDA's included) or ``"mamba2"``.
         fla_cp: under context parallelism its mixers run FLA's CP kernels (else head-parallel or no CP).
-        tiny: how the regression builds its tiny decoder.
     """
 
     name: str
@@ -52,7 +33,6 @@ class Family:
     upstream: tuple[UpstreamMixer, ...]
     layer: str
     fla_cp: bool
-    tiny: TinyRecipe
 
     @property
     def mixer(self) -> str:
@@ -93,13 +73,12 @@ FAMILIES: dict[str, Family] = {
             (_hf("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"), _hf("qwen3_5", "Qwen3_5GatedDeltaNet"),
              _hf("qwen3_next", "Qwen3NextGatedDeltaNet"), _hf("olmo_hybrid", "OlmoHybridGatedDeltaNet"),
              _hf("lara_mini", "LaraMiniGatedDeltaNet")),
-            layer="gdn", fla_cp=True, tiny=TinyRecipe("qwen"),
+            layer="gdn", fla_cp=True,
         ),
         Family(
             "qwen3_8", "Qwen3.8-Flash-Next",
             (_hf("qwen4_exp", "Qwen4ExpTextGatedDeltaNet"),),
             layer="gdn", fla_cp=True,
-            tiny=TinyRecipe("qwen", attention_type="indexed_attention", config=(("output_gate_type", "sigmoid"),)),
         ),
         Family(
             "nemotron_h", "Nemotron-H",
@@ -113,11 +92,11 @@ FAMILIES: dict[str, Family] = {
                 # its attributes (fla.models' Mamba2Block builds it from keywords)
                 UpstreamMixer("fla.layers.mamba2", "Mamba2", None),
             ),
-            layer="mamba2", fla_cp=False, tiny=TinyRecipe("nemotron_h"),
+            layer="mamba2", fla_cp=False,
         ),
         # Kimi Delta Attention (a gated delta rule, decay per key channel: layer "gdn"). transformers' three call
-        # chunk_kda without offsets (LEAKING_MIXERS; offsets empty here); the drop-ins keep documents apart. Tiny
-        # decoder: the "qwen" layout with KDA widths; no FLA CP path (the mixers refuse CP seqlens).
+        # chunk_kda without offsets (LEAKING_MIXERS; offsets empty here); the drop-ins keep documents apart. No FLA
+        # CP path (the mixers refuse CP seqlens).
         Family(
             "kimi_linear", "Kimi-Linear",
             (
@@ -129,8 +108,6 @@ FAMILIES: dict[str, Family] = {
                               f"{_HF}.bailing_hybrid.configuration_bailing_hybrid.BailingHybridConfig"),
             ),
             layer="gdn", fla_cp=False,
-            tiny=TinyRecipe("qwen", config=(("linear_num_heads", 4), ("linear_head_dim", 16), ("pad_token_id", None),
-                                            ("bos_token_id", None), ("eos_token_id", None))),
         ),
     )
 }

@@ -125,8 +125,8 @@ def case_decoder(family: str, layout: str, modes: tuple[str, ...]) -> dict:
     CP on rank 0 as the reference, then every mode under ``ReplayAudit`` (recording); an unsafe mode's
     exception is recorded per rank."""
     from fla_ac_isolation import ReplayAudit
+    from fla_ac_isolation.harness.regression.mesh import ParallelMesh
     from fla_ac_isolation.harness.regression.train import RankContext, run_mode_on_rank
-    from fla_ac_isolation.parallel import ParallelMesh
 
     spec = _decoder_spec(family, layout, modes)
     rank = dist.get_rank()

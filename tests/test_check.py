@@ -1,4 +1,4 @@
-"""``fla-ac-isolation check``: the user's own model (``--model module:callable``) or a tiny one (``--config``), one
+"""``fla-ac-isolation check``: the user's own model (``--model module:callable``) or a tiny one (``--model NAME``), one
 audited step under SAC, its FLA-backed classes, the fix verified on a fresh model; exit 0 / 1 / 2.
 
 The two models of ``examples/check_model.py`` are the ones ``docs/check.md`` shows: what the page prints
@@ -78,7 +78,7 @@ def test_check_on_the_pages_models_names_the_exposed_class_the_divergence_and_th
 
 
 def test_check_json_has_the_survey_both_steps_and_the_exit_code(capsys, causal_conv1d_stand_in):
-    code, out, _ = _check(capsys, "--config", "qwen3_next", "--json")
+    code, out, _ = _check(capsys, "--model", "qwen3_next", "--json")
     result = json.loads(out)
 
     assert code == 1 and result["exit_code"] == 1
@@ -101,7 +101,7 @@ def test_check_json_has_the_survey_both_steps_and_the_exit_code(capsys, causal_c
 
 
 def test_a_gdn_whose_conv_leaks_and_that_has_a_drop_in_is_fixed_by_swap_mixers(capsys, no_causal_conv1d):
-    code, out, _ = _check(capsys, "--config", "qwen3_5_text", "--json")
+    code, out, _ = _check(capsys, "--model", "qwen3_5_text", "--json")
     result = json.loads(out)
 
     (mixer,) = result["mixers"]
@@ -160,7 +160,7 @@ def test_an_isolated_qwen3_next_with_causal_conv1d_importable_is_covered_and_ali
 
 
 def test_a_mixer_that_leaks_across_documents_fails_the_check_though_aligned(capsys):
-    code, out, _ = _check(capsys, "--config", "nemotron_h")
+    code, out, _ = _check(capsys, "--model", "nemotron_h")
 
     lines = out.splitlines()
     assert code == 1

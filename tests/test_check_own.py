@@ -489,12 +489,15 @@ def test_a_folder_imported_as_a_namespace_package_is_named_with_the_file_inside_
 
 
 # ---------------------------------------------------------------------------- item 6: one meaning of --model
-def test_config_is_a_deprecated_spelling_of_model_name(capsys):
-    code, lines, err = _check(capsys, "--config", "qwen4")
+def test_config_is_gone_model_takes_the_tiny_models_names(capsys):
+    """0.4's deprecated ``--config NAME`` is removed in 0.5 (argparse refuses it); ``--model NAME`` names a tiny one."""
+    with pytest.raises(SystemExit) as exited:
+        main(["check", "--config", "qwen4"])
+    assert exited.value.code == 2
+    assert "error: the following arguments are required: --model" in capsys.readouterr().err
+    code, lines, err = _check(capsys, "--model", "qwen4")
     assert code == 2 and lines == []
-    first, second = err.splitlines()
-    assert first == "fla-ac-isolation check: --config is deprecated: use --model qwen4"
-    assert second.startswith("fla-ac-isolation check: error: config must be one of [")
+    assert err.startswith("fla-ac-isolation check: error: --model must be a built-in tiny model (one of [")
 
 
 @pytest.mark.parametrize("command", ["audit", "regress"])

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from fla_ac_isolation.fla_seam import features
-from fla_ac_isolation.fla_seam.features import FlaFeatureError, import_problem, module, module_path, require, supports
+from fla_ac_isolation.fla_seam.features import FlaFeatureError, module, module_path, require, supports
+from fla_ac_isolation.fla_seam.install import import_problem
 from fla_ac_isolation.fla_seam.layout import conv_takes_chunk_indices
 from fla_ac_isolation.fla_seam.versions import fla_version
 from fla_ac_isolation.parallel import CPConfig, CPSeqlens

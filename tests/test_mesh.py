@@ -1,4 +1,4 @@
-"""The mesh (``parallel.ParallelMesh``): one owner of the ranks' layout; the regression's spec reads it.
+"""The mesh (``harness.regression.mesh.ParallelMesh``): one owner of the ranks' layout; the regression's spec reads it.
 
 The expected world sizes are today's rules written out (EP ranks are data-parallel ranks without CP, borrowed
 from the CP ranks with it); rank coordinates are checked against torch's own row-major layout of a
@@ -8,8 +8,8 @@ from the CP ranks with it); rank coordinates are checked against torch's own row
 import pytest
 import torch
 
+from fla_ac_isolation.harness.regression.mesh import ParallelMesh
 from fla_ac_isolation.harness.regression.spec import RegressionSpec
-from fla_ac_isolation.parallel import ParallelMesh
 
 
 @pytest.mark.parametrize(
@@ -69,24 +69,6 @@ def test_coordinates_refuse_a_rank_outside_the_world_naming_the_argument_and_the
     with pytest.raises(ValueError) as info:
         mesh.coordinates(rank)
     assert str(info.value) == f"rank must be an int in [0, 4) (the mesh's world), got {rank!r}"
-
-
-BUILD_DEPRECATED = r"^ParallelMesh.build is deprecated: build torchtitan's ParallelDims\(dp_replicate=1, dp_shard=mesh.dp"
-
-
-def test_build_needs_a_process_group_of_its_world():
-    no_group = r"the mesh \(1, 2, 1\) of \('pp', 'dp', 'cp'\) needs a default process group of 2 ranks, found no process group"
-    with pytest.raises(RuntimeError, match=no_group), pytest.warns(DeprecationWarning, match=BUILD_DEPRECATED):
-        ParallelMesh(ep=2).build("cpu")
-
-
-def test_build_gives_the_named_dimensions_and_the_gradient_group(gloo_world_of_one):
-    import torch.distributed as dist
-
-    with pytest.warns(DeprecationWarning, match=BUILD_DEPRECATED):
-        meshes = ParallelMesh().build("cpu")
-    assert list(meshes) == ["pp", "dp", "cp", "dp_cp"]
-    assert all(dist.get_world_size(mesh.get_group()) == 1 for mesh in meshes.values())
 
 
 def test_the_spec_takes_its_ranks_from_the_mesh():

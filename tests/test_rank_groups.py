@@ -10,7 +10,7 @@ of ``(pp, dp, cp)``: the gradient group is a stage's ``dp * cp`` ranks, the CP g
 import pytest
 import torch
 
-from fla_ac_isolation.parallel import ParallelMesh
+from fla_ac_isolation.harness.regression.mesh import ParallelMesh
 
 pytest.importorskip("torchtitan")
 
@@ -82,8 +82,9 @@ def test_the_groups_need_a_process_group_of_the_mesh_world(fake_world):
                                "found 4")
 
 
-def test_03s_meshes_attribute_warns_and_gives_0_3s_names_over_the_same_groups(fake_world):
-    """0.3's ``RankContext.meshes`` (one-dimensional meshes by 0.3's names) reads 0.4's ``dims``, with a warning."""
+def test_torchtitans_named_meshes_hold_the_grids_groups(fake_world):
+    """torchtitan's meshes ``pp``, ``batch``, ``cp`` and ``loss`` (0.3's ``RankContext.meshes`` names ``pp``, ``dp``,
+    ``cp``, ``dp_cp``: removed in 0.5) hold the ranks of the ``(pp, dp, cp)`` grid around rank 5."""
     import torch.distributed as dist
 
     from fla_ac_isolation.harness.regression.rank import RankContext
@@ -91,16 +92,12 @@ def test_03s_meshes_attribute_warns_and_gives_0_3s_names_over_the_same_groups(fa
     mesh = ParallelMesh(dp=2, cp=2, ep=4, pp=2)
     fake_world(5, mesh.world)
     ctx = RankContext.create(5, mesh, torch.device("cpu"))
-    with pytest.warns(DeprecationWarning) as caught:
-        meshes = ctx.meshes
-    assert [str(w.message) for w in caught] == [
-        "RankContext.meshes is deprecated since 0.4.0: use RankContext.dims.get_optional_mesh(name, "
-        "include_singleton_axes=True) with torchtitan's names ('pp', 'batch' for 0.3's 'dp', 'cp', 'loss' for "
-        "'dp_cp')"]
+    assert not hasattr(ctx, "meshes")
+    meshes = {name: ctx.dims.get_optional_mesh(name, include_singleton_axes=True) for name in ("pp", "batch", "cp",
+                                                                                                "loss")}
     ranks = {name: dist.get_process_group_ranks(m.get_group()) for name, m in meshes.items()}
     grid = torch.arange(mesh.world).reshape(mesh.shape)  # rank 5 is (pp 1, dp 0, cp 1)
-    assert ranks == {"pp": grid[:, 0, 1].tolist(), "dp": grid[1, :, 1].tolist(), "cp": grid[1, 0].tolist(),
-                     "dp_cp": grid[1].flatten().tolist()}
-    assert ranks["dp_cp"] == dist.get_process_group_ranks(ctx.group)
-    with pytest.warns(DeprecationWarning):
-        assert RankContext.create(0, ParallelMesh(), torch.device("cpu")).meshes is None
+    assert ranks == {"pp": grid[:, 0, 1].tolist(), "batch": grid[1, :, 1].tolist(), "cp": grid[1, 0].tolist(),
+                     "loss": grid[1].flatten().tolist()}
+    assert ranks["loss"] == dist.get_process_group_ranks(ctx.group)
+    assert RankContext.create(0, ParallelMesh(), torch.device("cpu")).dims is None

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_cp_context", "build_cp_context_in_layer", "is_cp_context", "with_offsets"]
+__all__ = ["build_cp_context", "build_cp_context_in_layer", "with_offsets"]
 
 
 def build_cp_context(
@@ -64,10 +64,3 @@ def build_cp_context_in_layer(
     from fla.ops.cp import build_cp_context as fla_build_cp_context
 
     return fla_build_cp_context(cu_seqlens, group, conv1d_kernel_size=conv_kernel_size, layout=layout)
-
-
-def is_cp_context(obj: Any) -> bool:
-    """Whether ``obj`` is FLA's ``FLACPContext`` (imports ``fla.ops.cp.context``)."""
-    from fla.ops.cp.context import FLACPContext
-
-    return isinstance(obj, FLACPContext)

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 
 import torch
 
-from fla_ac_isolation.fla_seam import features
-
 __all__ = [
     "CHUNK_SIZE",
     "chunk_indices_for",
@@ -79,6 +77,8 @@ def chunk_offsets_for(offsets: Sequence[int] | torch.Tensor, chunk_size: int = C
 def conv_takes_chunk_indices() -> bool:
     """Whether FLA's Triton conv uses :data:`CHUNK_SIZE`-token chunks (read from its signature): only then may it
     be handed a schedule from :func:`chunk_indices_for`, which it would otherwise misread silently."""
+    from fla_ac_isolation.fla_seam import features
+
     ops = features.module("conv_ops")
     name = features.conv_chunk_parameter()  # chunk_size (fla-core 0.6) or BT (0.5.2)
     sizes = {

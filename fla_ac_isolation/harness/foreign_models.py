@@ -1,5 +1,5 @@
 """Tiny models of other libraries' FLA-backed families (transformers, ``fla.models``), float32 on the CPU, each with
-one packed batch of 3 documents: what ``fla-ac-isolation check --config <name>`` builds. FLA models are built with
+one packed batch of 3 documents: what ``fla-ac-isolation check --model <name>`` builds. FLA models are built with
 ``fuse_cross_entropy=False`` (no CPU stand-in for FLA's fused loss); their labels are ``-100`` at each document's
 first token."""
 

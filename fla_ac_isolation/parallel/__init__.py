@@ -7,7 +7,6 @@ Collectives are ``torch.distributed``'s, CP kernels FLA's, pipelining ``torch.di
 
 from fla_ac_isolation.parallel.config import LAYOUTS, CPConfig
 from fla_ac_isolation.parallel.head_parallel import heads_to_sequence, sequence_to_heads
-from fla_ac_isolation.parallel.mesh import ParallelMesh
 from fla_ac_isolation.parallel.microbatch import PackedMicrobatches, split_packed_microbatches
 from fla_ac_isolation.parallel.pipeline import (
     SCHEDULES,
@@ -28,7 +27,6 @@ __all__ = [
     "CPSeqlens",
     "CPShard",
     "PackedMicrobatches",
-    "ParallelMesh",
     "PipelineSchedule",
     "StageRegionTags",
     "build_schedule",

@@ -79,15 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("exit codes: 0 every region aligned (under --ac full: or divergent with the gradients of no AC) "
                      "and nothing leaks; 1 a region diverged, the step failed under AC, or a mixer leaks; 2 bad input "
                      "or nothing judged; 3 FLA refuses this environment (its #640 guard)")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="the model to run: a built-in tiny model (a family: qwen3_5_moe, qwen3_8, "
-                                        "nemotron_h, kimi_linear; a transformers or FLA model_type: qwen3_next, "
-                                        "gated_deltanet; or a config class name: Qwen3NextConfig), or "
-                                        "your own, module:callable (from the working directory) or "
-                                        "path/to/file.py:callable returning (model, batch): the model (without AC, "
-                                        "or checkpointing itself) and one packed batch, a dict of model(**batch)'s "
-                                        "keywords")
-    source.add_argument("--config", help="deprecated spelling of --model NAME (a built-in tiny model)")
+    parser.add_argument("--model", required=True,
+                        help="the model to run: a built-in tiny model (a family: qwen3_5_moe, qwen3_8, "
+                             "nemotron_h, kimi_linear; a transformers or FLA model_type: qwen3_next, "
+                             "gated_deltanet; or a config class name: Qwen3NextConfig), or "
+                             "your own, module:callable (from the working directory) or "
+                             "path/to/file.py:callable returning (model, batch): the model (without AC, "
+                             "or checkpointing itself) and one packed batch, a dict of model(**batch)'s "
+                             "keywords")
     add_policy_arguments(parser, default)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=default["device"],
                         help="cpu: FLA's kernels served by fla_ac_isolation.harness.reference_kernels; cuda: FLA's own")
@@ -112,7 +111,7 @@ def spec_from_arguments(args: argparse.Namespace) -> CheckSpec:
     from fla_ac_isolation.harness.cli.console import given_policy
     from fla_ac_isolation.harness.foreign_models import tiny_names
 
-    model, config = args.model, args.config
+    model, config = args.model, None
     if model is not None and ":" not in model:
         names = tiny_names()
         if model not in names:
@@ -220,8 +219,6 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
-    if args.config is not None:
-        print(f"fla-ac-isolation check: --config is deprecated: use --model {args.config}", file=sys.stderr)
     try:
         spec = spec_from_arguments(args)
         notice = autotune_notice(resolve_device(spec.device), spec.first_config)

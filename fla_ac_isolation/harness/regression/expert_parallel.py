@@ -10,7 +10,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from fla_ac_isolation.parallel import ParallelMesh
+from fla_ac_isolation.harness.regression.mesh import ParallelMesh
 
 __all__ = [
     "MoEShape",
@@ -164,7 +164,7 @@ def apply_expert_parallel(moes: list[nn.Module], dims) -> None:
     """Shard every MoE in ``moes`` over ``dims.ep`` ranks with torchtitan's plan (``E / ep`` experts per rank).
 
     ``dims``: a built ``ParallelDims`` (:func:`expert_parallel_dims`) or a
-    :class:`~fla_ac_isolation.parallel.ParallelMesh`.
+    :class:`~fla_ac_isolation.harness.regression.mesh.ParallelMesh`.
 
     Raises:
         ValueError: the number of experts is not a multiple of ``dims.ep``.

@@ -18,6 +18,7 @@ import torch
 
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.harness.modes import modes_with_role
+from fla_ac_isolation.harness.regression.mesh import ParallelMesh
 from fla_ac_isolation.harness.regression.processes import death, environment_variables, free_port, mp_context, stop
 from fla_ac_isolation.harness.regression.rank import RankContext, setup_process
 from fla_ac_isolation.harness.regression.spec import (
@@ -28,7 +29,6 @@ from fla_ac_isolation.harness.regression.spec import (
     RegressionSpec,
 )
 from fla_ac_isolation.harness.regression.train import run_mode_on_rank
-from fla_ac_isolation.parallel import ParallelMesh
 
 __all__ = ["FAILURE_GRACE_S", "REFERENCES", "UNGUARDED_MAIN", "environment_variables", "free_port", "mode_mesh",
            "run_spawned"]

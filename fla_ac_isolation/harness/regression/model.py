@@ -1,5 +1,5 @@
 """Tiny decoders shaped like the real model families (built from their transformers configs with small sizes),
-with torchtitan's MoE, for the regression. A family's layout is its :attr:`~fla_ac_isolation.families.Family.tiny`
+with torchtitan's MoE, for the regression. A family's layout is its :data:`TINY_RECIPES` entry
 (:data:`LAYOUTS`); the decoder hands ONE ``seqlens`` object to every layer, and each mixer calls ``.local()``."""
 
 from __future__ import annotations
@@ -18,7 +18,36 @@ from fla_ac_isolation.local_seqlens import PackedSeqlens
 if TYPE_CHECKING:
     from fla_ac_isolation.families import Family
 
-__all__ = ["LAYOUTS", "AttentionLayout", "ModelSize", "PackedAttention", "TinyDecoder", "build_model", "tiny_config"]
+__all__ = ["LAYOUTS", "TINY_RECIPES", "AttentionLayout", "ModelSize", "PackedAttention", "TinyDecoder", "TinyRecipe",
+           "build_model", "tiny_config"]
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    """How the regression builds a family's tiny decoder (from the family's
+    :meth:`~fla_ac_isolation.families.Family.config_class`).
+
+    Attributes:
+        layout: ``"qwen"`` (three mixer blocks then a gated attention block, each with an MoE; ``layer_types``)
+            or ``"nemotron_h"`` (Mamba2 / MoE / attention / MoE blocks; ``layers_block_type``).
+        attention_type: the config's name of the attention layers.
+        config: further config fields the family sets, as ``(name, value)`` pairs.
+    """
+
+    layout: str
+    attention_type: str = "full_attention"
+    config: tuple[tuple[str, Any], ...] = ()
+
+
+TINY_RECIPES: dict[str, TinyRecipe] = {
+    "qwen3_5_moe": TinyRecipe("qwen"),
+    "qwen3_8": TinyRecipe("qwen", attention_type="indexed_attention", config=(("output_gate_type", "sigmoid"),)),
+    "nemotron_h": TinyRecipe("nemotron_h"),
+    # the "qwen" layout with KDA widths
+    "kimi_linear": TinyRecipe("qwen", config=(("linear_num_heads", 4), ("linear_head_dim", 16),
+                                             ("pad_token_id", None), ("bos_token_id", None), ("eos_token_id", None))),
+}
+"""Each family's tiny decoder recipe, by family name."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +163,7 @@ def _common_fields(size: ModelSize) -> dict[str, Any]:
 
 
 def _qwen_config(family: Family, size: ModelSize) -> Any:
-    tiny = family.tiny
+    tiny = TINY_RECIPES[family.name]
     types = [tiny.attention_type if t == "full_attention" else t for t in _qwen_layer_types(size.num_layers)]
     return family.config_class()(
         **_common_fields(size), **_mixer_fields(family.layer, size), num_hidden_layers=size.num_layers,
@@ -199,12 +228,13 @@ def _qwen_blocks(family: Family, config: Any, size: ModelSize, backend: str, ep_
 
 def _nemotron_h_config(family: Family, size: ModelSize) -> Any:
     pattern = ["mamba", "moe", "attention", "moe"]
-    types = {"mamba": "linear_attention", "moe": "moe", "attention": family.tiny.attention_type}
+    types = {"mamba": "linear_attention", "moe": "moe", "attention": TINY_RECIPES[family.name].attention_type}
     return family.config_class()(
         **_common_fields(size), **_mixer_fields(family.layer, size),
         layers_block_type=[types[pattern[i % 4]] for i in range(size.num_layers)],
         n_routed_experts=size.num_experts, num_experts_per_tok=size.top_k, moe_intermediate_size=size.hidden_size // 2,
-        moe_shared_expert_intermediate_size=size.hidden_size // 2, n_shared_experts=1, **dict(family.tiny.config),
+        moe_shared_expert_intermediate_size=size.hidden_size // 2, n_shared_experts=1,
+        **dict(TINY_RECIPES[family.name].config),
     )
 
 
@@ -217,7 +247,7 @@ def _nemotron_h_blocks(family: Family, config: Any, size: ModelSize, backend: st
         if kind == "linear_attention":
             blocks.append(DecoderBlock("mamba2", mamba2_cls(config, i), None,
                                        config.hidden_size, eps))
-        elif kind == family.tiny.attention_type:
+        elif kind == TINY_RECIPES[family.name].attention_type:
             attention = PackedAttention(
                 config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                 gated=False, qk_norm=False, rotary_dim=0, eps=eps,
@@ -248,7 +278,7 @@ LAYOUTS: dict[str, _Layout] = {
     "qwen": _Layout(_qwen_config, _qwen_blocks, "rms_norm_eps"),
     "nemotron_h": _Layout(_nemotron_h_config, _nemotron_h_blocks, "layer_norm_epsilon"),
 }
-"""The tiny decoders' layouts by :attr:`fla_ac_isolation.families.TinyRecipe.layout`."""
+"""The tiny decoders' layouts by :attr:`TinyRecipe.layout`."""
 
 
 def tiny_config(family: str, size: ModelSize = ModelSize()) -> Any:
@@ -258,7 +288,7 @@ def tiny_config(family: str, size: ModelSize = ModelSize()) -> Any:
         KeyError: unknown ``family``.
     """
     entry = FAMILIES[family]
-    return LAYOUTS[entry.tiny.layout].config(entry, size)
+    return LAYOUTS[TINY_RECIPES[entry.name].layout].config(entry, size)
 
 
 def build_model(
@@ -286,7 +316,7 @@ def build_model(
     if size.top_k > size.num_experts:
         raise ValueError(f"top_k ({size.top_k}) must not exceed num_experts ({size.num_experts})")
     entry = FAMILIES[family]
-    layout = LAYOUTS[entry.tiny.layout]
+    layout = LAYOUTS[TINY_RECIPES[entry.name].layout]
     config = layout.config(entry, size)
     blocks = layout.blocks(entry, config, size, backend, ep_enabled, mixer, mixer_config)
     model = TinyDecoder(family, config, blocks, size.vocab_size, getattr(config, layout.eps))

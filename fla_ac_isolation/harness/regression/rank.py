@@ -10,12 +10,11 @@ from typing import Any
 import torch
 
 from fla_ac_isolation.harness.regression.expert_parallel import expert_parallel_dims
+from fla_ac_isolation.harness.regression.mesh import ParallelMesh
 from fla_ac_isolation.harness.regression.spec import RegressionSpec
-from fla_ac_isolation.parallel import ParallelMesh
 
 __all__ = ["RankContext", "all_reduce", "setup_process"]
 
-_MESHES_0_3 = {"pp": "pp", "dp": "batch", "cp": "cp", "dp_cp": "loss"}  # 0.3's RankContext.meshes -> torchtitan's
 
 
 @dataclass
@@ -55,18 +54,6 @@ class RankContext:
     def cp_group(self) -> Any:
         """This rank's context-parallel group; ``None`` on one rank."""
         return self._group("cp")
-
-    @property
-    def meshes(self) -> dict[str, Any] | None:
-        """Deprecated since 0.4.0: meshes ``pp``, ``dp``, ``cp``, ``dp_cp`` of :attr:`dims`; ``None`` on one rank."""
-        import warnings
-
-        warnings.warn("RankContext.meshes is deprecated since 0.4.0: use RankContext.dims.get_optional_mesh(name, "
-                      "include_singleton_axes=True) with torchtitan's names ('pp', 'batch' for 0.3's 'dp', 'cp', "
-                      "'loss' for 'dp_cp')", DeprecationWarning, stacklevel=2)
-        if self.dims is None:
-            return None
-        return {old: self.dims.get_optional_mesh(new, include_singleton_axes=True) for old, new in _MESHES_0_3.items()}
 
     @property
     def pp_group(self) -> Any:

@@ -16,11 +16,12 @@ import torch
 from fla_ac_isolation.families import FAMILIES
 from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.harness.modes import ALL_MODES, CP_MODES, MODE_NAMES
+from fla_ac_isolation.harness.regression.mesh import ParallelMesh
 from fla_ac_isolation.harness.regression.results import ModeResult, RegressionResult
 from fla_ac_isolation.harness.spec_fields import check_checkpointing, check_counts, check_seed, policy_name
 from fla_ac_isolation.harness.user_code import callable_target
 from fla_ac_isolation.ops.backend import check_backend
-from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES, ParallelMesh, check_schedule
+from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES, check_schedule
 
 __all__ = [
     "CP1_REFERENCE",

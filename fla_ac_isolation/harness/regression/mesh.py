@@ -1,4 +1,4 @@
-"""The parallel layout of a run: :class:`ParallelMesh`, every parallel degree as one field, validated once.
+"""The parallel layout of a regression run: :class:`ParallelMesh`, every parallel degree as one field, validated once.
 
 The ranks form a ``(pp, dp, cp)`` grid as torchtitan 0.3's ``ParallelDims`` lays them out (no FSDP, no TP):
 rank ``r = (pp_index * dp + dp_index) * cp + cp_index``. Expert parallelism borrows the ``dp * cp`` ranks of a
@@ -14,7 +14,7 @@ from typing import Any
 __all__ = ["MESH_DIMS", "ParallelMesh"]
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp")
-"""The dimensions of the rank grid, outermost first (:meth:`ParallelMesh.build` adds the flattened ``dp_cp``)."""
+"""The dimensions of the rank grid, outermost first."""
 
 
 def _check_degree(name: str, value: Any) -> None:
@@ -81,27 +81,3 @@ class ParallelMesh:
         for name, size in reversed(tuple(zip(MESH_DIMS, self.shape))):
             rank, coords[name] = divmod(rank, size)
         return {name: coords[name] for name in MESH_DIMS}
-
-    def build(self, device_type: str) -> dict[str, Any]:
-        """Deprecated (use torchtitan's ``ParallelDims`` or ``init_device_mesh``): torch's ``DeviceMesh`` of this
-        layout as one-dimensional meshes by name (:data:`MESH_DIMS`, the flattened ``"dp_cp"``), ``device_type``
-        ``"cpu"`` or ``"cuda"``. Every rank must call it; ``RuntimeError`` unless the default group has world ranks."""
-        import warnings
-
-        warnings.warn(
-            "ParallelMesh.build is deprecated: build torchtitan's ParallelDims(dp_replicate=1, dp_shard=mesh.dp, "
-            "cp=mesh.cp, tp=1, pp=mesh.pp, ep=mesh.ep, world_size=mesh.world), as the regression does, or "
-            "torch.distributed.device_mesh.init_device_mesh(device_type, mesh.shape, mesh_dim_names=MESH_DIMS)",
-            DeprecationWarning, stacklevel=2,
-        )
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if not dist.is_initialized() or dist.get_world_size() != self.world:
-            found = dist.get_world_size() if dist.is_initialized() else "no process group"
-            raise RuntimeError(f"the mesh {self.shape} of {MESH_DIMS} needs a default process group of "
-                               f"{self.world} ranks, found {found}")
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-        meshes = {name: mesh[name] for name in MESH_DIMS}
-        meshes["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp")  # torch's way to a group over several dimensions
-        return meshes
