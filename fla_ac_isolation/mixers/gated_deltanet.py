@@ -15,8 +15,6 @@ parameters' gradients are this rank's part, to be summed over the CP group.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -25,17 +23,7 @@ from fla_ac_isolation.local_seqlens import LocalSeqlens, PackedSeqlens
 from fla_ac_isolation.mixers.base import DropIn, apply_padding_mask
 from fla_ac_isolation.ops.backend import resolve_backend
 
-__all__ = ["GatedDeltaNetPath", "varlen"]
-
-
-def varlen(local: LocalSeqlens | None, backend: str, hidden_states: torch.Tensor, **extra: Any) -> dict[str, Any]:
-    """Every op's keywords for one call: this call's offsets, the resolved backend, ``extra``."""
-    return {
-        "cu_seqlens": local.cu_seqlens if local is not None else None,
-        "cu_seqlens_cpu": local.cu_seqlens_cpu if local is not None else None,
-        "backend": resolve_backend(backend, hidden_states),
-        **extra,
-    }
+__all__ = ["GatedDeltaNetPath"]
 
 
 class GatedDeltaNetPath(DropIn):
@@ -71,19 +59,18 @@ class GatedDeltaNetPath(DropIn):
     def packed_forward(self, hidden_states: torch.Tensor, local: LocalSeqlens | None,
                        attention_mask: torch.Tensor | None, seqlens: PackedSeqlens | None) -> torch.Tensor:
         batch, tokens = hidden_states.shape[:2]
-        kw = varlen(local, self.backend, hidden_states, saveable=self.saveable)
-        chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
-        cp_context = local.cp_context if local is not None else None  # FLA's CP metadata (context parallelism)
-        if cp_context is not None:
+        # every op gets this call's fresh offsets (local: cu_seqlens, its chunk schedule, FLA's CP context)
+        kw = dict(seqlens=local, backend=resolve_backend(self.backend, hidden_states), saveable=self.saveable)
+        if local is not None and local.cp_context is not None:
             from fla_ac_isolation.parallel.gdn_cp import check_cp_conv
 
-            check_cp_conv(cp_context, self.backend, hidden_states, self.conv_kernel_size, self.saveable)
+            check_cp_conv(local.cp_context, self.backend, hidden_states, self.conv_kernel_size, self.saveable)
         hidden_states = apply_padding_mask(hidden_states, attention_mask)
 
         # 1. Projections; 2. short causal conv + SiLU, restarted at every document.
         mixed, b, a, z = self._project(hidden_states)
         mixed = ops.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation,
-                                  chunk_indices=chunk_indices, cp_context=cp_context, **kw)
+                                  **kw)
         query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(batch, tokens, self.num_k_heads, self.head_k_dim)      # [B, T, H, K]
         key = key.reshape(batch, tokens, self.num_k_heads, self.head_k_dim)          # [B, T, H, K]
@@ -96,8 +83,7 @@ class GatedDeltaNetPath(DropIn):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
         # 4. Gated delta rule (q, k L2-normalised inside; value heads share key heads in groups).
-        core = ops.chunk_gated_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=True,
-                                           chunk_indices=chunk_indices, cp_context=cp_context, **kw)
+        core = ops.chunk_gated_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=True, **kw)
 
         # 5. The class's gated RMSNorm and output projection.
         if z is None:  # OLMo-hybrid

@@ -19,7 +19,7 @@ import torch
 from fla_ac_isolation import ops
 from fla_ac_isolation.local_seqlens import LocalSeqlens, PackedSeqlens
 from fla_ac_isolation.mixers.base import DropIn, apply_padding_mask
-from fla_ac_isolation.mixers.gated_deltanet import varlen
+from fla_ac_isolation.ops.backend import resolve_backend
 
 __all__ = ["KimiDeltaAttentionPath"]
 
@@ -64,14 +64,14 @@ class KimiDeltaAttentionPath(DropIn):
             raise NotImplementedError(f"{type(self).__name__} has no context-parallel path: pass a "
                                       "LayerLocalSeqlens, not a CPSeqlens (whole sequences on every rank)")
         batch, tokens = hidden_states.shape[:2]
-        kw = varlen(local, self.backend, hidden_states)
+        kw = dict(seqlens=local, backend=resolve_backend(self.backend, hidden_states))  # this call's fresh offsets
         hidden_states = apply_padding_mask(hidden_states, attention_mask)
         heads = (batch, tokens, self.num_heads, self.head_dim)
 
         # 1-2. q, k, v through one short causal conv + SiLU, restarted at every document.
         qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
         qkv = ops.causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation=self.activation,
-                                chunk_indices=local.chunk_indices if local is not None else None, **kw)
+                                **kw)
         query, key, value = (x.reshape(heads) for x in qkv.split([self.qkv_dim] * 3, dim=-1))   # [B, T, H, K]
 
         # 3-4. The class's forget gate: log decay [B, T, H, K]; write strength beta in (0, 1) [B, T, H].

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from fla_ac_isolation import ops
 from fla_ac_isolation.local_seqlens import LocalSeqlens, PackedSeqlens
 from fla_ac_isolation.mixers.base import DropIn, apply_padding_mask
-from fla_ac_isolation.mixers.gated_deltanet import varlen
 from fla_ac_isolation.ops.backend import resolve_backend
 
 __all__ = ["FlaMamba2Path", "Mamba2Path", "NemotronHMamba2Path", "OlmoMamba2Path", "grouped_gated_rms_norm"]
@@ -77,9 +76,8 @@ class Mamba2Path(DropIn):
 
             return head_parallel_forward(self, hidden_states, seqlens, attention_mask=attention_mask)
         batch, tokens = hidden_states.shape[:2]
-        kw = varlen(local, self.backend, hidden_states, saveable=self.saveable)
-        chunk_indices = local.chunk_indices if local is not None else None  # FLA's chunk schedule, precomputed
-        chunk_offsets = local.chunk_offsets if local is not None else None  # its first row per document
+        # every op gets this call's fresh offsets (local: cu_seqlens, its chunk schedule and first rows)
+        kw = dict(seqlens=local, backend=resolve_backend(self.backend, hidden_states), saveable=self.saveable)
         dtype, groups_n = hidden_states.dtype, self.n_groups * self.ssm_state_size
 
         # 1. One projection, split into the output gate, the conv input (x, B, C) and the time step.
@@ -87,8 +85,7 @@ class Mamba2Path(DropIn):
         gate, xbc, dt = self.split_projection(self.in_proj(hidden_states))
 
         # 2. Short causal conv (with bias) + SiLU, restarted at every document.
-        xbc = ops.causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu",
-                                chunk_indices=chunk_indices, **kw)
+        xbc = ops.causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu", **kw)
         xbc = apply_padding_mask(xbc, attention_mask)
         x, B, C = xbc.split([self.intermediate_size, groups_n, groups_n], dim=-1)
 
@@ -99,8 +96,7 @@ class Mamba2Path(DropIn):
             -torch.exp(self.A_log.float()),                                 # [H]
             B.reshape(batch, tokens, self.n_groups, self.ssm_state_size),   # [B, T, G, N]
             C.reshape(batch, tokens, self.n_groups, self.ssm_state_size),   # [B, T, G, N]
-            D=self.D, dt_bias=self.dt_bias, dt_limit=self.dt_clamp(), chunk_indices=chunk_indices,
-            chunk_offsets=chunk_offsets, **kw,
+            D=self.D, dt_bias=self.dt_bias, dt_limit=self.dt_clamp(), **kw,
         )
 
         # 4. The class's gated RMSNorm, output projection.

@@ -1,7 +1,9 @@
 """Varlen operations behind the mixers, on two backends: ``fla`` (FLA's Triton kernels; CUDA or Triton's interpreter)
 and ``reference`` (pure torch); ``backend="auto"`` picks ``fla`` for CUDA tensors. Packed documents: ``cu_seqlens``
-(``[N + 1]`` int offsets, ``B == 1``), which both backends hand to FLA's identity-cached helpers: pass
-:meth:`~fla_ac_isolation.LayerLocalSeqlens.local`'s per-layer tensors (and its ``chunk_indices``/``chunk_offsets``).
+(``[N + 1]`` int offsets, ``B == 1``), which both backends hand to FLA's identity-cached helpers. A layer passes
+what :meth:`~fla_ac_isolation.LayerLocalSeqlens.local` returned as ``seqlens=`` (its fresh ``cu_seqlens``,
+``cu_seqlens_cpu``, ``chunk_indices``, ``chunk_offsets``, ``cp_context`` in one object); FLA's own keywords
+(``cu_seqlens=``, ...) are taken too, for code written against FLA's signatures, but not beside ``seqlens``.
 
 ``saveable=True`` runs each call as one custom operator (:data:`SAVEABLE_OPS`) that a SAC policy can save
 (:func:`fla_ac_isolation.policies.save_fla_ops`) and ``torch.compile`` traces whole; it makes a shared ``cu_seqlens``
@@ -19,6 +21,7 @@ from fla_ac_isolation.fla_seam import features
 from fla_ac_isolation.fla_seam.kda import MAX_KEY_DIM
 from fla_ac_isolation.fla_seam.layout import CHUNK_SIZE, conv_takes_chunk_indices
 from fla_ac_isolation.fla_seam.simple_gla import schedule, simple_gla
+from fla_ac_isolation.local_seqlens import LocalSeqlens
 from fla_ac_isolation.op_inputs import (
     check_conv,
     check_groups,
@@ -60,6 +63,7 @@ def causal_conv1d(
     bias: torch.Tensor | None = None,
     *,
     activation: str | None = "silu",
+    seqlens: LocalSeqlens | None = None,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
@@ -75,11 +79,17 @@ def causal_conv1d(
     part of their gradient (sum it over the CP group).
 
     Raises:
-        ValueError: unknown ``backend``; ``chunk_indices`` not ``[NT, 2]`` rows on the device of ``cu_seqlens``;
+        ValueError: unknown ``backend``; ``seqlens`` beside FLA's offsets keywords; ``chunk_indices`` not
+            ``[NT, 2]`` rows on the device of ``cu_seqlens``;
             ``backend='fla'`` with CPU tensors outside Triton's interpreter; the reference's own checks.
-        TypeError: ``chunk_indices`` is not an integer tensor; ``saveable`` is not a bool.
+        TypeError: ``seqlens`` is not a :class:`~fla_ac_isolation.LocalSeqlens`; ``chunk_indices`` is not an
+            integer tensor; ``saveable`` is not a bool.
         NotImplementedError: ``cp_context`` with the reference backend or ``saveable=True``.
     """
+    if seqlens is not None:
+        cu_seqlens, cu_seqlens_cpu, chunk_indices, cp_context = _unpack(
+            "causal_conv1d", seqlens, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+            cp_context=cp_context)
     _check_chunk_indices(chunk_indices, cu_seqlens)
     check_cp_backend(cp_context, backend, x, saveable)
     check_saveable(saveable)
@@ -112,6 +122,7 @@ def chunk_gated_delta_rule(
     *,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = True,
+    seqlens: LocalSeqlens | None = None,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
@@ -127,12 +138,18 @@ def chunk_gated_delta_rule(
     defaults to ``K ** -0.5``. With ``cp_context``, ``T`` is this rank's ``T / W`` tokens.
 
     Raises:
-        ValueError: unknown ``backend``; ``chunk_indices`` not ``[NT, 2]`` rows on the device of ``cu_seqlens``;
+        ValueError: unknown ``backend``; ``seqlens`` beside FLA's offsets keywords; ``chunk_indices`` not
+            ``[NT, 2]`` rows on the device of ``cu_seqlens``;
             ``backend='fla'`` with CPU tensors outside Triton's interpreter; the reference's own checks.
-        TypeError: ``chunk_indices`` is not an integer tensor; ``saveable`` is not a bool.
+        TypeError: ``seqlens`` is not a :class:`~fla_ac_isolation.LocalSeqlens`; ``chunk_indices`` is not an
+            integer tensor; ``saveable`` is not a bool.
         NotImplementedError: ``cp_context`` with the reference backend or ``saveable=True``.
         FlaFeatureError: ``chunk_indices`` inside a CUDA graph capture on an FLA without ``chunk_indices=``.
     """
+    if seqlens is not None:
+        cu_seqlens, cu_seqlens_cpu, chunk_indices, cp_context = _unpack(
+            "chunk_gated_delta_rule", seqlens, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            chunk_indices=chunk_indices, cp_context=cp_context)
     _check_chunk_indices(chunk_indices, cu_seqlens)
     check_cp_backend(cp_context, backend, q, saveable)
     check_saveable(saveable)
@@ -181,6 +198,7 @@ def ssd(
     D: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     dt_limit: tuple[float, float] = (0.0, math.inf),
+    seqlens: LocalSeqlens | None = None,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
@@ -196,12 +214,18 @@ def ssd(
     without a host sync when both ``chunk_indices [NT, 2]`` and ``chunk_offsets [N + 1]`` are given.
 
     Raises:
-        ValueError: unknown ``backend``; ``H`` not a multiple of the groups of ``B``/``C``; malformed
+        ValueError: unknown ``backend``; ``seqlens`` beside FLA's offsets keywords or under CP; ``H`` not a
+            multiple of the groups of ``B``/``C``; malformed
             ``chunk_indices``/``chunk_offsets`` (or the latter alone); ``backend='fla'`` with CPU tensors outside
             Triton's interpreter; the reference's own checks.
-        TypeError: ``saveable`` is not a bool; ``chunk_indices``/``chunk_offsets`` not integer tensors.
+        TypeError: ``seqlens`` is not a :class:`~fla_ac_isolation.LocalSeqlens`; ``saveable`` is not a bool;
+            ``chunk_indices``/``chunk_offsets`` not integer tensors.
         FlaFeatureError: ``backend='fla'`` on an FLA without the kernels the SSD needs (fla-core 0.5.2).
     """
+    if seqlens is not None:
+        cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_offsets = _unpack(
+            "ssd", seqlens, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+            chunk_offsets=chunk_offsets)
     _check_chunk_indices(chunk_indices, cu_seqlens)
     _check_chunk_offsets(chunk_offsets, chunk_indices, cu_seqlens)
     check_saveable(saveable)
@@ -239,6 +263,7 @@ def chunk_kda(
     *,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = True,
+    seqlens: LocalSeqlens | None = None,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     backend: Backend = "auto",
@@ -251,11 +276,14 @@ def chunk_kda(
     precomputed (``use_gate_in_kernel=False``). No ``chunk_indices``, ``saveable`` or ``cp_context``.
 
     Raises:
-        ValueError: unknown ``backend``; ``g``/``beta`` not ``[B, T, HV, K]``/``[B, T, HV]``; head counts
+        ValueError: unknown ``backend``; ``seqlens`` beside ``cu_seqlens``/``cu_seqlens_cpu``; ``g``/``beta`` not
+            ``[B, T, HV, K]``/``[B, T, HV]``; head counts
             that do not divide; ``B != 1`` with ``cu_seqlens``; ``K`` above FLA's limit
             (:data:`~fla_ac_isolation.fla_seam.kda.MAX_KEY_DIM`) on the ``fla`` backend; ``backend='fla'``
-            with CPU tensors outside Triton's interpreter.
+            with CPU tensors outside Triton's interpreter; ``seqlens`` under CP.
     """
+    if seqlens is not None:
+        cu_seqlens, cu_seqlens_cpu = _unpack("chunk_kda", seqlens, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     check_packed("q", q, cu_seqlens)
     check_heads(q, k, v)
     check_kda_gates(q, v, g, beta)
@@ -271,6 +299,27 @@ def chunk_kda(
     check_fla_device(q)
     out, _ = features.kda_entry_point()(q=q, k=k, v=v, g=g, beta=beta, chunk_size=CHUNK_SIZE, **kwargs)
     return out
+
+
+def _unpack(op: str, seqlens: object, **given: object) -> tuple:
+    """The fields of ``seqlens`` named by ``given`` (whose values must all be ``None``), in that order.
+
+    Raises:
+        TypeError: ``seqlens`` is not a :class:`~fla_ac_isolation.LocalSeqlens` (``.local()``'s result).
+        ValueError: a keyword of ``given`` set beside ``seqlens``; ``seqlens`` carries a ``cp_context`` ``op``
+            does not take.
+    """
+    if not isinstance(seqlens, LocalSeqlens):
+        hint = " (call .local() on it inside the layer)" if hasattr(seqlens, "local") else ""
+        raise TypeError(f"{op}: seqlens must be a fla_ac_isolation.LocalSeqlens, what .local() returns, got "
+                        f"{type(seqlens).__name__}{hint}")
+    both = [name for name, value in given.items() if value is not None]
+    if both:
+        raise ValueError(f"{op}: seqlens carries the offsets; got {', '.join(both)} beside it (give one or the other)")
+    if seqlens.cp_context is not None and "cp_context" not in given:
+        raise ValueError(f"{op} takes no context-parallel offsets: seqlens carries a cp_context (under CP pass the "
+                         "whole batch's offsets, .local(whole_batch=True), to a head-parallel call)")
+    return tuple(getattr(seqlens, name) for name in given)
 
 
 def _check_int_tensor(name: str, t: object) -> None:

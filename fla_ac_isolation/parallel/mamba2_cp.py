@@ -105,16 +105,14 @@ def head_parallel_forward(
     bias = mixer.conv1d.bias.index_select(0, conv_channels) if mixer.conv1d.bias is not None else None
     xbc_r = ops.causal_conv1d(
         xbc_r, mixer.conv1d.weight.squeeze(1).index_select(0, conv_channels), bias, activation="silu",
-        cu_seqlens=whole.cu_seqlens, cu_seqlens_cpu=whole.cu_seqlens_cpu, chunk_indices=whole.chunk_indices,
-        backend=backend, saveable=mixer.saveable,
+        seqlens=whole, backend=backend, saveable=mixer.saveable,
     )
     x, B, C = xbc_r.split([H_r * P, groups * N, groups * N], dim=-1)
     y = ops.ssd(
         x.reshape(1, tokens, H_r, P), dt_r, -torch.exp(mixer.A_log.float()).index_select(0, heads),
         B.reshape(1, tokens, groups, N), C.reshape(1, tokens, groups, N),
         D=mixer.D.index_select(0, heads), dt_bias=mixer.dt_bias.index_select(0, heads),
-        dt_limit=mixer.dt_clamp(), cu_seqlens=whole.cu_seqlens, cu_seqlens_cpu=whole.cu_seqlens_cpu,
-        chunk_indices=whole.chunk_indices, chunk_offsets=whole.chunk_offsets, backend=backend, saveable=mixer.saveable,
+        dt_limit=mixer.dt_clamp(), seqlens=whole, backend=backend, saveable=mixer.saveable,
     )                                                                                # [1, T, H_r, P]
 
     # 4. back to this rank's tokens, every head; gated norm and out_proj on the shard.
