@@ -71,6 +71,10 @@ def test_every_lookup_is_served_inside_and_restored_on_exit_even_after_an_error(
     with pytest.raises(KeyError, match="raised inside"), reference_kernels() as served:
         inside = _bindings()
         forward_inside = vars(hf_function).get("forward")
+        # only bindings of FLA's objects are replaced: no other library's wrapper (an empty closure cell once
+        # matched the recurrent entry points' lookup, which gave every torch wrapper an adapter)
+        foreign = [p for p in served.places if p.startswith(("closure of torch.", "torch."))]
+        assert foreign == []
         late = types.ModuleType("imported_inside_the_block")  # binds whatever FLA's package holds now
         late.chunk = inside["fla.ops.gated_delta_rule.chunk_gated_delta_rule"]
         sys.modules[late.__name__] = late
