@@ -140,6 +140,8 @@ def check_offsets(offsets: list[int], num_tokens: int | None) -> list[int]:
         raise ValueError(
             f"cu_seqlens[-1] must equal the packed token count num_tokens={num_tokens} (hidden_states.shape[1] "
             f"when packed), got {offsets[-1]}"
+            + (f"; a batch padded after its documents: count the padding as one more document (append "
+               f"{num_tokens} to cu_seqlens) and mask it out of the loss" if offsets[-1] < num_tokens else "")
         )
     return lens
 

@@ -71,6 +71,10 @@ def test_every_lookup_is_served_inside_and_restored_on_exit_even_after_an_error(
     with pytest.raises(KeyError, match="raised inside"), reference_kernels() as served:
         inside = _bindings()
         forward_inside = vars(hf_function).get("forward")
+        # only bindings of FLA's objects are replaced: no other library's wrapper (an empty closure cell once
+        # matched the recurrent entry points' lookup, which gave every torch wrapper an adapter)
+        foreign = [p for p in served.places if p.startswith(("closure of torch.", "torch."))]
+        assert foreign == []
         late = types.ModuleType("imported_inside_the_block")  # binds whatever FLA's package holds now
         late.chunk = inside["fla.ops.gated_delta_rule.chunk_gated_delta_rule"]
         sys.modules[late.__name__] = late
@@ -312,3 +316,29 @@ def test_without_serving_what_is_imported_inside_the_block_fla_runs_its_triton_k
             call(_gdn_inputs(), torch.tensor([0, 5, 12], dtype=torch.int32))
     assert str(info.value) == "0 active drivers ([]). There should only be one."
     assert served.calls == []
+
+
+def test_a_64_token_schedule_handed_with_another_chunk_size_is_refused_naming_both():
+    """A user's own code calling FLA's ops with ``chunk_size=32`` and ``LayerLocalSeqlens.local()``'s 64-token
+    ``chunk_indices``: FLA's kernels read the wrong rows (overflow, then NaN, under Triton's interpreter: a fresh
+    user's trial); the served stand-ins refuse it instead of computing right on a CPU. Without the schedule, or with
+    chunk_size=64, the call runs."""
+    from fla_ac_isolation import LayerLocalSeqlens
+
+    local = LayerLocalSeqlens.from_seq_lens([37, 50, 41]).local()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 128, 2, 16, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(1, 128, 2, generator=gen), torch.rand(1, 128, 2, generator=gen)
+    varlen = dict(cu_seqlens=local.cu_seqlens, cu_seqlens_cpu=local.cu_seqlens_cpu)
+    with reference_kernels():
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # served: imported inside the block
+
+        with pytest.raises(ValueError) as info:
+            chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=32, chunk_indices=local.chunk_indices, **varlen)
+        at_64, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, chunk_indices=local.chunk_indices, **varlen)
+        at_32, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=32, **varlen)
+    assert str(info.value) == (
+        "chunk_gated_delta_rule: chunk_indices has 3 rows but chunk_size=32 makes 6 chunks of these documents: the "
+        "schedule was built for another chunk size (LayerLocalSeqlens.local() builds FLA's 64-token one); pass "
+        "chunk_size=64, or no chunk_indices")
+    assert torch.equal(at_64, at_32)  # the reference computes by document, whatever the chunk size

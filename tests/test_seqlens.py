@@ -21,7 +21,7 @@ def cu(*values, dtype=torch.int32):
         pytest.param({"cu_seqlens": cu(0)}, ValueError, r"cu_seqlens must be 1-D with N \+ 1 >= 2", id="single-offset"),
         pytest.param({"cu_seqlens": cu(1, 3, 5)}, ValueError, r"cu_seqlens must start at 0, got 1", id="not-zero-start"),
         pytest.param({"cu_seqlens": cu(0, 5, 3, 9)}, ValueError, r"non-decreasing, but cu_seqlens\[2\]=3 < cu_seqlens\[1\]=5", id="decreasing"),
-        pytest.param({"cu_seqlens": cu(0, 3, 5), "num_tokens": 6}, ValueError, r"cu_seqlens\[-1\] must equal the packed token count num_tokens=6 \(hidden_states.shape\[1\] when packed\), got 5", id="token-count"),
+        pytest.param({"cu_seqlens": cu(0, 3, 5), "num_tokens": 6}, ValueError, r"cu_seqlens\[-1\] must equal the packed token count num_tokens=6 \(hidden_states.shape\[1\] when packed\), got 5; a batch padded after its documents: count the padding as one more document \(append 6 to cu_seqlens\) and mask it out of the loss$", id="token-count"),
         pytest.param({"cu_seqlens": cu(0, 3, 5), "device": "meta"}, ValueError, r"cu_seqlens must be on the activations' device meta", id="device"),
         pytest.param({"cu_seqlens": cu(0, 3, 5), "cu_seqlens_cpu": [0, 3, 5]}, TypeError, r"cu_seqlens_cpu must be a torch.Tensor", id="cpu-not-tensor"),
         pytest.param({"cu_seqlens": cu(0, 3, 5), "cu_seqlens_cpu": cu(0, 3, 5, dtype=torch.float64)}, TypeError, r"cu_seqlens_cpu must be int32 or int64", id="cpu-float"),

@@ -173,8 +173,8 @@ class FlaMamba2Path(Mamba2Path):
             return hidden_states, None, kwargs.get("past_key_values")
         return super().forward(hidden_states, *args, **kwargs)
 
-    def packed_only(self, bound: dict[str, Any]) -> bool:
-        return False
-
     def wrap_output(self, out: torch.Tensor, bound: dict[str, Any]) -> tuple[torch.Tensor, None, Any]:
         return out, None, bound.get("past_key_values")
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.rmsnorm else ", rmsnorm=False")

@@ -6,6 +6,7 @@ Recurrent states, ``cp_context`` and KDA's ``use_graph``/``return_intermediate_s
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,21 @@ __all__ = [
     "swiglu",
     "swiglu_linear",
 ]
+
+
+def _check_schedule(name: str, chunk_indices: Any, cu_seqlens: Any, cu_seqlens_cpu: Any, chunk_size: Any) -> None:
+    """A precomputed ``chunk_indices`` holds one row per ``chunk_size``-token chunk of each document: a schedule of
+    64-token chunks (``LayerLocalSeqlens.local()``'s) handed with another ``chunk_size`` makes FLA's kernels read the
+    wrong rows (overflow, NaN) where the stand-ins would not notice. Raises ``ValueError`` naming both."""
+    if chunk_indices is None or chunk_size is None or (cu_seqlens is None and cu_seqlens_cpu is None):
+        return
+    offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    rows = sum(-(-(b - a) // int(chunk_size)) for a, b in itertools.pairwise(offsets))
+    if rows != chunk_indices.shape[0]:
+        raise ValueError(
+            f"{name}: chunk_indices has {chunk_indices.shape[0]} rows but chunk_size={chunk_size} makes {rows} chunks "
+            f"of these documents: the schedule was built for another chunk size (LayerLocalSeqlens.local() builds "
+            f"FLA's 64-token one); pass chunk_size=64, or no chunk_indices")
 
 
 def _unsupported(name: str, **flags: Any) -> None:
@@ -94,6 +110,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     _unsupported("chunk_gated_delta_rule", initial_state=initial_state is not None,
                  output_final_state=output_final_state, cp_context=cp_context is not None)
     _record("chunk_gated_delta_rule", cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    _check_schedule("chunk_gated_delta_rule", chunk_indices, cu_seqlens, cu_seqlens_cpu, kwargs.get("chunk_size"))
     if kwargs.get("use_gate_in_kernel", False):
         g = naive_gdn_gate(g, kwargs["A_log"], kwargs.get("dt_bias"))
     if use_beta_sigmoid_in_kernel:
@@ -114,6 +131,7 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, 
     _unsupported("causal_conv1d", initial_state=initial_state is not None, output_final_state=output_final_state,
                  cp_context=cp_context is not None)
     _record("causal_conv1d", cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    _check_schedule("causal_conv1d", chunk_indices, cu_seqlens, cu_seqlens_cpu, kwargs.get("chunk_size"))
     y = reference.causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens,
                                 cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
     return (y if residual is None else y + residual), None

@@ -161,7 +161,7 @@ class _Patches:
                     self.undo.append(("cell", cell, None, _guarded(content)))
                     cell.cell_contents = transformers_kernels.served_in_wrapper(hit[1], value)
                     places.append(f"closure of {name}.{attr}")
-                elif _recurrent().get(id(content)) is content:
+                elif content is not None and _recurrent().get(id(content)) is content:
                     self.undo.append(("cell", cell, None, content))
                     cell.cell_contents = transformers_kernels.served_in_wrapper(None, value)
                     places.append(f"closure of {name}.{attr} (its torch implementation)")
