@@ -101,12 +101,22 @@ def test_a_conv_activation_fla_does_not_offer_is_refused():
 
 
 def test_context_parallel_seqlens_are_refused():
-    """No CP path: a CPSeqlens is refused before any computation."""
+    """No CP path: a CPSeqlens is refused before any computation; an FLA without CP (0.5.2) refuses to build one."""
+    from fla_ac_isolation.fla_seam.features import FlaFeatureError, supports
+    from fla_ac_isolation.fla_seam.versions import fla_version
     from fla_ac_isolation.parallel import CPConfig, CPSeqlens
 
     mixer = FAMILIES["kimi_linear"].build()
     cp = CPConfig(world_size=2, rank=0, conv_kernel_size=4)
     cu = torch.tensor([0, 8], dtype=torch.int32)
+    if not supports("cp"):  # FLA 0.5.2: the offsets cannot be built, so no mixer ever sees them
+        with pytest.raises(FlaFeatureError) as info:
+            CPSeqlens(cu, cu_seqlens_cpu=cu, cp=cp)
+        assert str(info.value).startswith(f"CPSeqlens(cp=CPConfig(layout='contiguous')) needs fla-core >= 0.6.0 "
+                                          f"(context parallelism")
+        assert str(info.value).endswith(f"installed: fla-core {fla_version()}. Install 'fla-core>=0.6.0,<0.7' "
+                                        f"(pip install -U fla-ac-isolation brings it)")
+        return
     seqlens = CPSeqlens(cu, cu_seqlens_cpu=cu, cp=cp)
     with pytest.raises(NotImplementedError) as info:
         mixer(torch.randn(1, 4, HIDDEN), seqlens)
