@@ -318,7 +318,8 @@ CONTRACT_ERRORS = [
     ("no_loss", "model(**batch) must return a scalar loss or an object with .loss (labels in the batch?), got Tensor"),
     ("wrong_keyword", NO_AC + "TypeError: Layered.forward() got an unexpected keyword argument 'cu_seq_lens'"),
     ("markup", NO_AC + "ValueError: [bold red]not markup[/] [link]"),  # foreign text, printed as it is
-    ("unpacked", "the batch carries no packed offsets (no 1-D integer tensor among model(**batch)'s keywords: x), "
+    ("unpacked", "the batch carries no packed offsets (no 1-D integer tensor or PackedSeqlens among model(**batch)'s "
+                 "keywords: x), "
                  "so nothing can be checked: give one packed batch with its offsets under the keyword the model "
                  f"reads: {KEYWORDS}"),
     ("fla_wrong_keyword", "no packed offsets reached FLA: the model's FLA-backed layers (GatedDeltaNet) called none "

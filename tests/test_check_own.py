@@ -305,6 +305,28 @@ def isolated():
     return _build(False)
 
 
+class LoaderModel(Model):  # the data loader builds the seqlens; the model hands it to its layers
+    def forward(self, hidden, seqlens):
+        for layer in self.layers:
+            hidden = layer(hidden, seqlens)
+        return hidden.pow(2).mean()
+
+
+def _from_loader(local_in_loader):
+    torch.manual_seed(0)
+    seqlens = LayerLocalSeqlens(torch.tensor([0, 30, 100]), num_tokens=100)
+    return LoaderModel(False), {"hidden": torch.randn(1, 100, D),
+                                "seqlens": seqlens.local() if local_in_loader else seqlens}
+
+
+def seqlens_in_batch():
+    return _from_loader(False)
+
+
+def local_in_batch():
+    return _from_loader(True)
+
+
 def local_once():
     return _build(True)
 '''
@@ -326,6 +348,19 @@ def test_a_model_of_your_own_calling_flas_op_with_local_inside_each_layer_is_rep
         "(observed in the step)"]
     assert lines[5:8] == ["as given: 2 of 2 checkpointed region(s) aligned", "  layers.0  aligned", "  layers.1  aligned"]
     assert "Fix:" not in lines and code == 0 and lines[-1] == "verdict: OK (exit 0)"
+
+
+def test_a_batch_carrying_the_loaders_layer_local_seqlens_is_checked_and_its_local_in_the_loader_is_divergent(
+        capsys, tmp_path):
+    """The batch may carry the seqlens itself (built by the data loader): checked as packed, not refused as a batch
+    without offsets. The unsafe path: the loader calls ``.local()`` and every layer gets that one call's offsets."""
+    model = _own_fla_model(tmp_path)
+    code, lines, _ = _check(capsys, "--model", f"{model}:seqlens_in_batch")
+    assert lines[5:8] == ["as given: 2 of 2 checkpointed region(s) aligned", "  layers.0  aligned", "  layers.1  aligned"]
+    assert code == 0 and lines[-1] == "verdict: OK (exit 0)"
+    code, lines, _ = _check(capsys, "--model", f"{model}:local_in_batch")
+    assert "as given: 1 of 2 checkpointed region(s) aligned, 1 DIVERGENT" in lines
+    assert code == 1 and lines[-1] == "verdict: DIVERGENT (exit 1)"
 
 
 def test_local_called_once_in_the_models_forward_is_named_in_the_fix(capsys, tmp_path):

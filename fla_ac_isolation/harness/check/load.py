@@ -10,11 +10,14 @@ from torch import nn
 from fla_ac_isolation.foreign_classes import FLA_BACKED_MIXERS
 from fla_ac_isolation.harness.check.spec import CheckInputError, CheckSpec, load_callable
 from fla_ac_isolation.harness.failures import first_line
+from fla_ac_isolation.local_seqlens import PackedSeqlens
 
 __all__ = ["load_model", "offsets_keywords"]
 
 
 def _holds_offsets(value: Any) -> bool:
+    if isinstance(value, PackedSeqlens):  # the batch's LayerLocalSeqlens, built by the data loader
+        return True
     if isinstance(value, torch.Tensor):
         integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
         return value.dim() == 1 and integer
@@ -35,7 +38,8 @@ def _require_offsets(batch: dict) -> None:
     if any(_holds_offsets(v) for v in batch.values()):
         return
     raise CheckInputError(
-        f"the batch carries no packed offsets (no 1-D integer tensor among model(**batch)'s keywords: "
+        f"the batch carries no packed offsets (no 1-D integer tensor or PackedSeqlens among model(**batch)'s "
+        f"keywords: "
         f"{', '.join(batch) or 'none'}), so nothing can be checked: give one packed batch with its offsets under "
         f"the keyword the model reads: {offsets_keywords()}"
     )
@@ -46,7 +50,8 @@ def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
 
     Raises:
         CheckInputError: the callable cannot be imported, raises, or returns something else than
-            ``(nn.Module, dict)``; the batch holds no packed offsets.
+            ``(nn.Module, dict)``; the batch holds no packed offsets (a 1-D integer tensor, a tuple holding
+            one, or a :class:`~fla_ac_isolation.PackedSeqlens`); a seqlens in it on another device type.
     """
     if spec.config is not None:
         from fla_ac_isolation.harness.foreign_models import build_tiny
@@ -65,6 +70,10 @@ def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
         model, batch = got
         _require_offsets(batch)
     device = torch.device(spec.device)
+    for key, value in batch.items():
+        if isinstance(value, PackedSeqlens) and value.device.type != device.type:
+            raise CheckInputError(f"batch[{key!r}] is a {type(value).__name__} on {value.device}, the check runs on "
+                                  f"{device}: build it from offsets on {device} (a seqlens is not moved)")
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     return model.to(device).train(), batch
 
