@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fla_ac_isolation.fla_seam.install import explain_import
+from fla_ac_isolation.fla_seam import install
 from fla_ac_isolation.fla_seam.versions import fla_version
 
 __all__ = [
@@ -175,7 +175,7 @@ def supports(key: str) -> bool:
         ImportError: FLA does not import (:func:`import_problem` says why when it knows).
     """
     feature = _feature(key)
-    explain_import()
+    install.explain_import()
     return bool(feature.probe())
 
 
@@ -203,7 +203,7 @@ def feature_report() -> dict[str, str]:
     """``{feature name: "yes" | "no (needs ...)"}`` per :data:`FEATURES`; ``{"FLA features": "unavailable (...)"}``
     when FLA does not import."""
     try:
-        explain_import()
+        install.explain_import()
         return {
             f"FLA feature: {f.name}": "yes" if supports(f.key) else
             f"no (needs fla-core >= {f.since}: {f.api}; installed {fla_version()})"

@@ -1,4 +1,4 @@
-"""flash-linear-attention's model zoo (``fla.models``, ``fla.layers``), for ``check --config`` and ``doctor``.
+"""flash-linear-attention's model zoo (``fla.models``, ``fla.layers``), for ``check --model <family>`` and ``doctor``.
 FLA is imported on first call (which registers its configs with transformers' Auto classes)."""
 
 from __future__ import annotations
