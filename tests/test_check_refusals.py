@@ -169,9 +169,9 @@ def test_a_batch_whose_only_1d_tensors_are_floats_has_no_packed_offsets_exit_2(c
 
     assert (code, out) == (2, "")
     assert err.splitlines()[0] == (
-        "fla-ac-isolation check: error: the batch carries no packed offsets (no 1-D integer tensor or "
-        "PackedSeqlens among model(**batch)'s keywords: x, cu_seqlens), so nothing can be checked: give one packed batch with its "
-        "offsets under the keyword the model reads: cu_seq_lens_q (transformers), attention_masks (torchtitan), "
+        "fla-ac-isolation check: error: the batch carries no packed offsets (no 1-D integer tensor, "
+        "PackedSeqlens or restarting position_ids among model(**batch)'s keywords: x, cu_seqlens), so nothing can "
+        "be checked: give one packed batch with its offsets under the keyword the model reads: cu_seq_lens_q (transformers), attention_masks (torchtitan), "
         "cu_doc_lens (OLMo-core), cu_seqlens (flash-linear-attention's models)")
 
 

@@ -34,7 +34,7 @@ CACHE_NAMES: tuple[str, ...] = ("cache", "cache_params", "past_key_values")
 
 
 class PackedCacheWarning(UserWarning):
-    """A packed batch came with a cache: the output is computed per document, the cache is left unwritten."""
+    """A packed batch came with a cache: the mixer computes per document and leaves the cache unwritten."""
 
 
 class DropIn(nn.Module):
@@ -124,9 +124,10 @@ class DropIn(nn.Module):
             upstream = {k: v for k, v in kwargs.items() if k not in ("seqlens", "cu_seqlens", "cu_seqlens_cpu")}
             return super().forward(hidden_states, *args, **upstream)
         if cache_name is not None:
-            warnings.warn(f"{where}: a packed batch came with a cache ({cache_name}); the output is computed per "
-                          "document and the cache is not written (pass use_cache=False when training on packed "
-                          "batches)", PackedCacheWarning, stacklevel=2)
+            warnings.warn(f"{where}: a packed batch came with a cache ({cache_name}); this mixer computes per "
+                          "document and does not write the cache, but the model's attention layers may mix the "
+                          "documents: pass use_cache=False when training on packed batches", PackedCacheWarning,
+                          stacklevel=2)
         local = seqlens.local() if seqlens is not None else None
         if local is None:
             check_unpacked(hidden_states)

@@ -33,13 +33,22 @@ def offsets_keywords() -> str:
     return ", ".join(f"{keyword} ({framework})" for framework, keyword in known.items())
 
 
+def _packed_positions(batch: dict) -> bool:
+    """Whether ``batch['position_ids']`` restarts inside its first row (a batch packed by positions alone)."""
+    positions = batch.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or positions.shape[-1] < 2:
+        return False
+    row = positions.reshape(-1, positions.shape[-1])[0]
+    return bool((row[1:] - row[:-1] != 1).any())
+
+
 def _require_offsets(batch: dict) -> None:
     """Refuse a batch without packed offsets: nothing can show in its step."""
-    if any(_holds_offsets(v) for v in batch.values()):
+    if any(_holds_offsets(v) for v in batch.values()) or _packed_positions(batch):
         return
     raise CheckInputError(
-        f"the batch carries no packed offsets (no 1-D integer tensor or PackedSeqlens among model(**batch)'s "
-        f"keywords: "
+        f"the batch carries no packed offsets (no 1-D integer tensor, PackedSeqlens or restarting "
+        f"position_ids among model(**batch)'s keywords: "
         f"{', '.join(batch) or 'none'}), so nothing can be checked: give one packed batch with its offsets under "
         f"the keyword the model reads: {offsets_keywords()}"
     )
@@ -51,7 +60,7 @@ def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
     Raises:
         CheckInputError: the callable cannot be imported, raises, or returns something else than
             ``(nn.Module, dict)``; the batch holds no packed offsets (a 1-D integer tensor, a tuple holding
-            one, or a :class:`~fla_ac_isolation.PackedSeqlens`); a seqlens in it on another device type.
+            one, a :class:`~fla_ac_isolation.PackedSeqlens`, or ``position_ids`` restarting in the first row); a seqlens in it on another device type.
     """
     if spec.config is not None:
         from fla_ac_isolation.harness.foreign_models import build_tiny
