@@ -186,7 +186,8 @@ def test_a_refused_input_fails_the_test_with_the_checks_error_and_a_wrong_kind_i
     with pytest.raises(pytest.fail.Exception) as info:
         assert_ac_safe(torch.nn.Linear(2, 2), {"input": torch.zeros(1, 2)})
     assert str(info.value).startswith("fla-ac-isolation check refused the model: the batch carries no packed "
-                                      "offsets (no 1-D integer tensor among model(**batch)'s keywords: input)")
+                                      "offsets (no 1-D integer tensor, PackedSeqlens or restarting position_ids "
+                                      "among model(**batch)'s keywords: input)")
     with pytest.raises(TypeError, match=r"^batch must be a dict of model\(\*\*batch\)'s keyword arguments when model "
                                         r"is an nn.Module, got NoneType$"):
         assert_ac_safe(torch.nn.Linear(2, 2))
