@@ -131,8 +131,6 @@ def checkpoint_layers(
             ModuleList).
         mode: ``"full"`` recomputes everything; ``"selective"`` saves what ``policy`` says.
         policy: SAC policy (required for ``"selective"``, forbidden for ``"full"``).
-        freq: checkpoint one layer in ``freq`` (1 = all).
-        early_stop: torch's ``early_stop``.
 
     Returns:
         The layer container (modified in place).
