@@ -28,7 +28,6 @@ __all__ = [
     "Mode",
     "SharedCPSeqlens",
     "SharedSeqlens",
-    "build_cp_context_in_layer",
     "get_mode",
     "modes_with_role",
 ]
@@ -101,21 +100,13 @@ class FieldCPSeqlens(SharedCPSeqlens):
         """FLA's CP context from the shared ``cu_seqlens``, built now."""
         if whole_batch:
             return self._shared_whole
+        from fla_ac_isolation.harness.fla_seam.cp_field import build_cp_context_in_layer
+
         cp = self.cp
         context = build_cp_context_in_layer(
             self._shared_whole.cu_seqlens, group=cp.group, layout=cp.layout, conv_kernel_size=cp.conv_kernel_size
         )
         return LocalSeqlens(context.cu_seqlens, context.cu_seqlens_cpu, self._shared_local.max_seqlen, None, context)
-
-
-def build_cp_context_in_layer(
-    cu_seqlens: torch.Tensor, *, group: Any, layout: str = "contiguous", conv_kernel_size: int | None = None
-) -> Any:
-    """FLA's cached ``build_cp_context``, called through: what models do per layer from one shared ``cu_seqlens``
-    (FLA's cache misses in the first layer, hits everywhere after, recompute included; the unsafe ``field`` mode)."""
-    from fla.ops.cp import build_cp_context as fla_build_cp_context
-
-    return fla_build_cp_context(cu_seqlens, group, conv1d_kernel_size=conv_kernel_size, layout=layout)
 
 
 @dataclass(frozen=True)
