@@ -112,8 +112,8 @@ def test_context_parallel_seqlens_are_refused():
     if not supports("cp"):  # FLA 0.5.2: the offsets cannot be built, so no mixer ever sees them
         with pytest.raises(FlaFeatureError) as info:
             CPSeqlens(cu, cu_seqlens_cpu=cu, cp=cp)
-        assert str(info.value).startswith(f"CPSeqlens(cp=CPConfig(layout='contiguous')) needs fla-core >= 0.6.0 "
-                                          f"(context parallelism")
+        assert str(info.value).startswith("CPSeqlens(cp=CPConfig(layout='contiguous')) needs fla-core >= 0.6.0 "
+                                          "(context parallelism")
         assert str(info.value).endswith(f"installed: fla-core {fla_version()}. Install 'fla-core>=0.6.0,<0.7' "
                                         f"(pip install -U fla-ac-isolation brings it)")
         return
