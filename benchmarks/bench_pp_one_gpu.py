@@ -9,7 +9,7 @@ file) and builds every stage of the decoder (:class:`fla_ac_isolation.harness.re
 * ``interleaved-1f1b`` (``ScheduleInterleaved1F1B``) and ``looped-bfs`` (``ScheduleLoopedBFS``, GPipe's order
   over a rank's local stages) with 2 or 4 local stages;
 * ``interleaved-zero-bubble`` (``ScheduleInterleavedZeroBubble``, 2 local stages): under full AC only, as torch's
-  selective AC allows one backward per region (:data:`fla_ac_isolation.parallel.ZERO_BUBBLE_SAC`);
+  selective AC allows one backward per region (:data:`fla_ac_isolation.harness.regression.schedule.ZERO_BUBBLE_SAC`);
 * ``gpipe`` (``ScheduleGPipe``) and ``1f1b`` (``Schedule1F1B``): torch's single-stage schedules take exactly one
   stage per rank, so in one process they run the whole decoder as ONE stage (microbatches in flight, no split);
   a two-stage GPipe or 1F1B needs two ranks.

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["Policy", "check_policy", "checkpoint_layers", "sac_context_fn"]
+__all__ = ["Policy", "check_policy", "checkpoint_layers", "find_layers", "sac_context_fn"]
 
 Policy = Callable[..., CheckpointPolicy]
 """A SAC policy: ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy``."""
@@ -94,7 +94,8 @@ class _without_autocast_cache:  # noqa: N801 - used like a function
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
-def _find_layers(layers_or_model: nn.Module) -> nn.Module:
+def find_layers(layers_or_model: nn.Module) -> nn.Module:
+    """The layer container :func:`checkpoint_layers` wraps; ``ValueError`` when there is none."""
     if isinstance(layers_or_model, _CONTAINERS):
         return layers_or_model
     for path in ("layers", "model.layers", "backbone.layers", "model.language_model.layers", "blocks"):
@@ -131,8 +132,6 @@ def checkpoint_layers(
             ModuleList).
         mode: ``"full"`` recomputes everything; ``"selective"`` saves what ``policy`` says.
         policy: SAC policy (required for ``"selective"``, forbidden for ``"full"``).
-        freq: checkpoint one layer in ``freq`` (1 = all).
-        early_stop: torch's ``early_stop``.
 
     Returns:
         The layer container (modified in place).
@@ -155,7 +154,7 @@ def checkpoint_layers(
         raise ValueError("mode='selective' needs a policy, e.g. policies.save_device_to_host_copies()")
     if mode == "full" and policy is not None:
         raise ValueError("mode='full' takes no policy; use mode='selective' to apply one")
-    layers = _find_layers(layers_or_model)
+    layers = find_layers(layers_or_model)
     keys = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else list(range(len(layers)))
     kwargs: dict[str, Any] = {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop}
     if mode == "selective":

@@ -76,12 +76,7 @@ class StaticSeqlens(PackedSeqlens):
         TypeError: ``num_tokens``/``max_docs`` not ints; ``dtype`` not int32/int64.
         ValueError: ``num_tokens`` or ``max_docs`` below 1; a count ``dtype`` cannot hold; an unusable ``device``.
 
-    Example::
-
-        static = StaticSeqlens(num_tokens=32768, max_docs=64, device="cuda")
-        for batch in loader:
-            static.fill(batch.cu_seqlens_cpu)    # writes the buffers in place
-            graph.replay()                       # a graph captured with model(x, seqlens=static)
+    Usage: ``docs/graphs.md``.
     """
 
     __slots__ = ("_lens", "chunk_indices", "chunk_offsets", "cu_seqlens", "cu_seqlens_cpu", "device", "dtype",

@@ -264,11 +264,7 @@ def isolate_seqlens(
             forward does not take. At call time: offsets-like keywords but none of the hook's arguments; invalid
             transformers offsets.
 
-    Example::
-
-        model = olmo_core_config.build(init_device="meta")
-        model.apply_activation_checkpointing(TransformerActivationCheckpointingMode.selected_ops)
-        handle = isolate_seqlens(model)   # handle.paths == ['blocks.0._checkpoint_wrapped_module.attention', ...]
+    Usage: ``docs/olmo-core.md``, ``docs/torchtitan.md``.
     """
     chosen, names = _check_arguments(model, modules, arg_names)
     plan = classify(model)  # every module classified once; warnings, targets and the handle read this plan

@@ -60,11 +60,7 @@ class LayerLocalSeqlens(PackedSeqlens):
             ``num_tokens``); ``cu_seqlens_cpu`` off the CPU or with other values; ``max_seqlen`` below the longest
             document.
 
-    Example::
-
-        seqlens = LayerLocalSeqlens(cu_seqlens, cu_seqlens_cpu=cu_seqlens_host)
-        for layer in model.layers:
-            hidden = layer(hidden, seqlens=seqlens)   # inside: local = seqlens.local()
+    Usage: ``docs/own-model.md``.
     """
 
     __slots__ = (

@@ -75,12 +75,7 @@ def swap_mixers(model: nn.Module, backend: str = "auto", *, saveable: bool = Fal
         NotImplementedError: ``saveable=True`` for a drop-in without saveable operators (KDA).
         ImportError: the drop-in's library cannot be imported (it was imported to build the model: not expected).
 
-    Example::
-
-        model = Qwen3_5MoeForCausalLM(config)
-        swap_mixers(model)              # ['model.layers.0.linear_attn', ...]
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-            "use_reentrant": False, "context_fn": sac_context_fn(save_all_copies())})
+    Usage: ``docs/swap.md``.
     """
     from fla_ac_isolation.mixers import DropIn, family_drop_in
 

@@ -22,10 +22,11 @@ import textwrap
 import pytest
 from helpers import run_without
 
-from fla_ac_isolation.fla_seam.versions import fla_version, is_hopper_gdn_refusal
+from fla_ac_isolation.fla_seam.versions import fla_version
 from fla_ac_isolation.harness.check import CheckResult, CheckSpec, CheckStep, RegionVerdict
 from fla_ac_isolation.harness.cli import main
 from fla_ac_isolation.harness.cli.check import render
+from fla_ac_isolation.harness.fla_seam.hopper_guard import is_hopper_gdn_refusal
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -5,7 +5,7 @@ Not run on the CPU machines (no CUDA). What it checks:
 * ``CPSeqlens(cu_cuda, cu_seqlens_cpu=host, cp=...)`` synchronises the host only where validation
   compares the device offsets with the host copy (``offsets.checked_host_copy``); building FLA's CP context adds none,
   and ``.local()`` none. The context's ``cu_seqlens`` lives on the GPU, its ``cu_seqlens_cpu`` on the host.
-* The field's in-layer build (``fla_seam.cp.build_cp_context_in_layer``, FLA's cached ``build_cp_context``
+* The field's in-layer build (``harness.fla_seam.cp_field.build_cp_context_in_layer``, FLA's cached ``build_cp_context``
   from the device offsets) copies them to the host in the first call only (``fla/ops/cp/context.py``): the
   device-to-host copy that torchtitan's policy saves and that misaligns the recompute on an H200.
 * A GDN mixer over a one-rank CP group (FLA's CP conv and gated delta rule, ``W = 1``) equals the same
@@ -81,7 +81,7 @@ def test_cp_metadata_syncs_only_in_validation_and_never_per_layer():
 
 def test_the_fields_in_layer_build_copies_the_offsets_to_the_host_once(one_rank_group):
     from fla_ac_isolation.fla_seam.cache import clear_tensor_cache
-    from fla_ac_isolation.fla_seam.cp import build_cp_context_in_layer
+    from fla_ac_isolation.harness.fla_seam.cp_field import build_cp_context_in_layer
     from fla_ac_isolation.harness.testing.gpu import host_sync_sites
 
     cu = _offsets().cuda()

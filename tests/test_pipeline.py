@@ -14,16 +14,9 @@ from torch.utils.checkpoint import checkpoint
 
 from fla_ac_isolation import LayerLocalSeqlens, ReplayAudit
 from fla_ac_isolation.harness.modes import SharedSeqlens
+from fla_ac_isolation.harness.regression.schedule import SCHEDULES, build_schedule, check_schedule, stage_indices
 from fla_ac_isolation.harness.regression.spec import PP1_REFERENCE, RegressionSpec
-from fla_ac_isolation.parallel import (
-    SCHEDULES,
-    StageRegionTags,
-    build_schedule,
-    check_schedule,
-    microbatch_seqlens,
-    split_packed_microbatches,
-    stage_indices,
-)
+from fla_ac_isolation.parallel import StageRegionTags, microbatch_seqlens, split_packed_microbatches
 
 LENS = (13, 0, 70, 7, 21, 5, 33, 9, 1, 17)  # 176 tokens, 9 non-empty documents
 OFFSETS = [0, *itertools.accumulate(LENS)]

@@ -1,4 +1,4 @@
-"""FLA's context parallelism (``fla.ops.cp``, the only module touching it): the per-rank ``FLACPContext``
+"""FLA's context parallelism (``fla.ops.cp``, the library's only module touching it): the per-rank ``FLACPContext``
 (``fla/ops/cp/context.py``), built once per batch without a sync and copied per layer with fresh offsets.
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_cp_context", "build_cp_context_in_layer", "with_offsets"]
+__all__ = ["build_cp_context", "with_offsets"]
 
 
 def build_cp_context(
@@ -55,12 +55,3 @@ def with_offsets(context: Any, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.T
     so invisible to dispatch modes)."""
     return dataclasses.replace(context, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
 
-
-def build_cp_context_in_layer(
-    cu_seqlens: torch.Tensor, *, group: Any, layout: str = "contiguous", conv_kernel_size: int | None = None
-) -> Any:
-    """FLA's cached ``build_cp_context``, called through: what models do per layer from one shared ``cu_seqlens``
-    (FLA's cache misses in the first layer, hits everywhere after, recompute included; the unsafe ``field`` mode)."""
-    from fla.ops.cp import build_cp_context as fla_build_cp_context
-
-    return fla_build_cp_context(cu_seqlens, group, conv1d_kernel_size=conv_kernel_size, layout=layout)

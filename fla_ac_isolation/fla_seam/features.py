@@ -21,7 +21,6 @@ __all__ = [
     "FlaFeature",
     "FlaFeatureError",
     "conv_chunk_parameter",
-    "feature_report",
     "gdn_entry_point",
     "kda_entry_point",
     "module",
@@ -198,16 +197,3 @@ def require(key: str, *, where: str) -> None:
         f"{fla_version()}. Install 'fla-core>={feature.since},<0.7' (pip install -U fla-ac-isolation brings it)"
     )
 
-
-def feature_report() -> dict[str, str]:
-    """``{feature name: "yes" | "no (needs ...)"}`` per :data:`FEATURES`; ``{"FLA features": "unavailable (...)"}``
-    when FLA does not import."""
-    try:
-        install.explain_import()
-        return {
-            f"FLA feature: {f.name}": "yes" if supports(f.key) else
-            f"no (needs fla-core >= {f.since}: {f.api}; installed {fla_version()})"
-            for f in FEATURES
-        }
-    except ImportError as e:
-        return {"FLA features": f"unavailable ({e})"}

@@ -13,6 +13,7 @@ import torch
 
 from fla_ac_isolation.fla_seam import cache
 from fla_ac_isolation.fla_seam import features as fla_features
+from fla_ac_isolation.fla_seam import install as fla_install
 from fla_ac_isolation.fla_seam import versions as fla_versions
 from fla_ac_isolation.foreign_classes import (
     FLA_BACKED_MIXERS,
@@ -34,6 +35,7 @@ __all__ = [
     "TorchFeature",
     "audit_self_probe",
     "environment_report",
+    "feature_report",
     "fla_backed_classes",
     "missing_torch_features",
     "resolve_device",
@@ -268,8 +270,22 @@ def environment_report() -> dict[str, str]:
         shown["FLA cached helpers"] = str(len(cache.cached_helpers()))
     except ImportError as e:  # fla missing or broken
         shown["FLA tensor cache"] = f"unavailable ({e})"
-    shown.update(fla_features.feature_report())  # what this FLA supports of the features that need fla-core 0.6
+    shown.update(feature_report())  # what this FLA supports of the features that need fla-core 0.6
     return shown
+
+
+def feature_report() -> dict[str, str]:
+    """``{feature name: "yes" | "no (needs ...)"}`` per :data:`~fla_ac_isolation.fla_seam.features.FEATURES`;
+    ``{"FLA features": "unavailable (...)"}`` when FLA does not import."""
+    try:
+        fla_install.explain_import()
+        return {
+            f"FLA feature: {f.name}": "yes" if fla_features.supports(f.key) else
+            f"no (needs fla-core >= {f.since}: {f.api}; installed {fla_versions.fla_version()})"
+            for f in fla_features.FEATURES
+        }
+    except ImportError as e:
+        return {"FLA features": f"unavailable ({e})"}
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ class FieldCPSeqlens(SharedCPSeqlens):
         """FLA's CP context from the shared ``cu_seqlens``, built now."""
         if whole_batch:
             return self._shared_whole
-        from fla_ac_isolation.fla_seam.cp import build_cp_context_in_layer
+        from fla_ac_isolation.harness.fla_seam.cp_field import build_cp_context_in_layer
 
         cp = self.cp
         context = build_cp_context_in_layer(

@@ -1,8 +1,6 @@
-"""Drop-in token mixers, correct on packed sequences and safe under AC: each is a subclass of the class it replaces
-(transformers', OLMo-core's, flash-linear-attention's) with one path of ours, the packed training forward
-(:mod:`~fla_ac_isolation.mixers.base`); everything else (construction, initialisation, parameters, cached
-decoding) is the replaced class's own. A drop-in is made when first asked for, from the installed library:
-``fla_ac_isolation.mixers.Qwen3_5MoeGatedDeltaNet`` imports transformers' class it subclasses.
+"""Drop-in token mixers, correct on packed sequences and safe under AC: subclasses of the classes they replace with
+one path of ours (:mod:`~fla_ac_isolation.mixers.base`). A drop-in is made when first asked for, from the installed
+library: ``fla_ac_isolation.mixers.Qwen3_5MoeGatedDeltaNet`` imports transformers' class it subclasses.
 
 Each takes the replaced class's arguments plus ``backend`` and ``saveable``, and the replaced forward's arguments
 plus packed offsets (:data:`~fla_ac_isolation.mixers.offsets_keywords.SOURCES`: ``seqlens``, ``cu_seqlens``,

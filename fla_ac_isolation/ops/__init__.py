@@ -9,6 +9,13 @@ what :meth:`~fla_ac_isolation.LayerLocalSeqlens.local` returned as ``seqlens=`` 
 (:func:`fla_ac_isolation.policies.save_fla_ops`) and ``torch.compile`` traces whole; it makes a shared ``cu_seqlens``
 safe for these operators only. ``cp_context`` (FLA's ``FLACPContext``) needs the ``fla`` backend and
 ``saveable=False``; the tensors are then this rank's shard and ``chunk_indices`` the rank-local schedule.
+
+Every op raises ``ValueError`` for an unknown ``backend``, ``seqlens`` beside FLA's offsets keywords,
+``backend='fla'`` with CPU tensors outside Triton's interpreter, and the reference's own checks; ``TypeError`` for a
+``seqlens`` that is not a :class:`~fla_ac_isolation.LocalSeqlens` or a ``saveable`` that is not a bool. The ops that
+take ``chunk_indices`` raise ``ValueError`` unless it is ``[NT, 2]`` rows on the device of ``cu_seqlens``
+(``TypeError`` unless an integer tensor); those that take ``cp_context``, ``NotImplementedError`` for it with the
+reference backend or ``saveable=True``.
 """
 
 from __future__ import annotations
@@ -76,15 +83,7 @@ def causal_conv1d(
     ``x [B, T, D]``, ``weight [D, W]``, ``bias [D]`` -> ``[B, T, D]`` (dtype of ``x``); details:
     :func:`fla_ac_isolation.ops.reference.causal_conv1d`. ``fla``: FLA's ``causal_conv1d(..., backend="triton")``.
     With ``cp_context``, ``x`` is this rank's ``[1, T / W, D]`` shard and ``weight``/``bias`` receive this rank's
-    part of their gradient (sum it over the CP group).
-
-    Raises:
-        ValueError: unknown ``backend``; ``seqlens`` beside FLA's offsets keywords; ``chunk_indices`` not
-            ``[NT, 2]`` rows on the device of ``cu_seqlens``;
-            ``backend='fla'`` with CPU tensors outside Triton's interpreter; the reference's own checks.
-        TypeError: ``seqlens`` is not a :class:`~fla_ac_isolation.LocalSeqlens`; ``chunk_indices`` is not an
-            integer tensor; ``saveable`` is not a bool.
-        NotImplementedError: ``cp_context`` with the reference backend or ``saveable=True``.
+    part of their gradient (sum it over the CP group). Errors: the module's.
     """
     if seqlens is not None:
         cu_seqlens, cu_seqlens_cpu, chunk_indices, cp_context = _unpack(
@@ -135,16 +134,8 @@ def chunk_gated_delta_rule(
     ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` -> ``[B, T, HV, V]``; details:
     :func:`fla_ac_isolation.ops.reference.chunk_gated_delta_rule`. ``fla``: FLA's ``chunk_gated_delta_rule``
     (``chunk_indices`` reaches it on fla-core 0.6; 0.5.2 builds the schedule from ``cu_seqlens``). ``scale``
-    defaults to ``K ** -0.5``. With ``cp_context``, ``T`` is this rank's ``T / W`` tokens.
-
-    Raises:
-        ValueError: unknown ``backend``; ``seqlens`` beside FLA's offsets keywords; ``chunk_indices`` not
-            ``[NT, 2]`` rows on the device of ``cu_seqlens``;
-            ``backend='fla'`` with CPU tensors outside Triton's interpreter; the reference's own checks.
-        TypeError: ``seqlens`` is not a :class:`~fla_ac_isolation.LocalSeqlens`; ``chunk_indices`` is not an
-            integer tensor; ``saveable`` is not a bool.
-        NotImplementedError: ``cp_context`` with the reference backend or ``saveable=True``.
-        FlaFeatureError: ``chunk_indices`` inside a CUDA graph capture on an FLA without ``chunk_indices=``.
+    defaults to ``K ** -0.5``. With ``cp_context``, ``T`` is this rank's ``T / W`` tokens. Errors: the module's;
+    ``FlaFeatureError`` for ``chunk_indices`` inside a CUDA graph capture on an FLA without ``chunk_indices=``.
     """
     if seqlens is not None:
         cu_seqlens, cu_seqlens_cpu, chunk_indices, cp_context = _unpack(
@@ -213,13 +204,9 @@ def ssd(
     numbers bit for bit (``q = C``, ``k = B``, ``v = dt * x``, ``g = dt * A``, ``scale = 1``, plus ``D * x``),
     without a host sync when both ``chunk_indices [NT, 2]`` and ``chunk_offsets [N + 1]`` are given.
 
-    Raises:
-        ValueError: unknown ``backend``; ``seqlens`` beside FLA's offsets keywords or under CP; ``H`` not a
-            multiple of the groups of ``B``/``C``; malformed
-            ``chunk_indices``/``chunk_offsets`` (or the latter alone); ``backend='fla'`` with CPU tensors outside
-            Triton's interpreter; the reference's own checks.
-        TypeError: ``seqlens`` is not a :class:`~fla_ac_isolation.LocalSeqlens`; ``saveable`` is not a bool;
-            ``chunk_indices``/``chunk_offsets`` not integer tensors.
+    Raises (besides the module's):
+        ValueError: ``seqlens`` under CP; ``H`` not a multiple of the groups of ``B``/``C``; malformed
+            ``chunk_offsets`` or one without ``chunk_indices`` (``TypeError``: not an integer tensor).
         FlaFeatureError: ``backend='fla'`` on an FLA without the kernels the SSD needs (fla-core 0.5.2).
     """
     if seqlens is not None:
@@ -275,12 +262,9 @@ def chunk_kda(
     :func:`fla_ac_isolation.ops.reference_kda.chunk_kda`. ``fla``: FLA 0.6's ``chunk_kda`` with the log decay
     precomputed (``use_gate_in_kernel=False``). No ``chunk_indices``, ``saveable`` or ``cp_context``.
 
-    Raises:
-        ValueError: unknown ``backend``; ``seqlens`` beside ``cu_seqlens``/``cu_seqlens_cpu``; ``g``/``beta`` not
-            ``[B, T, HV, K]``/``[B, T, HV]``; head counts
-            that do not divide; ``B != 1`` with ``cu_seqlens``; ``K`` above FLA's limit
-            (:data:`~fla_ac_isolation.fla_seam.kda.MAX_KEY_DIM`) on the ``fla`` backend; ``backend='fla'``
-            with CPU tensors outside Triton's interpreter; ``seqlens`` under CP.
+    Raises (besides the module's) ``ValueError``: ``g``/``beta`` not ``[B, T, HV, K]``/``[B, T, HV]``; head counts
+    that do not divide; ``B != 1`` with ``cu_seqlens``; ``K`` above FLA's limit
+    (:data:`~fla_ac_isolation.fla_seam.kda.MAX_KEY_DIM`) on the ``fla`` backend; ``seqlens`` under CP.
     """
     if seqlens is not None:
         cu_seqlens, cu_seqlens_cpu = _unpack("chunk_kda", seqlens, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)

@@ -1,6 +1,10 @@
 """Pure-torch varlen operations: the CPU backend of :mod:`fla_ac_isolation.ops` and the parity oracle of its FLA path.
 With ``cu_seqlens`` they ask FLA's identity-cached helpers for the schedule as FLA's kernels do (a shared ``cu_seqlens``
 misbehaves here as on a GPU). Float32 compute (float64 stays), deterministic, outputs in the input dtype.
+
+Every op takes ``cu_seqlens`` (optional ``[N + 1]`` int offsets, then ``B == 1``), ``cu_seqlens_cpu`` (its host
+copy, handed to FLA's helpers) and ``chunk_indices`` (the ``[NT, 2]`` chunk schedule, used instead of FLA's helper),
+and raises ``ValueError`` for ``B != 1`` with ``cu_seqlens`` or ``cu_seqlens`` not ending at ``T``.
 """
 
 from __future__ import annotations
@@ -53,16 +57,8 @@ def causal_conv1d(
             ``nn.Conv1d(D, D, W, groups=D).weight.squeeze(1)``).
         bias: optional ``[D]``.
         activation: ``"silu"``/``"swish"`` or ``None``.
-        cu_seqlens: optional ``[N + 1]`` int offsets of packed documents.
-        cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (handed to FLA's helper, as the kernel does).
-        chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens``, used instead of FLA's helper.
 
-    Returns:
-        ``[B, T, D]`` in the dtype of ``x``.
-
-    Raises:
-        ValueError: bad ``activation``; ``B != 1`` with ``cu_seqlens``; ``weight`` not ``[D, W]``;
-            ``cu_seqlens`` not ending at ``T``.
+    Returns ``[B, T, D]`` in the dtype of ``x``. Raises ``ValueError``: bad ``activation``; ``weight`` not ``[D, W]``.
     """
     check_conv(x, weight, activation, cu_seqlens)
     width = weight.shape[1]
@@ -143,16 +139,8 @@ def chunk_gated_delta_rule(
         beta: ``[B, T, HV]`` write strength in ``(0, 1)``.
         scale: query scale; ``K ** -0.5`` when ``None``.
         use_qk_l2norm_in_kernel: L2-normalise q and k (in float32) first, as FLA's flag of that name.
-        cu_seqlens: optional ``[N + 1]`` offsets (then ``B == 1``).
-        cu_seqlens_cpu: optional host copy of ``cu_seqlens``.
-        chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens``, used instead of FLA's helper.
 
-    Returns:
-        ``[B, T, HV, V]`` in the dtype of ``q``.
-
-    Raises:
-        ValueError: head counts that do not divide; ``B != 1`` with ``cu_seqlens``;
-            ``cu_seqlens`` not ending at ``T``.
+    Returns ``[B, T, HV, V]`` in the dtype of ``q``. Raises ``ValueError``: head counts that do not divide.
     """
     check_packed("q", q, cu_seqlens)
     check_heads(q, k, v)
@@ -233,18 +221,10 @@ def ssd(
         D: optional ``[H]`` skip weights.
         dt_bias: optional ``[H]``.
         dt_limit: ``(min, max)`` clamp of the discretised ``dt``.
-        cu_seqlens: optional ``[N + 1]`` offsets (then ``B == 1``).
-        cu_seqlens_cpu: optional host copy of ``cu_seqlens``.
-        chunk_indices: optional ``[NT, 2]`` chunk schedule of ``cu_seqlens`` and ``chunk_offsets`` its
-            ``[N + 1]`` first row per document, used instead of FLA's helpers.
+        chunk_offsets: the ``[N + 1]`` first schedule row per document, used with ``chunk_indices``.
         scan: called as :func:`ssd_scan` (the default); ``ops.ssd(..., saveable=True)`` passes its operator.
 
-    Returns:
-        ``[B, T, H, P]`` in the dtype of ``x``.
-
-    Raises:
-        ValueError: ``H`` not a multiple of ``G``; ``B != 1`` with ``cu_seqlens``;
-            ``cu_seqlens`` not ending at ``T``.
+    Returns ``[B, T, H, P]`` in the dtype of ``x``. Raises ``ValueError``: ``H`` not a multiple of ``G``.
     """
     check_packed("x", x, cu_seqlens)
     check_groups(x.shape[2], B, C)
@@ -271,17 +251,9 @@ def ssd_scan(
 ) -> torch.Tensor:
     """The scan of :func:`ssd`, the part FLA's simple GLA computes: no discretisation, no ``D`` skip.
 
-    Args:
-        x: ``[B, T, H, P]`` discretised inputs ``dt * x``, in the compute dtype (float32 or float64).
-        log_decay: ``[B, T, H]`` ``dt * A`` (``<= 0``), same dtype.
-        B: ``[B, T, G, N]`` input projections, same dtype; head ``h`` uses group ``h // (H // G)``.
-        C: ``[B, T, G, N]`` output projections, same dtype.
-        cu_seqlens: optional ``[N + 1]`` offsets (then ``B == 1``).
-        cu_seqlens_cpu: optional host copy of ``cu_seqlens``.
-        chunk_indices: optional ``[NT, 2]`` schedule, and ``chunk_offsets`` ``[N + 1]``, as in :func:`ssd`.
-
-    Returns:
-        ``y [B, T, H, P]`` with ``y_t = C_t . S_t``, ``S_t = exp(a_t) S_{t-1} + B_t (x) x_t``, in the dtype of ``x``.
+    ``x [B, T, H, P]`` (``dt * x``), ``log_decay [B, T, H]`` (``dt * A``, ``<= 0``), ``B, C [B, T, G, N]``, all in
+    the compute dtype (float32 or float64) -> ``y [B, T, H, P]``, ``y_t = C_t . S_t``,
+    ``S_t = exp(a_t) S_{t-1} + B_t (x) x_t``; the offsets as in :func:`ssd`.
     """
     heads, groups = x.shape[2], B.shape[2]
     xf = x.transpose(1, 2)                                                     # [B, H, T, P]

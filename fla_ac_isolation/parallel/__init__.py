@@ -8,29 +8,18 @@ Collectives are ``torch.distributed``'s, CP kernels FLA's, pipelining ``torch.di
 from fla_ac_isolation.parallel.config import LAYOUTS, CPConfig
 from fla_ac_isolation.parallel.head_parallel import heads_to_sequence, sequence_to_heads
 from fla_ac_isolation.parallel.microbatch import PackedMicrobatches, split_packed_microbatches
-from fla_ac_isolation.parallel.pipeline import (
-    SCHEDULES,
-    PipelineSchedule,
-    build_schedule,
-    check_schedule,
-    microbatch_seqlens,
-    stage_indices,
-)
+from fla_ac_isolation.parallel.pipeline import microbatch_seqlens
 from fla_ac_isolation.parallel.seqlens_cp import CPSeqlens
 from fla_ac_isolation.parallel.sharding import CPShard, cp_token_index, gather_unshard, shard_packed_batch, unshard
 from fla_ac_isolation.parallel.stage_tags import StageRegionTags
 
 __all__ = [
     "LAYOUTS",
-    "SCHEDULES",
     "CPConfig",
     "CPSeqlens",
     "CPShard",
     "PackedMicrobatches",
-    "PipelineSchedule",
     "StageRegionTags",
-    "build_schedule",
-    "check_schedule",
     "cp_token_index",
     "gather_unshard",
     "heads_to_sequence",
@@ -38,6 +27,5 @@ __all__ = [
     "sequence_to_heads",
     "shard_packed_batch",
     "split_packed_microbatches",
-    "stage_indices",
     "unshard",
 ]

@@ -41,11 +41,7 @@ class CPSeqlens(PackedSeqlens):
             does not split (:meth:`CPConfig.check_num_tokens`); as ``LayerLocalSeqlens``.
         FlaFeatureError: fla-core < 0.6 (no CP).
 
-    Example::
-
-        seqlens = CPSeqlens.from_seq_lens(global_lens, device, cp=CPConfig(group=cp_group, conv_kernel_size=4))
-        shard = shard_packed_batch({"input_ids": ids}, global_offsets, seqlens.cp)
-        logits = model(shard.tensors["input_ids"], seqlens=seqlens)   # each layer: seqlens.local()
+    Usage: ``docs/context-parallel.md``.
     """
 
     __slots__ = ("_chunk_indices", "_context", "_cp", "_local_max_seqlen", "_local_tokens", "_whole")

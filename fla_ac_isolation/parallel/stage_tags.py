@@ -1,11 +1,6 @@
 """Name the pipeline stage, microbatch and pass of every region :class:`~fla_ac_isolation.ReplayAudit` records
-(``stage 1 / mb 0: layers.2``), since a layer's region runs once per microbatch and in shape inference::
-
-    tags = StageRegionTags()
-    for stage in stages:
-        tags.attach(stage)
-    with ReplayAudit(region_tag=tags, on_divergence="record") as audit:
-        schedule.step(...)
+(``stage 1 / mb 0: layers.2``), since a layer's region runs once per microbatch and in shape inference (usage:
+``docs/pipeline-parallel.md#replayaudit-inside-pipeline-stages``).
 """
 
 from __future__ import annotations

@@ -117,10 +117,10 @@ def _require_judged(step: CheckStep, mixers: list[MixerFinding]) -> None:
 def _not_checkpointed(model: nn.Module, step: CheckStep) -> tuple[str, ...]:
     """The paths of the model's layers (its layer list, as ``checkpoint_layers`` finds it) that no region of the
     step is labelled with, nor holds (a region labelled by a module inside the layer)."""
-    from fla_ac_isolation.checkpointing import _find_layers
+    from fla_ac_isolation.checkpointing import find_layers
 
     try:
-        layers = _find_layers(model)
+        layers = find_layers(model)
     except ValueError:
         return ()
     path = next((p for p, m in model.named_modules() if m is layers), None)

@@ -25,8 +25,8 @@ class CheckInputError(ValueError):
 
 class CheckEnvironmentError(RuntimeError):
     """The environment cannot run the check: FLA refuses it (its #640 guard, recognised by
-    :func:`fla_ac_isolation.fla_seam.versions.is_hopper_gdn_refusal`); the message names what to install and
-    FLA's own error. Not the model's fault, nor AC's (the command exits with 3)."""
+    :func:`fla_ac_isolation.harness.fla_seam.hopper_guard.is_hopper_gdn_refusal`); the message names what to
+    install and FLA's own error. Not the model's fault, nor AC's (the command exits with 3)."""
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,8 @@ def dry_run(model: nn.Module, batch: dict, spec: CheckSpec) -> tuple[bool, dict[
 
 def _refuse_environment(err: Exception) -> None:
     """Raise :class:`CheckEnvironmentError` when ``err`` is FLA's #640 refusal (the seam recognises it)."""
-    from fla_ac_isolation.fla_seam.versions import HOPPER_GDN_REMEDY, fla_version, is_hopper_gdn_refusal
+    from fla_ac_isolation.fla_seam.versions import fla_version
+    from fla_ac_isolation.harness.fla_seam.hopper_guard import HOPPER_GDN_REMEDY, is_hopper_gdn_refusal
 
     if not is_hopper_gdn_refusal(err):
         return

@@ -23,8 +23,9 @@ from fla_ac_isolation.harness.cli.console import (
 )
 from fla_ac_isolation.harness.extras import require
 from fla_ac_isolation.harness.modes import ALL_MODES
+from fla_ac_isolation.harness.regression.schedule import SCHEDULES
 from fla_ac_isolation.ops import BACKENDS
-from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES
+from fla_ac_isolation.parallel import LAYOUTS
 
 __all__ = ["HELP", "add_arguments", "run", "spec_from_arguments"]
 

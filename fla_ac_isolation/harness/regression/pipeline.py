@@ -13,14 +13,8 @@ from torch import nn
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.harness.regression.attention import AttentionLayout
 from fla_ac_isolation.harness.regression.model import TinyDecoder
-from fla_ac_isolation.parallel import (
-    SCHEDULES,
-    PackedMicrobatches,
-    StageRegionTags,
-    build_schedule,
-    microbatch_seqlens,
-    stage_indices,
-)
+from fla_ac_isolation.harness.regression.schedule import SCHEDULES, build_schedule, stage_indices
+from fla_ac_isolation.parallel import PackedMicrobatches, StageRegionTags, microbatch_seqlens
 from fla_ac_isolation.seqlens import LayerLocalSeqlens
 
 __all__ = ["DecoderStage", "PipelineRun", "TokenLoss", "build_pipeline", "pipeline_step", "stage_layers"]
@@ -148,7 +142,7 @@ def build_pipeline(
 
     Args:
         model: the whole decoder (built on every PP rank from the same seed).
-        schedule: a key of :data:`~fla_ac_isolation.parallel.SCHEDULES`.
+        schedule: a key of :data:`~fla_ac_isolation.harness.regression.schedule.SCHEDULES`.
         pp_rank: this rank's place in the PP group.
         pp: the PP degree.
         microbatches: microbatches per step.

@@ -18,10 +18,11 @@ from fla_ac_isolation.harness.environment import resolve_device
 from fla_ac_isolation.harness.modes import ALL_MODES, CP_MODES, MODE_NAMES
 from fla_ac_isolation.harness.regression.mesh import ParallelMesh
 from fla_ac_isolation.harness.regression.results import ModeResult, RegressionResult
+from fla_ac_isolation.harness.regression.schedule import SCHEDULES, check_schedule
 from fla_ac_isolation.harness.spec_fields import check_checkpointing, check_counts, check_seed, policy_name
 from fla_ac_isolation.harness.user_code import callable_target
 from fla_ac_isolation.ops.backend import check_backend
-from fla_ac_isolation.parallel import LAYOUTS, SCHEDULES, check_schedule
+from fla_ac_isolation.parallel import LAYOUTS
 
 __all__ = [
     "CP1_REFERENCE",
@@ -72,7 +73,8 @@ class RegressionSpec:
             stages run by ``schedule`` over ``microbatches`` (documents whole), after a :data:`PP1_REFERENCE`
             run. Not combined with ``cp > 1``.
         microbatches: per step under PP; ``None``: ``2 * pp``. At most 8 (documents are not split).
-        schedule: a key of :data:`fla_ac_isolation.parallel.SCHEDULES`; the zero-bubble ones need ``ac="full"``.
+        schedule: a key of :data:`~fla_ac_isolation.harness.regression.schedule.SCHEDULES`; zero-bubble ones need
+            ``ac="full"``.
         steps: AdamW steps per mode; ``None``: 3, or 2 with ``cp > 1`` or ``pp > 1``.
         ac: ``"full"`` or ``"selective"`` checkpointing for the AC modes.
         policy: the SAC policy of ``ac="selective"``: a name (:data:`fla_ac_isolation.policies.POLICIES`), your

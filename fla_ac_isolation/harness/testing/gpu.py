@@ -37,7 +37,7 @@ def lift_hopper_gdn_guard() -> Iterator[bool]:
     """Set ``chunk_o.TRITON_ABOVE_3_7_1 = True`` in the block, saying so; yield whether the guard was active."""
     import fla.ops.common.chunk_o as chunk_o
 
-    from fla_ac_isolation.fla_seam.versions import hopper_gdn_guard_active
+    from fla_ac_isolation.harness.fla_seam.hopper_guard import hopper_gdn_guard_active
 
     guarded = hopper_gdn_guard_active()
     previous = getattr(chunk_o, "TRITON_ABOVE_3_7_1", None)
