@@ -60,7 +60,8 @@ def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
     Raises:
         CheckInputError: the callable cannot be imported, raises, or returns something else than
             ``(nn.Module, dict)``; the batch holds no packed offsets (a 1-D integer tensor, a tuple holding
-            one, a :class:`~fla_ac_isolation.PackedSeqlens`, or ``position_ids`` restarting in the first row); a seqlens in it on another device type.
+            one, a :class:`~fla_ac_isolation.PackedSeqlens`, or ``position_ids`` restarting in the first row);
+            a seqlens in it on another device type.
     """
     if spec.config is not None:
         from fla_ac_isolation.harness.foreign_models import build_tiny
