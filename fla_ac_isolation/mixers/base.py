@@ -152,8 +152,12 @@ class DropIn(nn.Module):
 
 
 def _bind(replaced: type, module: nn.Module, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> dict:
-    """The call's arguments by the replaced forward's parameter names (its ``**kwargs`` under ``"kwargs"``)."""
-    signature = _signature(replaced)
+    """The call's arguments by the replaced forward's parameter names (its ``**kwargs`` under ``"kwargs"``).
+
+    The ``Signature`` is built here from cached parameters: a cached one's ``parameters`` mapping proxy, read while
+    ``torch.compile(fullgraph=True)`` traces a forward whose caller popped a keyword, breaks the graph."""
+    params, var_kw = _parameters(replaced)
+    signature = inspect.Signature(params, __validate_parameters__=False)
     try:
         bound = signature.bind(module, hidden_states, *args, **kwargs)
     except TypeError as err:
@@ -161,22 +165,22 @@ def _bind(replaced: type, module: nn.Module, hidden_states: torch.Tensor, args: 
                         f"{replaced.__module__}.{replaced.__qualname__}.forward)") from None
     out = dict(bound.arguments)
     out.pop("self", None)
-    var_kw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-    out["kwargs"] = dict(out.pop(var_kw, {})) if var_kw else {}
+    out["kwargs"] = dict(out.pop(var_kw, {}))
     return out
 
 
-_SIGNATURES: dict[type, inspect.Signature] = {}
+_PARAMETERS: dict[type, tuple[tuple[inspect.Parameter, ...], str]] = {}
 
 
-def _signature(replaced: type) -> inspect.Signature:
-    if replaced not in _SIGNATURES:
-        signature = inspect.signature(replaced.forward)
-        params = list(signature.parameters.values())
+def _parameters(replaced: type) -> tuple[tuple[inspect.Parameter, ...], str]:
+    """The replaced forward's parameters (a ``**kwargs`` added where it has none) and its ``**`` parameter's name."""
+    if replaced not in _PARAMETERS:
+        params = list(inspect.signature(replaced.forward).parameters.values())
         if not any(p.kind is p.VAR_KEYWORD for p in params):  # our offsets keywords must bind somewhere
             params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
-        _SIGNATURES[replaced] = signature.replace(parameters=params)
-    return _SIGNATURES[replaced]
+        var_kw = next(p.name for p in params if p.kind is p.VAR_KEYWORD)
+        _PARAMETERS[replaced] = (tuple(params), var_kw)
+    return _PARAMETERS[replaced]
 
 
 def _named_sources(bound: dict) -> dict:
