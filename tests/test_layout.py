@@ -261,6 +261,29 @@ def test_the_core_imports_neither_parallel_nor_the_graphs_part():
     assert "fla_ac_isolation.fla_seam.layout" in reached, "the walk follows the core's real imports"
 
 
+CAPABILITIES = ("fla_ac_isolation.parallel", "fla_ac_isolation.graphs", "fla_ac_isolation.audit",
+                "fla_ac_isolation.mixers", "fla_ac_isolation.ops", "fla_ac_isolation.saveable_op",
+                "fla_ac_isolation.fla_seam.saveable_kernels", "fla_ac_isolation.fla_seam.kda", "fla_ac_isolation.swap")
+
+
+def test_importing_the_core_loads_no_capability():
+    """``LayerLocalSeqlens``, ``isolate_seqlens`` and the SAC policies load none of the optional parts (CP and PP,
+    CUDA graphs, the audit, the drop-ins and KDA, the ops and their saveable operators): those load on first use
+    (``save_fla_ops()`` imports the operators it saves). Run in a fresh interpreter, as a user's import is."""
+    script = ("import sys, json\nfrom fla_ac_isolation import LayerLocalSeqlens, isolate_seqlens\n"
+              "import fla_ac_isolation.policies\n"
+              "print(json.dumps(sorted(m for m in sys.modules if m.startswith('fla_ac_isolation'))))\n"
+              "fla_ac_isolation.policies.save_fla_ops()\n"
+              "print(json.dumps('fla_ac_isolation.ops' in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.splitlines()[-2:]
+    loaded = json.loads(first)
+    assert "fla_ac_isolation.isolate" in loaded and "fla_ac_isolation.seqlens" in loaded
+    assert [m for m in loaded if m.startswith(CAPABILITIES)] == []
+    assert json.loads(second) is True, "the control: the policy that saves the operators loads them"
+
+
 def test_the_harness_check_sees_every_kind_of_import(tmp_path):
     """The check above on a planted package: each kind of import into the harness is caught, none else."""
     pkg = tmp_path / "fla_ac_isolation"
