@@ -11,6 +11,7 @@ torchtitan's rows are proved in ``test_isolate_olmo_core.py``, ``test_isolate_to
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 import types
@@ -34,6 +35,7 @@ from fla_ac_isolation import isolate_seqlens, swap_mixers
 from fla_ac_isolation.foreign_classes import ForeignClass, LeakingMixer, UpstreamMixer, drop_in_name, fla_layer_mixer
 from fla_ac_isolation.harness.foreign_models import build_tiny
 from fla_ac_isolation.harness.reference_kernels import reference_kernels
+from fla_ac_isolation.harness.transformers_kernels import transformers_version
 from fla_ac_isolation.isolate import LeakingMixerWarning
 from fla_ac_isolation.policies import POLICIES
 
@@ -54,7 +56,8 @@ def served():
 
 
 # ------------------------------------------------------------------------------------ isolate_seqlens rows
-ISOLATED = [  # tiny model, mixer class, shipped under save-all-copies in fp32, in bf16, under torchtitan's (measured)
+LARA_MINI = importlib.util.find_spec("transformers.models.lara_mini") is not None  # transformers >= 5.24
+_ROWS = [  # tiny model, mixer class, shipped under save-all-copies in fp32, in bf16, under torchtitan's (measured)
     ("qwen3_5_text", "Qwen3_5GatedDeltaNet", LATENT, INT, LATENT),
     ("qwen3_5_moe_text", "Qwen3_5MoeGatedDeltaNet", HISTC, INT, MUTATED),
     ("qwen4_exp_text", "Qwen4ExpTextGatedDeltaNet", HISTC, INT, MUTATED),
@@ -63,6 +66,13 @@ ISOLATED = [  # tiny model, mixer class, shipped under save-all-copies in fp32, 
     ("lara_mini", "LaraMiniGatedDeltaNet", HISTC, INT, LATENT),
     ("gated_deltanet", "GatedDeltaNet", LATENT, INT, LATENT),  # flash-linear-attention's GatedDeltaNetForCausalLM
 ]
+ISOLATED = [row for row in _ROWS if row[0] != "lara_mini" or LARA_MINI]
+TRANSFORMERS_GDNS = [row[:2] for row in ISOLATED if row[0] != "gated_deltanet"]
+
+
+def test_lara_mini_ships_from_transformers_5_24_and_its_rows_run_only_there():
+    assert LARA_MINI is (transformers_version() >= (5, 24))
+    assert ("lara_mini" in {row[0] for row in ISOLATED}) is LARA_MINI and len(TRANSFORMERS_GDNS) == 5 + LARA_MINI
 # swap_mixers has a drop-in for their mixer (every transformers GDN from 0.5; 0.4 had none for the last three)
 SWAPPABLE = ("qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text", "qwen3_next", "olmo_hybrid", "lara_mini")
 
@@ -140,7 +150,7 @@ def test_flas_kda_model_diverges_shipped_and_isolate_seqlens_matches_no_ac_bit_f
     assert torch.equal(fixed.loss, no_ac.loss) and gradient_error(fixed, no_ac) == 0.0
 
 
-@pytest.mark.parametrize(("name", "mixer"), [row[:2] for row in ISOLATED[:6]], ids=[row[1] for row in ISOLATED[:6]])
+@pytest.mark.parametrize(("name", "mixer"), TRANSFORMERS_GDNS, ids=[row[1] for row in TRANSFORMERS_GDNS])
 def test_transformers_gdn_folders_leak_through_their_torch_conv_which_isolation_keeps_and_the_drop_in_ends(
         name, mixer):
     """Without the causal_conv1d package transformers runs its torch conv fallback, which is never told where
@@ -164,7 +174,7 @@ CONV_DROP_IN = {"qwen3_5_text": "Qwen3_5GatedDeltaNet", "qwen3_5_moe_text": "Qwe
                 "olmo_hybrid": "OlmoHybridGatedDeltaNet", "lara_mini": "LaraMiniGatedDeltaNet"}
 
 
-@pytest.mark.parametrize(("name", "mixer"), [row[:2] for row in ISOLATED[:6]], ids=[row[1] for row in ISOLATED[:6]])
+@pytest.mark.parametrize(("name", "mixer"), TRANSFORMERS_GDNS, ids=[row[1] for row in TRANSFORMERS_GDNS])
 def test_isolate_seqlens_hooks_a_transformers_gdn_and_warns_its_conv_leaks_unless_causal_conv1d_imports(
         name, mixer, monkeypatch):
     model, _, _ = build_tiny(name)
