@@ -11,6 +11,7 @@ from fla_ac_isolation.foreign_classes import FLA_BACKED_MIXERS
 from fla_ac_isolation.harness.check.spec import CheckInputError, CheckSpec, load_callable
 from fla_ac_isolation.harness.failures import first_line
 from fla_ac_isolation.local_seqlens import PackedSeqlens
+from fla_ac_isolation.packed_positions import packed_offsets_from_positions
 
 __all__ = ["load_model", "offsets_keywords"]
 
@@ -34,12 +35,11 @@ def offsets_keywords() -> str:
 
 
 def _packed_positions(batch: dict) -> bool:
-    """Whether ``batch['position_ids']`` restarts inside its first row (a batch packed by positions alone)."""
-    positions = batch.get("position_ids")
-    if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or positions.shape[-1] < 2:
-        return False
-    row = positions.reshape(-1, positions.shape[-1])[0]
-    return bool((row[1:] - row[:-1] != 1).any())
+    """Whether ``batch['position_ids']`` restart (a batch packed by positions alone), by the drop-ins' own rule."""
+    try:
+        return packed_offsets_from_positions(batch.get("position_ids")) is not None
+    except ValueError:  # restarts in a batch of several rows: packed; the model's forward refuses it, naming why
+        return True
 
 
 def _require_offsets(batch: dict) -> None:
@@ -60,7 +60,7 @@ def load_model(spec: CheckSpec) -> tuple[nn.Module, dict]:
     Raises:
         CheckInputError: the callable cannot be imported, raises, or returns something else than
             ``(nn.Module, dict)``; the batch holds no packed offsets (a 1-D integer tensor, a tuple holding
-            one, a :class:`~fla_ac_isolation.PackedSeqlens`, or ``position_ids`` restarting in the first row);
+            one, a :class:`~fla_ac_isolation.PackedSeqlens`, or restarting ``position_ids``);
             a seqlens in it on another device type.
     """
     if spec.config is not None:
