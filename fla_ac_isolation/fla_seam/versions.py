@@ -7,6 +7,7 @@ import re
 
 __all__ = ["fla_version", "tested_range"]
 
+
 def tested_range() -> str:
     """The fla-core range this package requires (read from its installed metadata), or ``"unknown (...)"``."""
     try:
